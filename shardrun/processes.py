@@ -1,0 +1,243 @@
+"""The process seam: start a command in its own process group with output to a log file, wait until it answers
+over HTTP (while checking it is still alive), and stop it (SIGTERM to the group, then SIGKILL stragglers).
+
+Every server shardrun starts (vLLM, `ng_run`, the collector) goes through here, so no process outlives its shard:
+`stop` also sweeps descendants that left the group (found through /proc on Linux).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
+
+from shardrun.errors import ServerFailure
+
+LOG_TAIL_LINES = 30
+
+
+@dataclass
+class Proc:
+    """A started command: its Popen, its process group and where its output goes."""
+
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def pgid(self) -> int:
+        return self.popen.pid  # started as a session leader: its pid is its group id
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return log_tail(self.log_path, lines)
+
+    def describe_exit(self) -> str:
+        rc = self.returncode
+        if rc is None:
+            return f"{self.name} (pid {self.pid}) is running"
+        how = f"killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        return f"{self.name} (pid {self.pid}) {how}; log {self.log_path}"
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a log file (reads at most 64 KiB)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            data = f.read()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def start(cmd: Sequence[str], log_path: Path, *, name: str | None = None, env: Mapping[str, str] | None = None,
+          cwd: Path | None = None) -> Proc:
+    """Start `cmd` in a new session (own process group), stdin closed, stdout+stderr appended to `log_path`.
+
+    SIGINT/SIGTERM dispositions are reset to default in the child (a non-interactive parent shell may have
+    ignored SIGINT, which children would inherit).
+    """
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    name = name or Path(cmd[0]).name
+    with open(log_path, "ab") as log:
+        log.write(f"[shardrun] {time.strftime('%Y-%m-%d %H:%M:%S')} start {name}: {_show(cmd)}\n".encode())
+        log.flush()
+        try:
+            popen = subprocess.Popen(
+                list(cmd), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
+                preexec_fn=_default_signals,
+            )
+        except OSError as e:
+            raise ServerFailure(f"cannot start {name} ({cmd[0]}): {e}") from None
+    return Proc(name=name, popen=popen, log_path=log_path)
+
+
+def _default_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def _show(cmd: Sequence[str]) -> str:
+    return " ".join(str(c) for c in cmd)
+
+
+# ---------------------------------------------------------------- readiness
+
+def http_get(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> tuple[int, bytes] | None:
+    """GET `url`: (status, body), or None when nothing answers (refused, reset, timeout)."""
+    req = urllib.request.Request(url, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read() if e.fp else b""
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def ok_status(status: int, _body: bytes) -> bool:
+    return 200 <= status < 300
+
+
+def wait_until(check: Callable[[], bool], *, watch: Sequence[Proc] = (), timeout: float, what: str,
+               interval: float = 0.5) -> float:
+    """Poll `check` until it returns True; seconds waited. ServerFailure if a watched process exits or on timeout."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while True:
+        for p in watch:
+            if not p.alive():
+                raise ServerFailure(f"{what}: {p.describe_exit()} before it was ready\n--- last lines of "
+                                    f"{p.log_path} ---\n{p.tail()}")
+        if check():
+            return time.monotonic() - t0
+        if time.monotonic() >= deadline:
+            logs = "".join(f"\n--- last lines of {p.log_path} ---\n{p.tail()}" for p in watch)
+            raise ServerFailure(f"{what}: not ready after {timeout:.0f} s{logs}")
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+def wait_http(url: str, *, watch: Sequence[Proc] = (), timeout: float, what: str | None = None,
+              accept: Callable[[int, bytes], bool] = ok_status, headers: Mapping[str, str] | None = None,
+              interval: float = 0.5) -> float:
+    """Wait until GET `url` gets a response that `accept(status, body)` likes; seconds waited."""
+
+    def check() -> bool:
+        got = http_get(url, timeout=min(5.0, max(0.5, interval * 4)), headers=headers)
+        return got is not None and accept(*got)
+
+    return wait_until(check, watch=watch, timeout=timeout, what=what or f"waiting for {url}", interval=interval)
+
+
+# ---------------------------------------------------------------- stopping
+
+def stop(proc: Proc, grace: float = 10.0, sig: int = signal.SIGTERM) -> int | None:
+    """SIGTERM the process group, wait up to `grace` s for the leader, then SIGKILL whatever is left of the group
+    and of the leader's descendants. Returns the leader's exit code. Safe to call twice."""
+    family = _family(proc.pgid, proc.pid)
+    _signal_group(proc.pgid, sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.popen.wait(timeout=grace)
+    family |= _family(proc.pgid, proc.pid)
+    _wait_gone(family, min(2.0, grace))
+    kill_tree(proc, extra=family)
+    return proc.popen.poll()
+
+
+def kill_tree(proc: Proc, extra: set[tuple[int, int]] | None = None) -> None:
+    """SIGKILL the process group and every known descendant at once (what a node failure looks like)."""
+    targets = _family(proc.pgid, proc.pid) | (extra or set())
+    _signal_group(proc.pgid, signal.SIGKILL)
+    for pid, starttime in targets:
+        if _start_time(pid) == starttime:  # still the same process, not a reused pid
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.popen.wait(timeout=5)
+    _wait_gone(targets, 5.0)
+
+
+@contextlib.contextmanager
+def running(cmd: Sequence[str], log_path: Path, *, grace: float = 10.0, **kwargs) -> Iterator[Proc]:
+    """`start` ... `stop`, whatever happens in between."""
+    proc = start(cmd, log_path, **kwargs)
+    try:
+        yield proc
+    finally:
+        stop(proc, grace=grace)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _wait_gone(family: set[tuple[int, int]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_start_time(pid) == st for pid, st in family) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- /proc (Linux); empty elsewhere
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name: [state, ppid, pgrp, ...]; None if gone or a zombie."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
+    return [f.decode() for f in fields]
+
+
+def _start_time(pid: int) -> int | None:
+    f = _stat(pid)
+    return int(f[19]) if f else None
+
+
+def _family(pgid: int, root: int) -> set[tuple[int, int]]:
+    """(pid, start time) of live processes in group `pgid` or descended from `root`."""
+    table: dict[int, list[str]] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                f = _stat(int(entry.name))
+                if f:
+                    table[int(entry.name)] = f
+    children: dict[int, list[int]] = {}
+    for pid, f in table.items():
+        children.setdefault(int(f[1]), []).append(pid)
+    found = {pid for pid, f in table.items() if int(f[2]) == pgid}
+    stack = [root, *found]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    found.discard(os.getpid())
+    return {(pid, int(table[pid][19])) for pid in found if pid in table}

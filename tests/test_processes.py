@@ -1,0 +1,117 @@
+"""The process seam against real child processes (shell commands and a small HTTP server)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardrun import processes
+from shardrun.errors import ServerFailure
+
+PY = sys.executable
+
+
+def _alive(pid: int) -> bool:
+    return processes._start_time(pid) is not None
+
+
+def test_start_writes_output_to_log_in_own_group(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "echo.log"
+    p = processes.start(["sh", "-c", "echo hello; echo oops >&2"], log)
+    assert p.popen.wait(10) == 0
+    assert os.getpgid(os.getpid()) != p.pgid
+    text = log.read_text()
+    assert "hello" in text and "oops" in text and "[shardrun]" in text
+    assert "exited with code 0" in p.describe_exit()
+
+
+def test_child_gets_default_sigint_even_if_parent_ignores_it(tmp_path: Path) -> None:
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        p = processes.start(["sleep", "30"], tmp_path / "s.log")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    try:
+        status = Path(f"/proc/{p.pid}/status").read_text()
+        ignored = int(next(l for l in status.splitlines() if l.startswith("SigIgn:")).split()[1], 16)
+        assert not ignored & (1 << (signal.SIGINT - 1))
+    finally:
+        processes.stop(p, grace=2)
+
+
+def test_start_missing_binary_is_server_failure(tmp_path: Path) -> None:
+    with pytest.raises(ServerFailure, match="cannot start"):
+        processes.start([str(tmp_path / "nope")], tmp_path / "x.log")
+
+
+def test_wait_http_ready_and_stop(tmp_path: Path) -> None:
+    port = 21000 + os.getpid() % 500
+    p = processes.start([PY, "-m", "http.server", str(port), "--bind", "127.0.0.1"], tmp_path / "http.log",
+                        cwd=tmp_path)
+    try:
+        waited = processes.wait_http(f"http://127.0.0.1:{port}/", watch=[p], timeout=20, what="http.server")
+        assert waited < 20
+        assert processes.http_get(f"http://127.0.0.1:{port}/")[0] == 200
+    finally:
+        rc = processes.stop(p, grace=5)
+    assert rc is not None and not _alive(p.pid)
+    assert processes.http_get(f"http://127.0.0.1:{port}/", timeout=1) is None
+
+
+def test_wait_http_reports_death_with_log_tail(tmp_path: Path) -> None:
+    p = processes.start(["sh", "-c", "echo fatal: no model; exit 7"], tmp_path / "d.log")
+    with pytest.raises(ServerFailure) as e:
+        processes.wait_http("http://127.0.0.1:9/", watch=[p], timeout=20, what="model server")
+    assert "exited with code 7" in str(e.value) and "fatal: no model" in str(e.value)
+
+
+def test_wait_http_times_out(tmp_path: Path) -> None:
+    p = processes.start(["sleep", "30"], tmp_path / "t.log")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ServerFailure, match="not ready after"):
+            processes.wait_http("http://127.0.0.1:9/", watch=[p], timeout=1.0, interval=0.2, what="x")
+        assert time.monotonic() - t0 < 5
+    finally:
+        processes.stop(p, grace=2)
+
+
+def test_stop_kills_sigterm_ignoring_stragglers_and_escaped_descendants(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pids"
+    script = f"""
+import os, signal, subprocess, sys, time
+a = subprocess.Popen([sys.executable, "-c", "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+b = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+open({str(pidfile)!r}, "w").write(f"{{a.pid}} {{b.pid}}")
+time.sleep(60)
+"""
+    p = processes.start([PY, "-c", script], tmp_path / "tree.log")
+    processes.wait_until(lambda: pidfile.exists() and len(pidfile.read_text().split()) == 2, watch=[p],
+                         timeout=20, what="tree")
+    a, b = map(int, pidfile.read_text().split())
+    assert os.getpgid(b) != p.pgid  # b left the group: only the descendant sweep finds it
+    t0 = time.monotonic()
+    processes.stop(p, grace=1)
+    assert time.monotonic() - t0 < 10
+    time.sleep(0.2)
+    assert not _alive(p.pid) and not _alive(a) and not _alive(b)
+
+
+def test_running_context_stops_on_error(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError):
+        with processes.running(["sleep", "30"], tmp_path / "r.log", grace=1) as p:
+            pid = p.pid
+            raise RuntimeError("boom")
+    assert not _alive(pid)
+
+
+def test_log_tail_limits_lines(tmp_path: Path) -> None:
+    f = tmp_path / "l.log"
+    f.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert processes.log_tail(f, 3).splitlines() == ["line 97", "line 98", "line 99"]
+    assert processes.log_tail(tmp_path / "missing") == ""

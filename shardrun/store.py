@@ -73,6 +73,37 @@ def merged_dir(run_dir: Path) -> Path:
     return Path(run_dir) / MERGED_DIR
 
 
+# merged outputs (Gym's names: <rollouts stem>_reward_profiling.jsonl, ..._agent_metrics.json, ...) and the report
+
+MERGED_ROLLOUTS_STEM = "rollouts"
+REPORT_FILE = "report.html"
+
+
+def merged_reward_profiling_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / f"{MERGED_ROLLOUTS_STEM}_reward_profiling.jsonl"
+
+
+def merged_agent_metrics_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / f"{MERGED_ROLLOUTS_STEM}_agent_metrics.json"
+
+
+def merged_aggregate_metrics_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / f"{MERGED_ROLLOUTS_STEM}_aggregate_metrics.json"
+
+
+def merged_failures_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / f"{MERGED_ROLLOUTS_STEM}_failures.jsonl"
+
+
+def report_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / REPORT_FILE
+
+
+def report_figure_path(run_dir: Path, name: str) -> Path:
+    """A report figure, beside report.html: merged/report_<name>.png."""
+    return merged_dir(run_dir) / f"report_{name}.png"
+
+
 def run_lock(run_dir: Path, timeout: float = -1) -> FileLock:
     """The run directory's lock (flock based: a killed holder releases it, so it is never stale)."""
     return FileLock(str(Path(run_dir) / LOCK_FILE), timeout=timeout)

@@ -60,6 +60,53 @@ def plan(
         typer.echo(f"run directory: {cfg.run_dir} ({state})")
 
 
+@app.command("select")
+def select_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory with a merged reward profile."),
+    output: Path = typer.Option(..., "--output", "-o", help="Where to write the chosen input rows (JSONL)."),
+    agent: Optional[list[str]] = typer.Option(None, "--agent", help="Keep tasks of this agent (repeatable)."),
+    min_mean: Optional[float] = typer.Option(None, "--min-mean", help="Keep tasks with mean metric >= this."),
+    max_mean: Optional[float] = typer.Option(None, "--max-mean", help="Keep tasks with mean metric <= this."),
+    min_std: Optional[float] = typer.Option(None, "--min-std", help="Keep tasks with std of the metric >= this."),
+    drop_unsolved: bool = typer.Option(False, "--drop-unsolved", help="Drop tasks no rollout solved."),
+    drop_solved: bool = typer.Option(False, "--drop-solved", help="Drop tasks every rollout solved."),
+    solved_threshold: float = typer.Option(1.0, "--solved-threshold", help="A rollout solves a task at this metric."),
+    top_k_hardest: Optional[int] = typer.Option(None, "--top-k-hardest", help="Then keep the N lowest-mean tasks."),
+    metric: str = typer.Option("reward", "--metric", help="Profile field the rules read (mean/<metric>, ...)."),
+    attach_stats: bool = typer.Option(False, "--attach-stats", help="Add the task's stats to each row."),
+    stats_key: Optional[str] = typer.Option(None, "--stats-key", help="Key for the stats (implies --attach-stats; "
+                                            "default shardrun_stats)."),
+    input_path: Optional[Path] = typer.Option(None, "--input", help="The planned input file, if it moved."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Write a curriculum subset of the original input rows, chosen by per-task reward statistics."""
+    import orjson
+
+    from shardrun import select, summary
+
+    rules = select.Rules(metric=metric, agents=tuple(agent or ()), min_mean=min_mean, max_mean=max_mean,
+                         min_std=min_std, drop_unsolved=drop_unsolved, drop_solved=drop_solved,
+                         solved_threshold=solved_threshold, top_k_hardest=top_k_hardest)
+    key = stats_key or ("shardrun_stats" if attach_stats else None)
+    result = run(select.select_run, run_dir, output, rules, key, input_path)
+    typer.echo(orjson.dumps(select.summary_json(result), option=orjson.OPT_INDENT_2).decode() if json_out
+               else summary.table(select.summary_rows(result)))
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="Run directory with a merged reward profile."),
+    embed: bool = typer.Option(False, "--embed", help="Also inline the PNGs in the HTML (one file to share)."),
+    sacct: bool = typer.Option(True, "--sacct/--no-sacct", help="On Slurm runs, add sacct GPU-hours."),
+) -> None:
+    """Write merged/report.html and its figures (PNG) for a merged run."""
+    from shardrun import report as report_mod
+    from shardrun import summary
+
+    result = run(report_mod.build_report, run_dir, embed, sacct)
+    typer.echo(summary.table(report_mod.summary_rows(result)))
+
+
 def main() -> None:
     app()
 

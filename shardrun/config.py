@@ -120,6 +120,14 @@ class ClusterConfig(StrictModel):
     array_parallelism: int = Field(64, ge=1, description="Max shards running at once (array throttle / local cap).")
     max_array_size: int | None = Field(None, ge=2, description="Override the cluster's MaxArraySize.")
     max_attempts: int = Field(3, ge=1, description="Attempts per shard before resume gives up on it.")
+    max_requeues: int = Field(10, ge=0, description="Times a shard job is requeued after reaching its time limit "
+                              "(submitit checkpoint); preemptions do not count.")
+    signal_delay_s: int = Field(120, ge=1, description="Seconds before the time limit at which the shard is asked "
+                                "to stop and requeue (USR2); capped at half the time limit.")
+    merge_partition: str | None = Field(None, description="Partition of the CPU merge job (default: partition).")
+    merge_time_limit: str = Field("01:00:00", description="Time limit of the merge job.")
+    merge_cpus_per_task: int = Field(4, ge=1, description="CPUs of the merge job.")
+    merge_mem_gb: float = Field(16, gt=0, description="Memory of the merge job.")
     additional_parameters: dict[str, Any] = Field(default_factory=dict, description="Extra sbatch parameters.")
 
     @field_validator("env_vars")

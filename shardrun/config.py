@@ -231,7 +231,7 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
         else:
             rest.append(o)
     cluster_overrides = [o for o in rest if re.match(r"^\+{0,2}cluster\.", o)]
-    rest = [o for o in rest if o not in cluster_overrides]
+    rest = [_promote_known(o) for o in rest if o not in cluster_overrides]
 
     GlobalHydra.instance().clear()
     try:
@@ -261,6 +261,27 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
     except Exception as e:
         raise BadInput(f"{path}: cannot resolve config: {e}") from None
     return _parse_scalars(data)
+
+
+def _promote_known(override: str) -> str:
+    """`key=value` on a schema key the YAML leaves out (it has a default) works as Hydra's `++key=value`."""
+    key, sep, _ = override.partition("=")
+    if not sep or key.startswith(("+", "~")) or not _known_path(key.split(".")):
+        return override
+    return "++" + override
+
+
+def _known_path(parts: list[str]) -> bool:
+    model: type[BaseModel] = RunConfig
+    for part in parts:
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        sub = _model_in(field.annotation)
+        if sub is None:
+            return True  # inside a free-form value (dict, list, scalar)
+        model = sub
+    return True
 
 
 def _parse_scalars(data: Any) -> Any:

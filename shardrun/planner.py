@@ -424,25 +424,43 @@ def _set_rollout(row: dict[str, Any], rollout: int, seed: int) -> None:
     metadata["extra_body"] = json.dumps(extra_body)
 
 
+def _template_copy(row: dict[str, Any]) -> dict[str, Any]:
+    """Copy exactly the parts `_set_rollout` mutates (row, its params, their metadata), keeping key order."""
+    out = dict(row)
+    rcp = dict(row[RCP_KEY])
+    if isinstance(rcp.get("metadata"), dict):
+        rcp["metadata"] = dict(rcp["metadata"])
+    out[RCP_KEY] = rcp
+    return out
+
+
+_R_TOK, _S_TOK = str(_SENT_ROLLOUT).encode(), str(_SENT_SEED).encode()
+_INTS = [str(i).encode() for i in range(4096)]
+
+
+def _int_bytes(i: int) -> bytes:
+    return _INTS[i] if i < len(_INTS) else str(i).encode()
+
+
 def expand(row: dict[str, Any], repeats: int, seed_offset: int) -> list[bytes]:
     """The task's k materialized rows as JSON lines, byte-identical to Gym's (orjson, same key order)."""
-    template = copy.deepcopy(row)
+    template = _template_copy(row)
     _set_rollout(template, _SENT_ROLLOUT, _SENT_SEED)
     raw = orjson.dumps(template)
-    r_tok, s_tok = str(_SENT_ROLLOUT).encode(), str(_SENT_SEED).encode()
-    if raw.count(r_tok) == 1 and raw.count(s_tok) == 1:
-        first_is_r = raw.index(r_tok) < raw.index(s_tok)
-        a, b = (r_tok, s_tok) if first_is_r else (s_tok, r_tok)
-        head, rest = raw.split(a)
-        mid, tail = rest.split(b)
-        out = []
-        for r in range(repeats):
-            rv, sv = str(r).encode(), str(seed_offset + r).encode()
-            x, y = (rv, sv) if first_is_r else (sv, rv)
-            out.append(b"".join((head, x, mid, y, tail, b"\n")))
-        return out
+    if raw.count(_R_TOK) != 1 or raw.count(_S_TOK) != 1:
+        return _expand_slowly(row, repeats, seed_offset)  # the sentinels collided with row content
+    r_first = raw.index(_R_TOK) < raw.index(_S_TOK)
+    head, rest = raw.split(_R_TOK if r_first else _S_TOK)
+    mid, tail = rest.split(_S_TOK if r_first else _R_TOK)
+    tail += b"\n"
+    if r_first:
+        return [head + _int_bytes(r) + mid + _int_bytes(seed_offset + r) + tail for r in range(repeats)]
+    return [head + _int_bytes(seed_offset + r) + mid + _int_bytes(r) + tail for r in range(repeats)]
+
+
+def _expand_slowly(row: dict[str, Any], repeats: int, seed_offset: int) -> list[bytes]:
     out = []
-    for r in range(repeats):  # the sentinels collided with row content: do it the slow, obvious way
+    for r in range(repeats):
         one = copy.deepcopy(row)
         _set_rollout(one, r, seed_offset + r)
         out.append(orjson.dumps(one) + b"\n")
@@ -451,22 +469,38 @@ def expand(row: dict[str, Any], repeats: int, seed_offset: int) -> list[bytes]:
 
 def materialize(plan: Plan, cfg: RunConfig, lines: Iterable[tuple[int, bytes]], source: str,
                 only: set[int] | None = None) -> Iterator[tuple[int, bytes]]:
-    """Yield (shard index, materialized row line) for every planned rollout, in input order.
+    """Yield (shard index, materialized lines) chunks covering every planned rollout, in input order.
 
-    `only` restricts the output to some shards (to bound open files when writing many round-robin shards).
+    Consecutive rollouts of one task that go to one shard come as one chunk. `only` restricts the output to some
+    shards (to bound open files when writing many round-robin shards).
     """
     route = Router(plan.shards)
     rcp_overrides = dict(cfg.gym.responses_create_params) if cfg.gym else {}
     ordinal = 0
     for task, row in iter_tasks(lines, cfg, source):
-        targets = [route(o) for o in range(ordinal, ordinal + task.repeats)]
+        runs = _runs(plan, route, ordinal, task.repeats)
         ordinal += task.repeats
-        if only is not None and not any(t in only for t in targets):
+        if only is not None and not any(s in only for s, _, _ in runs):
             continue
         stamp(row, task, cfg.agent_name, rcp_overrides)
-        for shard_index, line in zip(targets, expand(row, task.repeats, cfg.seed_offset)):
+        rows = expand(row, task.repeats, cfg.seed_offset)
+        for shard_index, a, b in runs:
             if only is None or shard_index in only:
-                yield shard_index, line
+                yield shard_index, b"".join(rows[a:b])
     if ordinal != plan.num_rollouts:
         raise BadInput(f"{source}: input changed while planning ({ordinal} rollouts now, {plan.num_rollouts} "
                        f"planned); plan again")
+
+
+def _runs(plan: Plan, route: Router, first: int, k: int) -> list[tuple[int, int, int]]:
+    """Split a task's rollouts [first, first + k) into (shard, from, to) runs of consecutive rollouts."""
+    if route.stride:
+        return [(route(first + r), r, r + 1) for r in range(k)]
+    runs = []
+    r = 0
+    while r < k:
+        s = route(first + r)
+        end = min(k, plan.shards[s].stop - first)
+        runs.append((s, r, end))
+        r = end
+    return runs

@@ -120,12 +120,12 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path) -> Iterator[IO[bytes]]:
+def atomic_writer(path: Path, buffering: int = -1) -> Iterator[IO[bytes]]:
     """Write `path` atomically: temp file in the same directory, fsync, rename, fsync the directory."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb", buffering=buffering) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -324,19 +324,14 @@ def _write_shards(plan: Plan, cfg: RunConfig) -> None:
 
 def _write_shard_group(plan: Plan, cfg: RunConfig, group: list[int]) -> None:
     with contextlib.ExitStack() as stack:
-        writers = {i: stack.enter_context(atomic_writer(materialized_path(cfg.run_dir, i))) for i in group}
-        buffers: dict[int, list[bytes]] = {i: [] for i in group}
+        buffering = max(1 << 14, (64 << 20) // len(group))  # at most ~64 MiB buffered over all open shards
+        writers = {i: stack.enter_context(atomic_writer(materialized_path(cfg.run_dir, i), buffering))
+                   for i in group}
         hasher = hashlib.sha256()
         lines = read_lines(cfg.input_jsonl, hasher)
         only = set(group) if len(group) < len(plan.shards) else None
-        for shard_index, line in planner.materialize(plan, cfg, lines, str(cfg.input_jsonl), only):
-            buf = buffers[shard_index]
-            buf.append(line)
-            if len(buf) >= 4096:
-                writers[shard_index].write(b"".join(buf))
-                buf.clear()
-        for i, buf in buffers.items():
-            writers[i].write(b"".join(buf))
+        for shard_index, chunk in planner.materialize(plan, cfg, lines, str(cfg.input_jsonl), only):
+            writers[shard_index].write(chunk)
         if hasher.hexdigest() != plan.input.sha256:
             raise BadInput(f"{cfg.input_jsonl}: the input changed while it was being planned; plan again")
 

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import IO, Iterable, Iterator
@@ -102,6 +103,32 @@ def report_path(run_dir: Path) -> Path:
 def report_figure_path(run_dir: Path, name: str) -> Path:
     """A report figure, beside report.html: merged/report_<name>.png."""
     return merged_dir(run_dir) / f"report_{name}.png"
+
+
+# launches: what was submitted for which shard (written by launch, read by status / resume / cancel)
+
+JOBS_DIR = "jobs"
+LAUNCHES_FILE = "launches.jsonl"
+SHARD_FAILURE = ".failed"
+
+
+def jobs_dir(run_dir: Path) -> Path:
+    """submitit's folder: job scripts, pickles and the job logs (RUN_DIR/jobs/)."""
+    return Path(run_dir) / JOBS_DIR
+
+
+def job_log_path(run_dir: Path, job_id: str) -> Path:
+    """The log of one submitted job or array task, named as submitit names it: <job id>_<task 0>_log.out."""
+    return jobs_dir(run_dir) / f"{job_id}_0_log.out"
+
+
+def launches_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LAUNCHES_FILE
+
+
+def shard_failure_path(run_dir: Path, index: int) -> Path:
+    """The last attempt's error, written by the shard job when it raises (removed when a later attempt seals)."""
+    return shard_dir(run_dir, index) / SHARD_FAILURE
 
 
 def run_lock(run_dir: Path, timeout: float = -1) -> FileLock:
@@ -339,3 +366,39 @@ def _write_shard_group(plan: Plan, cfg: RunConfig, group: list[int]) -> None:
 def iter_jsonl_objects(path: Path) -> Iterable[dict]:
     for raw in complete_lines(path):
         yield orjson.loads(raw)
+
+
+# ---------------------------------------------------------------- launch records and counting
+
+def append_launch(run_dir: Path, record: dict) -> None:
+    """Append one launch record (one JSON line, fsynced). Callers hold run_lock; readers skip a torn tail."""
+    path = launches_path(run_dir)
+    repair_torn_tail(path)
+    with open(path, "ab") as f:
+        f.write(orjson.dumps(record) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_launches(run_dir: Path) -> list[dict]:
+    """Every launch record, oldest first."""
+    return [orjson.loads(raw) for raw in complete_lines(launches_path(run_dir))]
+
+
+_BLANK_LINE = re.compile(rb"(?<=\n)\n")
+
+
+def count_complete_lines(path: Path) -> int:
+    """Complete (newline-terminated) non-empty lines (a torn last line is not counted), in 1 MiB blocks."""
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        return 0
+    n = 0
+    prev = b"\n"  # a file that starts with a newline has a blank first line
+    with f:
+        while block := f.read(1 << 20):
+            blank = len(_BLANK_LINE.findall(block)) if b"\n\n" in block else 0
+            n += block.count(b"\n") - blank - (prev == b"\n" and block[:1] == b"\n")
+            prev = block[-1:]
+    return n

@@ -73,6 +73,15 @@ class VllmConfig(StrictModel):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the vLLM process.")
     port: int | None = Field(None, ge=1, le=65535, description="Port; default derived from the shard index.")
     ready_timeout_s: float = Field(900.0, gt=0)
+    host: str = Field("127.0.0.1", description="Address the server binds (0.0.0.0 to serve other nodes too).")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_key_on_command_line(cls, v: list[str]) -> list[str]:
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in v):
+            raise ValueError("secrets are not allowed in config files or on the logged command line; set "
+                             "policy.api_key_env to the NAME of the environment variable holding the key")
+        return v
 
 
 class PolicyConfig(StrictModel):

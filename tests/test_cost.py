@@ -1,0 +1,116 @@
+"""Cost accounting from sealed markers and sacct: GPU-hours, rollouts per GPU-hour, tokens per second."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reportkit import input_row, planned_run, seal_shards
+from shardrun import cost, seal, store
+
+
+def marker(i: int, start: float, wall: float, gpus: int = 8, rollouts: int = 100, **kw) -> dict:
+    m = {"shard_index": i, "started_at": start, "finished_at": start + wall, "gpus": gpus,
+         "gpu_hours": gpus * wall / 3600, "num_rollouts": rollouts, "num_failed": 0, "attempt": 1,
+         "collect_s": wall - 100, "server_wait_s": 100.0, "host": "n", "job_id": f"77_{i}"}
+    m.update(kw)
+    return m
+
+
+def test_shard_cost_from_a_real_marker():
+    from shardrun.planner import InputInfo, Plan, ShardSpec
+    plan = Plan("1", InputInfo("x", "0" * 64, 1), {}, {}, 1, 40, {}, (ShardSpec(0, 40, "range", 0, 40),), (), "f")
+    m = seal.make_marker(plan, 0, num_rollouts=38, num_failed=2, rollouts_sha256="0", rollouts_bytes=1,
+                         started_at=1000.0, finished_at=1000.0 + 5400, host="h", job_id="12_0", attempt=2,
+                         server_wait_s=120.0, collect_s=5000.0, gpus=4, extra={"output_tokens": 250_000})
+    c = cost.shard_cost(m)
+    assert (c.shard_index, c.attempt, c.gpus, c.num_rollouts, c.num_failed) == (0, 2, 4, 38, 2)
+    assert c.wall_s == 5400 and c.gpu_hours == pytest.approx(6.0)
+    assert c.rollouts_per_gpu_hour == pytest.approx(38 / 6)
+    assert c.output_tokens_per_s == pytest.approx(250_000 / 5000)  # over collection time, not wall time
+
+
+def test_missing_fields_degrade_to_none_not_to_made_up_numbers():
+    c = cost.shard_cost({"shard_index": 3, "started_at": 0.0, "finished_at": 3600.0, "gpus": 0,
+                         "num_rollouts": 10})
+    assert c.gpu_hours == 0 and c.rollouts_per_gpu_hour is None and c.output_tokens_per_s is None
+    assert cost.shard_cost({"shard_index": 1, "started_at": 0, "finished_at": 1800, "gpus": 2}).gpu_hours == 1.0
+
+
+def test_run_costs_sum_shards_and_span_first_start_to_last_end():
+    shards = cost.shard_costs([marker(1, 3600, 7200, extra={"output_tokens": 9000}), None,
+                               marker(0, 0, 3600, extra={"output_tokens": 1800})])
+    assert [s.shard_index for s in shards] == [0, 1]
+    run = cost.run_costs(shards)
+    assert run.gpu_hours == pytest.approx(8 + 16) and run.rollouts == 200 and run.wall_s == 10800
+    assert run.rollouts_per_gpu_hour == pytest.approx(200 / 24)
+    assert run.output_tokens_per_s == pytest.approx(10800 / 10800)
+    assert dict(cost.cost_rows(run))["wall time"] == "3:00:00"
+    partial = cost.run_costs(cost.shard_costs([marker(0, 0, 10, extra={"output_tokens": 5}), marker(1, 0, 10)]))
+    assert "output_tokens" not in partial.tokens and partial.output_tokens_per_s is None
+
+
+def test_run_costs_of_nothing():
+    run = cost.run_costs([])
+    assert (run.shards, run.gpu_hours, run.wall_s, run.rollouts_per_gpu_hour) == (0, 0, 0.0, None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1e5), st.floats(0, 1e4), st.integers(0, 1000)), min_size=1, max_size=12),
+       st.integers(1, 80))
+def test_throughput_integrates_to_the_rollouts_done(spec, bins):
+    shards = cost.shard_costs([marker(i, s, w, rollouts=n) for i, (s, w, n) in enumerate(spec)])
+    tp = cost.throughput(shards, bins)
+    width_min = [(b - a) / 60 for a, b in zip(tp.edges_s, tp.edges_s[1:])]
+    total = sum(r * w for r, w in zip(tp.rollouts_per_min, width_min))
+    assert total == pytest.approx(sum(n for *_, n in spec), rel=1e-6, abs=1e-6)
+    assert tp.sealed[-1] == sum(n for *_, n in spec) and list(tp.sealed) == sorted(tp.sealed)
+
+
+# ---------------------------------------------------------------- sacct
+
+SACCT = """77_0|3600|billing=64,cpu=64,gres/gpu=8,mem=512G,node=1|COMPLETED
+77_1|5400|billing=64,cpu=64,gres/gpu:h100=4,gres/gpu:a100=2,mem=512G,node=1|COMPLETED
+77_2|120|cpu=2,mem=4G,node=1|CANCELLED by 0
+"""
+
+
+def test_parse_sacct_and_attach_gpu_hours():
+    jobs = cost.parse_sacct(SACCT)
+    assert jobs["77_0"].gpu_hours == 8.0 and jobs["77_1"].gpu_hours == pytest.approx(9.0)
+    assert jobs["77_2"].gpus == 0 and jobs["77_2"].state == "CANCELLED"
+    assert cost.parse_elapsed("1-02:03:04") == 93784 and cost.parse_elapsed("03:04") == 184
+    shards = cost.with_sacct(cost.shard_costs([marker(0, 0, 3000), marker(1, 0, 5000), marker(5, 0, 1)]), jobs)
+    assert [s.sacct_gpu_hours for s in shards] == [8.0, pytest.approx(9.0), None]
+    run = cost.run_costs(shards)
+    assert run.sacct_gpu_hours == pytest.approx(17.0)
+    assert "GPU-hours (sacct)" in dict(cost.cost_rows(run))
+
+
+def test_query_sacct_runs_the_real_command_line(tmp_path, monkeypatch):
+    fake = tmp_path / "sacct"
+    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\" > " + str(tmp_path / "args") + "\ncat <<'EOF'\n" + SACCT + "EOF\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    jobs = cost.query_sacct(["77_1", "77_0", "77_1"])
+    assert set(jobs) == {"77_0", "77_1", "77_2"}
+    assert (tmp_path / "args").read_text().split() == ["-n", "-P", "-X", "-j", "77_0,77_1", "-o", cost.SACCT_FIELDS]
+    assert cost.query_sacct([]) is None
+    assert cost.query_sacct(["1"], which=lambda _: None) is None
+    failing = lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "slurmdbd down")  # noqa: E731
+    assert cost.query_sacct(["1"], runner=failing, which=lambda _: "/bin/sacct") is None
+
+
+def test_costs_from_a_sealed_run_directory(tmp_path):
+    run_dir, _ = planned_run(tmp_path, [input_row(i) for i in range(6)], num_repeats=2, num_shards=3)
+    markers = seal_shards(run_dir, lambda t, r: 1.0, gpus=2)
+    plan = store.load_plan(run_dir)
+    on_disk = [seal.check(run_dir, plan, s.index).marker for s in plan.shards]
+    run = cost.run_costs(cost.shard_costs(on_disk))
+    assert run.shards == 3 and run.rollouts == 12
+    assert run.gpu_hours == pytest.approx(sum(2 * (m["finished_at"] - m["started_at"]) / 3600 for m in markers))
+    assert run.tokens["output_tokens"] == sum(m["extra"]["output_tokens"] for m in markers)

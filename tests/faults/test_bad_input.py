@@ -1,4 +1,8 @@
-"""Bad input is rejected before anything is written, with file, line and field in the message (exit code 2)."""
+"""The bad-input catalogue: each kind is rejected before anything is written or submitted.
+
+Every case runs `shardrun plan --write` and checks exit code 2, that the message names the file, line and field,
+and that no plan.json was written. docs/reliability.md counts these cases.
+"""
 
 from __future__ import annotations
 
@@ -152,3 +156,35 @@ def test_nothing_is_written_on_bad_input(tmp_path):
     with pytest.raises(BadInput):
         store.write_plan(cfg)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.jsonl"))
+
+
+def test_a_50_mb_single_line_is_rejected(tmp_path):
+    big = orjson.dumps(row(0, blob="x" * (50 * 1024 * 1024)))
+    plan_fails(tmp_path, [good(), big], f"{INPUT}:2", "over the 16 MiB limit")
+
+
+def test_input_changed_after_planning_is_refused(tmp_path):
+    inp = write_input(tmp_path, [good()])
+    cfg_file = write_config(tmp_path)
+    assert runner.invoke(app, ["plan", str(cfg_file), "--write"]).exit_code == 0
+    plan_before = (tmp_path / "run" / "plan.json").read_bytes()
+    inp.write_bytes(inp.read_bytes() + orjson.dumps(row(1)) + b"\n")
+    result = runner.invoke(app, ["plan", str(cfg_file), "--write"])
+    assert result.exit_code == 2 and "input content changed" in result.output
+    assert (tmp_path / "run" / "plan.json").read_bytes() == plan_before
+
+
+def test_run_dir_planned_with_other_settings_is_refused(tmp_path):
+    write_input(tmp_path, [good(), orjson.dumps(row(1))])
+    cfg_file = write_config(tmp_path)
+    assert runner.invoke(app, ["plan", str(cfg_file), "--write"]).exit_code == 0
+    result = runner.invoke(app, ["plan", str(cfg_file), "seed_offset=5", "--write"])
+    assert result.exit_code == 2 and "seed_offset: 0 -> 5" in result.output
+
+
+def test_wrong_type_deep_in_config(tmp_path):
+    plan_fails(tmp_path, [good()], "gym.num_samples_in_parallel", gym={"num_samples_in_parallel": "lots"})
+
+
+def test_unknown_top_level_key_gets_a_did_you_mean(tmp_path):
+    plan_fails(tmp_path, [good()], "num_repeat", "did you mean 'num_repeats'", num_repeat=3)

@@ -107,6 +107,24 @@ def report(
     typer.echo(summary.table(report_mod.summary_rows(result)))
 
 
+@app.command()
+def status(
+    run_dir: Path = typer.Argument(..., help="Run directory."),
+    json_out: bool = typer.Option(False, "--json", help="Print the status as JSON (every shard)."),
+    watch: bool = typer.Option(False, "--watch", help="Redraw until every shard is sealed or nothing is live."),
+    interval: float = typer.Option(5.0, "--interval", help="Seconds between redraws with --watch."),
+    show_all: bool = typer.Option(False, "--all", help="List every shard that is not sealed."),
+) -> None:
+    """Per shard: sealed, running, pending, failed (reason, log) or never started; rollouts, throughput, ETA."""
+    from shardrun import status as status_mod
+
+    if watch:
+        run(status_mod.watch, run_dir, interval, typer.echo)
+        return
+    st = run(status_mod.collect, run_dir)
+    typer.echo(status_mod.render_json(st) if json_out else status_mod.render(st, show_all=show_all))
+
+
 def main() -> None:
     app()
 

@@ -141,27 +141,26 @@ def throughput(shards: Sequence[ShardCost], bins: int = 60) -> Throughput:
     if not shards:
         return Throughput((), (), ())
     t0 = min(s.started_at for s in shards)
-    t1 = max(s.finished_at for s in shards)
-    span = max(t1 - t0, 1e-9)
-    edges = [t0 + span * i / bins for i in range(bins + 1)]
+    span = max(max(s.finished_at for s in shards) - t0, 1.0)
+    rel = [span * i / bins for i in range(bins + 1)]
     done = [0.0] * bins
     for s in shards:
         if s.wall_s <= 0:  # an instant shard: all its rollouts land in the bin of its finish time
             done[min(bins - 1, int((s.finished_at - t0) / span * bins))] += s.num_rollouts
             continue
-        for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
-            overlap = min(hi, s.finished_at) - max(lo, s.started_at)
+        for i, (lo, hi) in enumerate(zip(rel, rel[1:])):
+            overlap = min(t0 + hi, s.finished_at) - max(t0 + lo, s.started_at)
             if overlap > 0:
                 done[i] += s.num_rollouts * overlap / s.wall_s
-    rate = [d / (span / bins / 60.0) for d in done]
-    sealed = [sum(s.num_rollouts for s in shards if s.finished_at <= hi + 1e-9) for hi in edges[1:]]
-    return Throughput(tuple(e - t0 for e in edges), tuple(rate), tuple(sealed))
+    rate = [d / ((hi - lo) / 60.0) for d, lo, hi in zip(done, rel, rel[1:])]
+    sealed = [sum(s.num_rollouts for s in shards if s.finished_at - t0 <= hi + 1e-9) for hi in rel[1:]]
+    return Throughput(tuple(rel), tuple(rate), tuple(sealed))
 
 
 # ---------------------------------------------------------------- sacct
 
 @dataclass(frozen=True)
-class SacctJob:
+class SacctUsage:
     job_id: str
     elapsed_s: float
     gpus: int
@@ -172,12 +171,12 @@ class SacctJob:
         return self.elapsed_s * self.gpus / 3600.0
 
 
-SACCT_FIELDS = "JobID,ElapsedRaw,AllocTRES,State"
+SACCT_USAGE_FIELDS = "JobID,ElapsedRaw,AllocTRES,State"
 
 
-def sacct_command(job_ids: Iterable[str]) -> list[str]:
+def sacct_usage_command(job_ids: Iterable[str]) -> list[str]:
     """The sacct call for these job ids: allocations only (-X), parsable, no header."""
-    return ["sacct", "-n", "-P", "-X", "-j", ",".join(sorted(set(job_ids))), "-o", SACCT_FIELDS]
+    return ["sacct", "-n", "-P", "-X", "-j", ",".join(sorted(set(job_ids))), "-o", SACCT_USAGE_FIELDS]
 
 
 def tres_gpus(tres: str) -> int:
@@ -210,8 +209,8 @@ def parse_elapsed(text: str) -> float:
     return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + s
 
 
-def parse_sacct(text: str) -> dict[str, SacctJob]:
-    """`sacct -n -P -o JobID,ElapsedRaw,AllocTRES,State` output -> {job id: SacctJob}; the last line per id wins."""
+def parse_sacct_usage(text: str) -> dict[str, SacctUsage]:
+    """`sacct -n -P -X -o JobID,ElapsedRaw,AllocTRES,State` output -> {job id: SacctUsage}; last line per id wins."""
     jobs = {}
     for line in text.splitlines():
         parts = line.strip().split("|")
@@ -219,11 +218,11 @@ def parse_sacct(text: str) -> dict[str, SacctJob]:
             continue
         job_id, elapsed, tres, state = parts[:4]
         seconds = float(elapsed) if elapsed.replace(".", "", 1).isdigit() else parse_elapsed(elapsed or "0")
-        jobs[job_id] = SacctJob(job_id, seconds, tres_gpus(tres), state.split()[0] if state else "")
+        jobs[job_id] = SacctUsage(job_id, seconds, tres_gpus(tres), state.split()[0] if state else "")
     return jobs
 
 
-def with_sacct(shards: Sequence[ShardCost], jobs: Mapping[str, SacctJob]) -> list[ShardCost]:
+def with_sacct(shards: Sequence[ShardCost], jobs: Mapping[str, SacctUsage]) -> list[ShardCost]:
     """Attach sacct GPU-hours (elapsed x allocated GPUs) to the shards whose job id sacct knows."""
     return [replace(s, sacct_gpu_hours=jobs[s.job_id].gpu_hours) if s.job_id in jobs else s for s in shards]
 
@@ -232,16 +231,16 @@ Runner = Callable[..., subprocess.CompletedProcess]
 
 
 def query_sacct(job_ids: Iterable[str], runner: Runner = subprocess.run,
-                which: Callable[[str], str | None] = shutil.which) -> dict[str, SacctJob] | None:
+                which: Callable[[str], str | None] = shutil.which) -> dict[str, SacctUsage] | None:
     """Run sacct for these job ids; None when sacct is not installed, fails or there are no ids (the edge)."""
     ids = [j for j in job_ids if j]
     if not ids or which("sacct") is None:
         return None
     try:
-        done = runner(sacct_command(ids), capture_output=True, text=True, timeout=60)
+        done = runner(sacct_usage_command(ids), capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
-    return parse_sacct(done.stdout) if done.returncode == 0 else None
+    return parse_sacct_usage(done.stdout) if done.returncode == 0 else None
 
 
 # ---------------------------------------------------------------- text

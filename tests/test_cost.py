@@ -80,7 +80,7 @@ SACCT = """77_0|3600|billing=64,cpu=64,gres/gpu=8,mem=512G,node=1|COMPLETED
 
 
 def test_parse_sacct_and_attach_gpu_hours():
-    jobs = cost.parse_sacct(SACCT)
+    jobs = cost.parse_sacct_usage(SACCT)
     assert jobs["77_0"].gpu_hours == 8.0 and jobs["77_1"].gpu_hours == pytest.approx(9.0)
     assert jobs["77_2"].gpus == 0 and jobs["77_2"].state == "CANCELLED"
     assert cost.parse_elapsed("1-02:03:04") == 93784 and cost.parse_elapsed("03:04") == 184
@@ -98,7 +98,7 @@ def test_query_sacct_runs_the_real_command_line(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     jobs = cost.query_sacct(["77_1", "77_0", "77_1"])
     assert set(jobs) == {"77_0", "77_1", "77_2"}
-    assert (tmp_path / "args").read_text().split() == ["-n", "-P", "-X", "-j", "77_0,77_1", "-o", cost.SACCT_FIELDS]
+    assert (tmp_path / "args").read_text().split() == ["-n", "-P", "-X", "-j", "77_0,77_1", "-o", cost.SACCT_USAGE_FIELDS]
     assert cost.query_sacct([]) is None
     assert cost.query_sacct(["1"], which=lambda _: None) is None
     failing = lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "slurmdbd down")  # noqa: E731

@@ -145,7 +145,7 @@ def parse_time_limit(value: str | int) -> int:
         h, mi, s = (nums + [0, 0])[:3]
     else:
         days = 0
-        h, mi, s = {1: (0, nums[0], 0), 2: (0, nums[0], nums[1]), 3: tuple(nums)}[len(nums)]
+        h, mi, s = (0, nums[0], 0) if len(nums) == 1 else (0, nums[0], nums[1]) if len(nums) == 2 else nums
     seconds = ((days * 24 + h) * 60 + mi) * 60 + s
     if seconds < 60:
         raise BadInput(f"time limit {value!r}: Slurm's smallest limit is 1 minute")

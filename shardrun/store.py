@@ -105,6 +105,23 @@ def report_figure_path(run_dir: Path, name: str) -> Path:
     return merged_dir(run_dir) / f"report_{name}.png"
 
 
+# the shard's self-hosted policy server (vLLM): its log and per-server scratch (IPC sockets, compile caches)
+
+VLLM_LOG = "vllm.log"
+VLLM_SCRATCH = "vllm"
+
+
+def vllm_log_path(shard: Path) -> Path:
+    """The vLLM server's log in the shard's logs/ (appended by every attempt)."""
+    return Path(shard) / LOGS / VLLM_LOG
+
+
+def vllm_scratch_dirs(shard: Path) -> tuple[Path, Path]:
+    """(TMPDIR, VLLM_CACHE_ROOT) of the shard's vLLM server: SHARD/vllm/tmp and SHARD/vllm/cache."""
+    base = Path(shard) / VLLM_SCRATCH
+    return base / "tmp", base / "cache"
+
+
 # launches: what was submitted for which shard (written by launch, read by status / resume / cancel)
 
 JOBS_DIR = "jobs"

@@ -39,3 +39,14 @@ def vllm_venv() -> Path:
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_venv: Path) -> Path:
+    """The tiny random ChatML model for real-engine tests, built into the cache on first use (about 5 s)."""
+    import subprocess
+
+    models = Path(os.environ.get("SHARDRUN_MODELS", CACHE / "models"))
+    subprocess.run([str(REPO / "scripts" / "setup-models.sh"), "tiny"], check=True, timeout=600,
+                   env={**os.environ, "SHARDRUN_VLLM_VENV": str(vllm_venv), "SHARDRUN_MODELS": str(models)})
+    return models / "tiny-chatml"

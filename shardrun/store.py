@@ -96,6 +96,30 @@ def merged_failures_path(run_dir: Path) -> Path:
     return merged_dir(run_dir) / f"{MERGED_ROLLOUTS_STEM}_failures.jsonl"
 
 
+def merged_rollouts_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / ROLLOUTS
+
+
+def merged_materialized_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / MATERIALIZED
+
+
+def merged_summary_path(run_dir: Path) -> Path:
+    """What the last merge-and-profile saw and did (counts, per shard, timings): merged/merge_summary.json."""
+    return merged_dir(run_dir) / "merge_summary.json"
+
+
+def merge_lock(run_dir: Path, timeout: float = -1) -> FileLock:
+    """Held while merge-and-profile writes merged/ (one merge at a time; flock, never stale)."""
+    merged_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    return FileLock(str(merged_dir(run_dir) / ".merge.lock"), timeout=timeout)
+
+
+def merge_scratch(run_dir: Path, name: str) -> Path:
+    """A scratch file of the running merge (snapshots, spills); removed as a stale temp if the merge is killed."""
+    return merged_dir(run_dir) / f"{TMP_PREFIX}{name}"
+
+
 def report_path(run_dir: Path) -> Path:
     return merged_dir(run_dir) / REPORT_FILE
 
@@ -305,6 +329,8 @@ def prepare_run_dir(run_dir: Path) -> None:
     except PermissionError:
         raise RunDirError(f"run_dir: {run_dir} is not writable (permission denied)") from None
     except OSError as e:
+        if e.errno == errno.EROFS:
+            raise RunDirError(f"run_dir: {run_dir} is on a read-only file system") from None
         if e.errno == errno.ENOSPC:
             raise RunDirError(f"run_dir: no space left on the device holding {run_dir}") from None
         raise RunDirError(f"run_dir: cannot use {run_dir}: {e}") from None
@@ -341,9 +367,28 @@ def write_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[Plan, bool]:
         if existing_plan_matches(run_dir, plan):
             return plan, False
         _refuse_orphan_outputs(run_dir)
-        _write_shards(plan, cfg)
-        atomic_write_json(plan_path(run_dir), plan.to_json())
+        with os_errors_as_domain_errors(f"writing the plan into {run_dir}"):
+            _write_shards(plan, cfg)
+            atomic_write_json(plan_path(run_dir), plan.to_json())
     return plan, True
+
+
+@contextlib.contextmanager
+def os_errors_as_domain_errors(doing: str) -> Iterator[None]:
+    """Turn disk-full / permission / missing-directory errors into RunDirError with what to do next."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, (PermissionError,)) or e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise RunDirError(f"permission denied {doing}: {e.filename or e}; fix the permissions and rerun "
+                              f"(nothing already written is lost)") from None
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise RunDirError(f"no space left on the device {doing} ({e.filename or ''}); free space and rerun "
+                              f"(nothing already sealed is lost)") from None
+        if e.errno == errno.ENOENT:
+            raise RunDirError(f"a path vanished {doing}: {e.filename}; was the run directory moved or deleted?"
+                              ) from None
+        raise RunDirError(f"I/O error {doing}: {e}") from None
 
 
 def _refuse_orphan_outputs(run_dir: Path) -> None:
@@ -419,3 +464,70 @@ def count_complete_lines(path: Path) -> int:
             n += block.count(b"\n") - blank - (prev == b"\n" and block[:1] == b"\n")
             prev = block[-1:]
     return n
+
+
+# ---------------------------------------------------------------- shard runtime (one shard on one node)
+
+GYM_DIR = "gym"
+ENV_YAML = "env.yaml"
+SERVER_VENVS = "venvs"
+ROLLOUT_ATTEMPTS = "rollout_attempts.jsonl"
+SHARD_LOG = "shard.log"
+GYM_LOG = "ng_run.log"
+COLLECTOR_LOG = "collector.log"
+SHARD_LOCK = ".shard.lock"
+LAUNCH_SETTINGS = "launch.json"
+
+
+def gym_dir(run_dir: Path, index: int) -> Path:
+    """ng_run's working directory for the shard (env.yaml while the stack runs, Gym's own caches)."""
+    return shard_dir(run_dir, index) / GYM_DIR
+
+
+def env_yaml_path(run_dir: Path, index: int) -> Path:
+    """Gym's env.yaml (policy URL, key, model), 0600, present only while the shard's Gym stack runs."""
+    return gym_dir(run_dir, index) / ENV_YAML
+
+
+def server_venvs_dir(run_dir: Path, index: int) -> Path:
+    """Gym's uv_venv_dir for the shared-venv route: <type>/<impl>/.venv symlinks to the Gym venv."""
+    return gym_dir(run_dir, index) / SERVER_VENVS
+
+
+def rollout_attempts_path(run_dir: Path, index: int) -> Path:
+    """One line per failed attempt of one identity (identity, reason, time): shardrun's retry ledger."""
+    return shard_dir(run_dir, index) / ROLLOUT_ATTEMPTS
+
+
+def shard_log_path(run_dir: Path, index: int) -> Path:
+    return logs_dir(run_dir, index) / SHARD_LOG
+
+
+def gym_log_path(run_dir: Path, index: int) -> Path:
+    return logs_dir(run_dir, index) / GYM_LOG
+
+
+def collector_log_path(run_dir: Path, index: int) -> Path:
+    return logs_dir(run_dir, index) / COLLECTOR_LOG
+
+
+def shard_lock(run_dir: Path, index: int, timeout: float = 0) -> FileLock:
+    """Held while a shard runs, so two attempts of one shard never run at once (flock: never stale)."""
+    return FileLock(str(shard_dir(run_dir, index) / SHARD_LOCK), timeout=timeout)
+
+
+def launch_settings_path(run_dir: Path) -> Path:
+    """The validated config of the latest launch (env-var names only, never secrets): resume needs no config."""
+    return Path(run_dir) / LAUNCH_SETTINGS
+
+
+def append_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    """Append JSON lines durably (fsync) after cutting a torn tail; for files only this process appends to."""
+    repair_torn_tail(path)
+    data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
+    if not data:
+        return
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -72,11 +73,13 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def start(cmd: Sequence[str], log_path: Path, *, name: str | None = None, env: Mapping[str, str] | None = None,
-          cwd: Path | None = None) -> Proc:
+          cwd: Path | None = None, die_with_parent: bool = True) -> Proc:
     """Start `cmd` in a new session (own process group), stdin closed, stdout+stderr appended to `log_path`.
 
     SIGINT/SIGTERM dispositions are reset to default in the child (a non-interactive parent shell may have
-    ignored SIGINT, which children would inherit).
+    ignored SIGINT, which children would inherit). With `die_with_parent` (Linux) the child gets SIGTERM when the
+    thread that started it dies, so a SIGKILLed shard does not leave its servers running; start long-lived
+    servers from the main thread.
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,16 +91,49 @@ def start(cmd: Sequence[str], log_path: Path, *, name: str | None = None, env: M
             popen = subprocess.Popen(
                 list(cmd), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
-                preexec_fn=_default_signals,
+                preexec_fn=_child_setup(os.getpid() if die_with_parent else None),
             )
         except OSError as e:
             raise ServerFailure(f"cannot start {name} ({cmd[0]}): {e}") from None
     return Proc(name=name, popen=popen, log_path=log_path)
 
 
-def _default_signals() -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
+def _child_setup(parent: int | None) -> Callable[[], None]:
+    libc = _libc() if parent is not None else None
+
+    def setup() -> None:  # runs in the child between fork and exec
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
+
+    return setup
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` now, chosen by the kernel from its ephemeral range (outside Gym's
+    10001-20000 range for its own servers); two shards on one node get different ports unless one closes first."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _show(cmd: Sequence[str]) -> str:

@@ -115,3 +115,30 @@ def test_log_tail_limits_lines(tmp_path: Path) -> None:
     f.write_text("".join(f"line {i}\n" for i in range(100)))
     assert processes.log_tail(f, 3).splitlines() == ["line 97", "line 98", "line 99"]
     assert processes.log_tail(tmp_path / "missing") == ""
+
+
+def test_child_dies_with_its_parent(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child"
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from shardrun import processes
+p = processes.start(["sleep", "60"], {str(tmp_path / 'c.log')!r})
+open({str(pidfile)!r}, "w").write(str(p.pid))
+time.sleep(60)
+"""
+    parent = processes.start([PY, "-c", script], tmp_path / "parent.log", die_with_parent=False)
+    processes.wait_until(lambda: pidfile.exists() and pidfile.read_text() != "", watch=[parent], timeout=20,
+                         what="parent")
+    child = int(pidfile.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.popen.wait(5)
+    processes.wait_until(lambda: not _alive(child), timeout=10, what="child to die with its parent")
+
+
+def test_free_port_is_bindable() -> None:
+    import socket
+
+    port = processes.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))

@@ -111,6 +111,16 @@ def _describe(values: list[float]) -> dict[str, float]:
             "median": statistics.median(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
+def _info(task: int, res: dict[str, Any]) -> dict[str, Any]:
+    """A rollout_infos entry: identity, reward, numeric usage, then the other numeric top-level fields."""
+    info = {"rollout_id": f"{task}:{res['_ng_rollout_index']}", "_ng_task_index": task,
+            "_ng_rollout_index": res["_ng_rollout_index"], "reward": res["reward"]}
+    for k, v in [*res["response"]["usage"].items(), *res.items()]:
+        if k not in ("_ng_task_index", "_ng_rollout_index", "reward", "response") and isinstance(v, (int, float)):
+            info[k] = int(v) if isinstance(v, bool) else v
+    return info
+
+
 def profile_rows(materialized: list[dict], results: list[dict]) -> list[dict[str, Any]]:
     """Gym's `_reward_profiling.jsonl` rows for these rows and results (§2.6), computed independently."""
     by_key = {(r["_ng_task_index"], r["_ng_rollout_index"]): r for r in results}
@@ -132,9 +142,7 @@ def profile_rows(materialized: list[dict], results: list[dict]) -> list[dict[str
                 prof[f"{stat}/{f}"] = v
         sample = dict(pairs[0][0])
         sample.pop("_ng_task_index"), sample.pop("_ng_rollout_index")
-        infos = [{"rollout_id": f"{t}:{res['_ng_rollout_index']}", "_ng_task_index": t,
-                  "_ng_rollout_index": res["_ng_rollout_index"], "reward": res["reward"],
-                  **{k: v for k, v in res["response"]["usage"].items() if isinstance(v, int)}} for _, res in pairs]
+        infos = [_info(t, res) for _, res in pairs]
         prof.update(sample=sample, num_rollouts=len(pairs), expected_num_rollouts=expected[t],
                     missing_num_rollouts=expected[t] - len(pairs),
                     reward_profile_completion_pct=100.0 * len(pairs) / expected[t], rollout_infos=infos)

@@ -131,3 +131,46 @@ def test_cli_report(run, tmp_path):
     store.merged_reward_profiling_path(run).unlink()
     res = CliRunner().invoke(app, ["report", str(run)])
     assert res.exit_code == 2 and "merge-and-profile" in res.output
+
+
+# ---------------------------------------------------------------- against NeMo Gym itself
+
+@pytest.mark.gym
+def test_profile_shapes_and_pass_at_k_equal_gyms(tmp_path, gym_venv):
+    """Gym's RewardProfiler on the same rollouts writes the profile our helpers write, and Gym's pass@k equals ours."""
+    import subprocess
+    from pathlib import Path
+
+    import orjson
+
+    from reportkit import profile_rows
+
+    rows = [input_row(i, "agent_a" if i % 3 else "agent_b") for i in range(12)]
+    run_dir, _ = planned_run(tmp_path, rows, num_repeats=5, num_shards=3)
+    skip = {(1, 4), (2, 0), (7, 3)}  # a partial run: Gym profiles the tasks' finished rollouts
+    seal_shards(run_dir, lambda t, r: [1.0, 0.0, 0.5][(t + r) % 3] if t % 4 == 0 else reward(t, r), skip=skip)
+    plan = store.load_plan(run_dir)
+    mat = [r for s in plan.shards for r in store.iter_jsonl_objects(store.materialized_path(run_dir, s.index))]
+    res = [r for s in plan.shards for r in store.iter_jsonl_objects(store.rollouts_path(run_dir, s.index))]
+    done = {(r["_ng_task_index"], r["_ng_rollout_index"]) for r in res}
+    mat_done = [r for r in mat if (r["_ng_task_index"], r["_ng_rollout_index"]) in done]
+    (tmp_path / "m.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in mat_done))
+    (tmp_path / "r.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in res))
+    script = Path(__file__).parent / "gym_scripts" / "profile_and_pass_at_k.py"
+    subprocess.run([str(gym_venv / "bin" / "python"), str(script), str(tmp_path / "m.jsonl"),
+                    str(tmp_path / "r.jsonl"), str(tmp_path)], check=True, capture_output=True, timeout=300)
+
+    gym_rows = list(store.iter_jsonl_objects(tmp_path / "rollouts_reward_profiling.jsonl"))
+    ours = profile_rows(mat_done, res)
+    assert [r["_ng_task_index"] for r in gym_rows] == [r["_ng_task_index"] for r in ours]
+    for g, o in zip(gym_rows, ours):
+        assert set(g) == set(o), set(g) ^ set(o)
+        for k, v in g.items():
+            assert o[k] == (pytest.approx(v) if isinstance(v, float) else v), k
+
+    gym_tasks = taskstats.task_stats(gym_rows)
+    gym_pass = orjson.loads((tmp_path / "pass_at_k.json").read_bytes())
+    for agent, tasks in taskstats.by_agent(gym_tasks).items():
+        for k in range(1, 6):
+            key = f"pass@{k}/accuracy"
+            assert taskstats.pass_at_k(tasks, k) == pytest.approx(gym_pass[agent].get(key)), (agent, k)

@@ -104,6 +104,9 @@ def _child_setup(parent: int | None) -> Callable[[], None]:
     def setup() -> None:  # runs in the child between fork and exec
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        # Slurm sends the checkpoint signal (USR2, submitit's) to every process of the job step; its default
+        # action kills. Children ignore it: the shard job handles it and stops them in order (launch.py).
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         if libc is not None:
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
             if os.getppid() != parent:  # the parent died before prctl took effect

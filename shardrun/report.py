@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import orjson
 
-from shardrun import cost, figures, seal, store, taskstats
+from shardrun import cost, seal, store, taskstats
+from shardrun.errors import ShardrunError
 from shardrun.planner import Plan
 from shardrun.taskstats import AgentSummary, TaskStat
 
@@ -142,6 +143,11 @@ def figure_data(tasks: Sequence[TaskStat]) -> dict[str, Any]:
 
 def draw_figures(run_dir: Path, data: ReportData) -> list[Path]:
     """Write every figure; returns their paths in FIGURES order."""
+    try:
+        from shardrun import figures
+    except ImportError as e:
+        raise ShardrunError(f"the report needs matplotlib ({e}); install it with: pip install 'shardrun[report]'") \
+            from None
     fd = figure_data(data.tasks)
     path = lambda name: store.report_figure_path(run_dir, name)  # noqa: E731
     return [

@@ -124,6 +124,14 @@ def test_slurm_run_adds_sacct_gpu_hours(tmp_path, monkeypatch):
     assert "GPU-hours (sacct)" not in report.build_report(run_dir, use_sacct=False).html.read_text()
 
 
+def test_without_matplotlib_the_error_says_how_to_install_it(run, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "shardrun.figures", None)  # as if matplotlib were not installed
+    res = CliRunner().invoke(app, ["report", str(run)])
+    assert res.exit_code == 1 and "pip install 'shardrun[report]'" in res.output
+
+
 def test_cli_report(run, tmp_path):
     res = CliRunner().invoke(app, ["report", str(run)])
     assert res.exit_code == 0, res.output

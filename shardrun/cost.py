@@ -284,3 +284,11 @@ def run_row(run: RunCost) -> dict[str, Any]:
             "rollouts": run.rollouts, "failed": run.failed, "wall_s": run.wall_s,
             "rollouts_per_gpu_hour": run.rollouts_per_gpu_hour, "tokens": dict(run.tokens),
             "output_tokens_per_s": run.output_tokens_per_s}
+
+
+def sealed_cost_text(row: Mapping[str, Any]) -> str:
+    """One line for `shardrun status` from run_row(...) of the sealed shards: throughput per GPU-hour and tokens/s."""
+    if not row or not row.get("shards"):
+        return "-"
+    return (f"{_fmt(row.get('rollouts_per_gpu_hour'))} rollouts/GPU-hour, "
+            f"{_fmt(row.get('output_tokens_per_s'))} output tokens/s over {row['shards']:,} sealed shard(s)")

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Mapping
 
 import orjson
 
-from shardrun import seal, slurm, store
+from shardrun import cost, seal, slurm, store
 from shardrun.planner import Plan
 
 SEALED, RUNNING, PENDING, FAILED, NEVER_STARTED = "sealed", "running", "pending", "failed", "never_started"
@@ -65,6 +65,7 @@ class RunStatus:
     gpu_hours: float
     live_source: str  # how live jobs were found
     warnings: list[str] = field(default_factory=list)
+    sealed_cost: dict = field(default_factory=dict)  # cost.run_row over the sealed shards' markers
 
     @property
     def complete(self) -> bool:
@@ -282,7 +283,8 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
         planned=plan.num_rollouts, done=done, failed_rollouts=sum(s.failed_rollouts for s in shards), counts=counts,
         gave_up=sum(1 for s in shards if s.gave_up), throughput_per_min=rate, eta_s=eta,
         gpu_hours=sum(s.gpu_hours for s in shards), live_source="; ".join(sources) or "nothing launched yet",
-        warnings=warnings)
+        warnings=warnings,
+        sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))))
 
 
 def _read_failure(run_dir: Path, index: int) -> dict | None:
@@ -328,6 +330,7 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
         ("throughput", f"{st.throughput_per_min:,.1f} rollouts/min" if st.throughput_per_min else "-"),
         ("ETA", _duration(st.eta_s) if st.eta_s is not None else ("done" if st.complete else "-")),
         ("GPU-hours", f"{st.gpu_hours:,.2f} (sealed shards + running jobs)"),
+        ("sealed cost", cost.sealed_cost_text(st.sealed_cost)),
         ("jobs", st.live_source),
     ]
     out = [table(rows), ""]

@@ -114,3 +114,17 @@ def test_costs_from_a_sealed_run_directory(tmp_path):
     assert run.shards == 3 and run.rollouts == 12
     assert run.gpu_hours == pytest.approx(sum(2 * (m["finished_at"] - m["started_at"]) / 3600 for m in markers))
     assert run.tokens["output_tokens"] == sum(m["extra"]["output_tokens"] for m in markers)
+
+
+def test_status_shows_the_sealed_cost(tmp_path):
+    from shardrun import status
+
+    run_dir, _ = planned_run(tmp_path, [input_row(i) for i in range(6)], num_repeats=2, num_shards=3)
+    markers = seal_shards(run_dir, lambda t, r: 1.0, gpus=2)
+    st = status.collect(run_dir, query_live=lambda names: {}, query_ended=lambda ids: {})
+    run = cost.run_costs(cost.shard_costs(markers))
+    assert st.sealed_cost == cost.run_row(run)
+    line = next(ln for ln in status.render(st).splitlines() if ln.startswith("sealed cost"))
+    assert f"{run.rollouts_per_gpu_hour:,.1f} rollouts/GPU-hour" in line
+    assert f"{run.output_tokens_per_s:,.1f} output tokens/s over 3 sealed shard(s)" in line
+    assert cost.sealed_cost_text({}) == "-"

@@ -75,6 +75,21 @@ class VllmConfig(StrictModel):
     ready_timeout_s: float = Field(900.0, gt=0)
     host: str = Field("127.0.0.1", description="Address the server binds (0.0.0.0 to serve other nodes too).")
 
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_as_strings(cls, v: Any) -> Any:
+        """YAML (and override parsing) turn `1` into a number; environment values are strings."""
+        if isinstance(v, dict):
+            return {k: (str(x).lower() if isinstance(x, bool) else str(x)) if isinstance(x, (int, float)) else x
+                    for k, x in v.items()}
+        return v
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _args_as_strings(cls, v: Any) -> Any:
+        return [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in v] \
+            if isinstance(v, list) else v
+
     @field_validator("extra_args")
     @classmethod
     def _no_key_on_command_line(cls, v: list[str]) -> list[str]:

@@ -127,6 +127,16 @@ def test_config_refuses_an_api_key_in_extra_args() -> None:
         config.validate(data)
 
 
+def test_yaml_numbers_in_env_and_extra_args_become_strings(tmp_path: Path) -> None:
+    (tmp_path / "run.yaml").write_text(
+        "input_jsonl: in.jsonl\nrun_dir: r\npolicy:\n  vllm:\n    model: m\n"
+        "    env: {VLLM_CPU_KVCACHE_SPACE: 1, HF_HUB_OFFLINE: '1', SOME_FLAG: true}\n"
+        "    extra_args: [--max-num-seqs, 64]\n")
+    v = config.load(tmp_path / "run.yaml").policy.vllm
+    assert v.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "SOME_FLAG": "true"}
+    assert v.extra_args == ["--max-num-seqs", "64"]
+
+
 # ---------------------------------------------------------------- start / ready / stop against the stand-in
 
 def fake_cfg(**kw) -> VllmConfig:

@@ -37,6 +37,26 @@ setup_gym() {
     "$SHARDRUN_GYM_VENV/bin/pip" install -q nemo-gym==0.4.0 uv 2>&1 | grep -v "^WARNING: Location" >&2 || true
     "$SHARDRUN_GYM_VENV/bin/python" -c "import nemo_gym" && touch "$SHARDRUN_GYM_VENV/.shardrun-ok"
   fi
+  setup_gym_servers
+}
+
+# The Gym servers' own requirements (minus their nemo-gym self-reference), installed into the Gym venv so shards
+# run every server from that one venv (shardrun's gym.server_venvs=shared: no uv, no network at shard start).
+SHARDRUN_GYM_SERVERS=${SHARDRUN_GYM_SERVERS:-resources_servers/math_with_judge resources_servers/example_single_tool_call responses_api_agents/simple_agent}
+setup_gym_servers() {
+  local site stamp reqs=() d
+  site=$("$SHARDRUN_GYM_VENV/bin/python" -c "import nemo_gym, pathlib; print(pathlib.Path(nemo_gym.__file__).parent.parent)")
+  stamp="$SHARDRUN_GYM_VENV/.shardrun-servers-$(echo "$SHARDRUN_GYM_SERVERS" | cksum | cut -d' ' -f1)"
+  [ -f "$stamp" ] && return 0
+  for d in $SHARDRUN_GYM_SERVERS; do
+    [ -f "$site/$d/requirements.txt" ] && reqs+=("$site/$d/requirements.txt")
+  done
+  log "Gym server requirements into $SHARDRUN_GYM_VENV: $SHARDRUN_GYM_SERVERS"
+  if [ ${#reqs[@]} -gt 0 ]; then
+    cat "${reqs[@]}" | grep -v -F '../..' | sort -u > "$stamp.txt"
+    "$SHARDRUN_GYM_VENV/bin/pip" install -q -r "$stamp.txt" >"$stamp.log" 2>&1 || { cat "$stamp.log" >&2; return 1; }
+  fi
+  touch "$stamp"
 }
 
 setup_vllm() {

@@ -125,6 +125,44 @@ def status(
     typer.echo(status_mod.render_json(st) if json_out else status_mod.render(st, show_all=show_all))
 
 
+@app.command()
+def submit(
+    config: Path = typer.Argument(..., help="Run config YAML (with gym and policy sections)."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Hydra overrides: key=value, +key=value, cluster=NAME."),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Return after submitting (local executor waits by default)."),
+) -> None:
+    """Plan the run (refusing a different existing plan), launch every unsealed shard, print the run directory,
+    the job ids and, when waiting, each shard's outcome."""
+    from shardrun import launch
+
+    cfg = run(config_mod.load, config, overrides or [])
+    result = run(launch.submit, cfg, wait_for_jobs=False if no_wait else None, echo=typer.echo)
+    for reason in result.ignored_markers:
+        typer.echo(f"warning: {reason}", err=True)
+    if result.already_sealed:
+        typer.echo(f"already sealed: {len(result.already_sealed)} shard(s), not launched again")
+    if not result.jobs:
+        typer.echo(f"run directory: {result.run_dir}\nevery shard is sealed; nothing to launch")
+    for o in result.outcomes or []:
+        typer.echo(f"shard {o.index:05d}: {o.state}" + (f" ({o.detail})" if o.detail else ""))
+    if result.failed:
+        typer.echo(f"error: {len(result.failed)} shard(s) did not seal; logs in {result.run_dir}/shards/*/logs/",
+                   err=True)
+        raise typer.Exit(4)
+
+
+@app.command("run-shard")
+def run_shard_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory (planned and launched once, so launch.json exists)."),
+    index: int = typer.Argument(..., help="Shard index."),
+) -> None:
+    """Run one shard here, in this process (what a shard job does): servers, collection, seal, teardown."""
+    from shardrun import runtime
+
+    result = run(runtime.run_shard, run_dir, index)
+    typer.echo(f"shard {index:05d}: {result.state}")
+
+
 def main() -> None:
     app()
 

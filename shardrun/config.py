@@ -57,6 +57,16 @@ class GymConfig(StrictModel):
         600.0, gt=0, description="Stop a shard when no rollout lands for this long or a server is dead."
     )
     max_rollout_attempts: int = Field(3, ge=1, description="Attempts per rollout before it is recorded as failed.")
+    server_venvs: Literal["shared", "uv"] = Field(
+        "shared",
+        description="shared: every Gym server runs from gym.venv (which must hold the servers' requirements; "
+        "scripts/setup.sh gym installs them), no uv and no network at shard start. uv: Gym builds one venv per "
+        "server with uv into gym.uv_venv_dir once, then reuses it.",
+    )
+    uv_venv_dir: str | None = Field(
+        None, description="Where Gym's per-server venvs live with server_venvs=uv (default: beside gym.venv)."
+    )
+    health_interval_s: float = Field(5.0, gt=0, description="Seconds between the watchdog's server health checks.")
 
 
 class VllmConfig(StrictModel):

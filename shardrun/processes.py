@@ -254,9 +254,14 @@ def _stat(pid: int) -> list[str] | None:
     return [f.decode() for f in fields]
 
 
-def _start_time(pid: int) -> int | None:
+def start_ticks(pid: int) -> int | None:
+    """A live process's start time (clock ticks since boot, /proc/PID/stat field 22); None if gone or a zombie.
+    (pid, start_ticks) names one process even when pids are reused."""
     f = _stat(pid)
     return int(f[19]) if f else None
+
+
+_start_time = start_ticks
 
 
 def _family(pgid: int, root: int) -> set[tuple[int, int]]:

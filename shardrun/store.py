@@ -531,3 +531,19 @@ def append_jsonl(path: Path, rows: Iterable[dict]) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_launch_settings(run_dir: Path, cfg: RunConfig) -> None:
+    """Save the validated config of a launch (config files name env vars only; no secret values exist in it)."""
+    atomic_write_json(launch_settings_path(run_dir), {"config": planner.public_config(cfg)})
+
+
+def read_launch_settings(run_dir: Path) -> RunConfig | None:
+    """The config the latest launch saved, or None when nothing was launched yet."""
+    try:
+        data = orjson.loads(launch_settings_path(run_dir).read_bytes())
+    except FileNotFoundError:
+        return None
+    except orjson.JSONDecodeError as e:
+        raise RunDirError(f"{launch_settings_path(run_dir)}: unreadable ({e}); submit again with the config") from None
+    return RunConfig.model_validate(data["config"])

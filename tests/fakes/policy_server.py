@@ -1,0 +1,218 @@
+"""Stand-in OpenAI-compatible policy server for tests (a fake at the one seam shardrun does not own: the model).
+
+Run it as a subprocess:  python tests/fakes/policy_server.py --port 21001 [--model fake-model]
+    [--correct-share 0.5] [--api-key KEY] [--delay SECONDS] [--request-log FILE] [--fault KIND:COND[,COND...]] ...
+
+Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions (what NeMo Gym's vllm_model calls), and
+POST /_fault (JSON {"faults": ["KIND:COND", ...], "delay": SECONDS}) to change a running server's faults.
+
+Answers are a pure function of the conversation and the request's `seed`: "What is a op b?" gets
+`\\boxed{a op b}` (correct) or `\\boxed{a op b + 1}` for a deterministic share of (prompt, seed) pairs; other
+prompts get a boxed hash. A first turn that offers tools gets one call of the first tool (required string
+arguments filled with "San Francisco"); once a tool result is in the conversation the answer is text.
+
+Faults, for requests that match every condition (seed=N, match=SUBSTRING, nth=N: the N-th chat request, 1-based;
+after=N: every request after the N-th):  400 | 500 | garbage (200 with a non-JSON body) | hang (never answers) |
+die (the whole server exits at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+ARITH = re.compile(r"What is (-?\d+) ([-+*]) (-?\d+)\?")
+FAULT_KINDS = ("400", "500", "garbage", "hang", "die")
+
+
+def parse_fault(spec: str) -> tuple[str, dict[str, str]]:
+    kind, _, conds = spec.partition(":")
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault kind {kind!r} (known: {', '.join(FAULT_KINDS)})")
+    cond = {}
+    for part in filter(None, conds.split(",")):
+        key, _, value = part.partition("=")
+        if key not in ("seed", "match", "nth", "after"):
+            raise ValueError(f"unknown fault condition {key!r}")
+        cond[key] = value
+    return kind, cond
+
+
+def prompt_text(messages: list[dict[str, Any]]) -> str:
+    users = [m.get("content") for m in messages if m.get("role") == "user"]
+    content = users[-1] if users else ""
+    if isinstance(content, list):
+        content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def is_correct(prompt: str, seed: Any, share: float) -> bool:
+    h = hashlib.sha256(f"{prompt}|{seed}".encode()).hexdigest()
+    return int(h[:8], 16) / 2**32 < share
+
+
+def answer_text(prompt: str, seed: Any, share: float) -> str:
+    m = ARITH.search(prompt)
+    if not m:
+        return "The answer is \\boxed{" + str(int(hashlib.sha256(f"{prompt}|{seed}".encode()).hexdigest()[:4], 16)) + "}."
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    if not is_correct(prompt, seed, share):
+        value += 1
+    return "\\boxed{" + str(value) + "}"
+
+
+def tool_call(tool: dict[str, Any], seed: Any) -> dict[str, Any]:
+    fn = tool.get("function", tool)
+    params = fn.get("parameters") or {}
+    args = {p: "San Francisco" for p in params.get("required", [])
+            if (params.get("properties", {}).get(p) or {}).get("type", "string") == "string"}
+    return {"id": f"call_{seed}_{fn.get('name')}", "type": "function",
+            "function": {"name": fn.get("name"), "arguments": json.dumps(args)}}
+
+
+def completion(body: dict[str, Any], model: str, share: float) -> dict[str, Any]:
+    messages = body.get("messages") or []
+    seed = body.get("seed")
+    prompt = prompt_text(messages)
+    tools = body.get("tools") or []
+    if tools and not any(m.get("role") == "tool" for m in messages):
+        message = {"role": "assistant", "content": None, "tool_calls": [tool_call(tools[0], seed)]}
+        finish, text = "tool_calls", json.dumps(message["tool_calls"])
+    else:
+        text = answer_text(prompt, seed, share)
+        message = {"role": "assistant", "content": text}
+        finish = "stop"
+    prompt_tokens = max(1, sum(len(str(m.get("content") or "")) for m in messages) // 4)
+    completion_tokens = max(1, len(text) // 4)
+    digest = hashlib.sha256(json.dumps([messages, seed], sort_keys=True).encode()).hexdigest()[:24]
+    return {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": 1700000000, "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+class State:
+    def __init__(self, args: argparse.Namespace):
+        self.model = args.model
+        self.share = args.correct_share
+        self.api_key = args.api_key
+        self.faults = [parse_fault(f) for f in args.fault]
+        self.log_path = args.request_log
+        self.delay = args.delay
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def next_request(self) -> int:
+        with self.lock:
+            self.count += 1
+            return self.count
+
+    def fault_for(self, n: int, body: dict[str, Any]) -> str | None:
+        prompt = prompt_text(body.get("messages") or [])
+        for kind, cond in self.faults:
+            if "seed" in cond and str(body.get("seed")) != cond["seed"]:
+                continue
+            if "match" in cond and cond["match"] not in prompt:
+                continue
+            if "nth" in cond and n != int(cond["nth"]):
+                continue
+            if "after" in cond and n <= int(cond["after"]):
+                continue
+            return kind
+        return None
+
+    def log(self, entry: dict[str, Any]) -> None:
+        if self.log_path:
+            with self.lock, open(self.log_path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+
+class Handler(BaseHTTPRequestHandler):
+    state: State
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    def _send(self, status: int, payload: Any, raw: bytes | None = None) -> None:
+        data = raw if raw is not None else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(200, {})
+        elif self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": self.state.model, "object": "model",
+                                                         "owned_by": "shardrun-tests"}]})
+        else:
+            self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length) or b"{}")
+        if self.path == "/_fault":
+            self.state.faults = [parse_fault(f) for f in body.get("faults", [])]
+            self.state.delay = float(body.get("delay", self.state.delay))
+            self._send(200, {"faults": body.get("faults", []), "delay": self.state.delay})
+            return
+        if self.path != "/v1/chat/completions":
+            self._send(404, {"error": {"message": f"no route {self.path}"}})
+            return
+        st = self.state
+        n = st.next_request()
+        auth_ok = st.api_key is None or self.headers.get("Authorization") == f"Bearer {st.api_key}"
+        fault = st.fault_for(n, body)
+        st.log({"n": n, "seed": body.get("seed"), "prompt": prompt_text(body.get("messages") or []),
+                "model": body.get("model"), "tools": bool(body.get("tools")), "auth_ok": auth_ok, "fault": fault,
+                "t": time.time()})
+        if not auth_ok:
+            self._send(401, {"error": {"message": "bad api key", "type": "authentication_error"}})
+        elif fault == "die":
+            os._exit(17)
+        elif fault == "hang":
+            while True:
+                time.sleep(3600)
+        elif fault in ("400", "500"):
+            self._send(int(fault), {"error": {"message": f"injected {fault}", "type": "invalid_request_error",
+                                              "code": int(fault)}})
+        elif fault == "garbage":
+            self._send(200, None, raw=b"<html>not json")
+        else:
+            if st.delay:
+                time.sleep(st.delay)
+            self._send(200, completion(body, st.model, st.share))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", default="fake-model")
+    p.add_argument("--correct-share", type=float, default=0.5)
+    p.add_argument("--api-key", default=None, help="require this Bearer key (401 otherwise)")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each (good) answer")
+    p.add_argument("--request-log", default=None, help="append one JSON line per chat request")
+    p.add_argument("--fault", action="append", default=[], help="KIND:COND[,COND...] (see module doc)")
+    args = p.parse_args(argv)
+    Handler.state = State(args)
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.daemon_threads = True
+    print(f"fake policy server on http://{args.host}:{args.port}/v1 model={args.model}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

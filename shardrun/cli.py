@@ -163,6 +163,26 @@ def run_shard_cmd(
     typer.echo(f"shard {index:05d}: {result.state}")
 
 
+@app.command("merge-and-profile")
+def merge_and_profile_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory."),
+    allow_partial: bool = typer.Option(False, "--allow-partial",
+                                       help="Also merge what unsealed shards hold; report completion per task."),
+    answer_field: Optional[str] = typer.Option(None, "--answer-field",
+                                               help="Rollout field with the extracted answer (enables majority@k)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the merge summary as JSON."),
+) -> None:
+    """Merge sealed shards into merged/ (sorted rollouts and inputs, failures) and write Gym's reward profile,
+    agent metrics and pass@k aggregate metrics."""
+    import orjson
+
+    from shardrun import merge, merge_summary
+
+    result = run(merge.merge_and_profile, run_dir, allow_partial, answer_field)
+    typer.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode() if json_out
+               else merge_summary.render(result))
+
+
 def main() -> None:
     app()
 

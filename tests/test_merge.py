@@ -1,0 +1,449 @@
+"""merge-and-profile on shard directories written by tests/builders.py, checked against a plain recomputation."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from typer.testing import CliRunner
+
+from shardrun import cli, merge, store
+from shardrun.errors import IncompleteRun
+from tests.builders import Run, ShardWrite, input_rows, make_run, rollout_row, seal_shard, write_shard
+
+IDS = ("_ng_task_index", "_ng_rollout_index")
+KEY = lambda r: (r["_ng_task_index"], r["_ng_rollout_index"])  # noqa: E731
+
+
+# ---------------------------------------------------------------- an independent, straightforward profile
+
+def usage_of(row: dict[str, Any]) -> dict[str, Any]:
+    """response.usage; anything but an object counts as none (Gym would crash on it)."""
+    usage = (row.get("response") or {}).get("usage")
+    return usage if isinstance(usage, dict) else {}
+
+
+def numeric_fields(row: dict[str, Any]) -> dict[str, float]:
+    usage = usage_of(row)
+    merged = {**row, **usage}
+    return {k: float(v) for k, v in merged.items() if isinstance(v, (int, float)) and k not in IDS}
+
+
+def describe(rows: list[dict[str, Any]], fields: list[str]) -> dict[str, float]:
+    nums = [numeric_fields(r) for r in rows]
+    out: dict[str, float] = {}
+    std: dict[str, float] = {}
+    for f in fields:
+        vals = [n[f] for n in nums if f in n]
+        if vals:
+            out[f"mean/{f}"] = statistics.fmean(vals)
+            out[f"max/{f}"] = max(vals)
+            out[f"min/{f}"] = min(vals)
+            out[f"median/{f}"] = statistics.median(vals)
+            if len(vals) > 1:
+                std[f"std/{f}"] = statistics.stdev(vals)
+    if not std:  # every std undefined: 0 for the fields every row has
+        std = {f"std/{f}": 0.0 for f in fields if all(f in n for n in nums)}
+    out.update(std)
+    return out
+
+
+def info(row: dict[str, Any]) -> dict[str, Any]:
+    t, r = KEY(row)
+    d: dict[str, Any] = {"rollout_id": f"{t}:{r}", "_ng_task_index": t, "_ng_rollout_index": r}
+    if "reward" in row:
+        d["reward"] = row["reward"]
+    usage = usage_of(row)
+    for k, v in list(usage.items()) + [(k, v) for k, v in row.items() if k not in IDS + ("reward", "response")]:
+        if isinstance(v, (int, float)):
+            d[k] = int(v) if isinstance(v, bool) else v
+    return d
+
+
+def reference_profile(materialized: list[dict], rollouts: list[dict]) -> tuple[list[dict], list[dict]]:
+    fields: list[str] = []
+    for r in sorted(rollouts, key=KEY):
+        fields += [f for f in numeric_fields(r) if f not in fields]
+    by_task: dict[int, list[dict]] = defaultdict(list)
+    for r in sorted(rollouts, key=KEY):
+        by_task[r["_ng_task_index"]].append(r)
+    planned = defaultdict(list)
+    for m in materialized:
+        planned[m["_ng_task_index"]].append(m)
+    agent_of = {m["_ng_task_index"]: m["agent_ref"]["name"] for m in materialized}
+    rows = []
+    for t in sorted(by_task):
+        done = by_task[t]
+        first = min(r["_ng_rollout_index"] for r in done)
+        sample = next(m for m in planned[t] if m["_ng_rollout_index"] == first)
+        row = {"_ng_task_index": t, **describe(done, fields),
+               "sample": {k: v for k, v in sample.items() if k not in IDS},
+               "num_rollouts": len(done), "expected_num_rollouts": len(planned[t]),
+               "missing_num_rollouts": len(planned[t]) - len(done),
+               "reward_profile_completion_pct": 100.0 * len(done) / len(planned[t]),
+               "rollout_infos": [info(r) for r in done]}
+        rows.append(row)
+    agents = []
+    for a in sorted({agent_of[t] for t in by_task}):
+        mine = [r for t in sorted(by_task) if agent_of[t] == a for r in by_task[t]]
+        agents.append({**describe(mine, fields), "agent_ref": {"name": a}})
+    return rows, agents
+
+
+def assert_same(got: Any, want: Any, where: str = "") -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (where, sorted(set(got) ^ set(want)))
+        for k in want:
+            assert_same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and not isinstance(want, bool):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), where
+    else:
+        assert got == want and type(got) is type(want), (where, got, want)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [orjson.loads(x) for x in path.read_bytes().splitlines()]
+
+
+# ---------------------------------------------------------------- the reference pass@k
+
+def reference_pass_at_k(tasks: list[list[float]], k: int) -> float | None:
+    values = []
+    for vals in tasks:
+        if len(vals) < k:
+            continue
+        if all(v in (0, 1) for v in vals):
+            wrong = sum(1 for v in vals if v == 0)
+            values.append(1.0 if wrong < k else 1 - math.comb(wrong, k) / math.comb(len(vals), k))
+        else:
+            values.append(max(vals[:k]))
+    return 100 * sum(values) / len(values) if values else None
+
+
+# ---------------------------------------------------------------- scenarios
+
+SCENARIOS = {
+    "contiguous-int": dict(rows=dict(n_tasks=9), num_repeats=4, num_shards=3, slicing="contiguous"),
+    "roundrobin-dict-sparse-shuffled": dict(
+        rows=dict(n_tasks=11, agents=("math", "tool"), explicit_index=True, shuffle_seed=5),
+        num_repeats={"math": 4, "_default": 2}, num_shards=4, slicing="round_robin"),
+    "contiguous-split-tasks": dict(rows=dict(n_tasks=7, agents=("a", "b", "c")),
+                                   num_repeats={"a": 3, "b": 5, "_default": 1}, num_shards=5, slicing="contiguous"),
+}
+
+
+def build(tmp_path: Path, scenario: str) -> tuple[Run, list[ShardWrite]]:
+    s = SCENARIOS[scenario]
+    run = make_run(tmp_path, input_rows(**s["rows"]), num_repeats=s["num_repeats"], num_shards=s["num_shards"],
+                   slicing=s["slicing"])
+    last = run.num_shards - 1
+    writes = [write_shard(run, i, duplicates=2 if i == 0 else 0, torn=i == 1, foreign=1 if i == last else 0,
+                          failed=1 if i == last else 0, missing=1 if i == 2 else 0, seed=i)
+              for i in range(run.num_shards)]
+    return run, writes
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_merged_files_and_profile_equal_plain_computation(tmp_path: Path, scenario: str) -> None:
+    run, writes = build(tmp_path, scenario)
+    summary = merge.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    merged = store.merged_dir(run.run_dir)
+
+    planned = sorted((m for i in range(run.num_shards) for m in run.materialized(i)), key=KEY)
+    assert read_jsonl(merged / "rollouts_materialized_inputs.jsonl") == planned
+    planned_lines = {KEY(orjson.loads(x)): x for i in range(run.num_shards)
+                     for x in store.materialized_path(run.run_dir, i).read_bytes().splitlines()}
+    assert (merged / "rollouts_materialized_inputs.jsonl").read_bytes() == b"".join(
+        planned_lines[k] + b"\n" for k in sorted(planned_lines))
+
+    first_written: dict[tuple[int, int], dict] = {}
+    for w in writes:
+        for r in w.rows:
+            if KEY(r) not in w.foreign:
+                first_written.setdefault(KEY(r), r)
+    rollouts = read_jsonl(merged / "rollouts.jsonl")
+    assert [KEY(r) for r in rollouts] == sorted(first_written)
+    assert rollouts == [first_written[k] for k in sorted(first_written)]  # first copy kept, bytes as written
+    assert all(r["reward"] != -1.0 for r in rollouts)
+    lost = {k for w in writes for k in w.missing + w.failed}
+    assert set(first_written) == {KEY(m) for m in planned} - lost
+
+    want_rows, want_agents = reference_profile(planned, rollouts)
+    assert_same(read_jsonl(merged / "rollouts_reward_profiling.jsonl"), want_rows, "profile")
+    assert_same(orjson.loads((merged / "rollouts_agent_metrics.json").read_bytes()), want_agents, "agents")
+
+    assert summary.duplicates == 2
+    assert summary.rejected["not planned for its shard"] == 1 and sum(summary.rejected.values()) == 1
+    assert summary.torn_lines == 1
+    assert summary.failure_rows == 2 and summary.failed_total == 1
+    assert [(f.task, f.rollout, f.attempts) for f in summary.failed] == [(*writes[-1].failed[0], 2)]
+    failures = read_jsonl(merged / "rollouts_failures.jsonl")
+    assert [KEY(f) for f in failures] == [writes[-1].failed[0]] * 2
+    assert summary.rollouts == len(first_written) and summary.expected_rollouts == len(planned)
+    partial_tasks = {t for t, _ in lost}
+    assert summary.tasks_partial + summary.tasks_missing == len(partial_tasks)
+    assert summary.tasks_complete == summary.tasks - len(partial_tasks)
+    assert summary.gpu_hours == pytest.approx(0.5 * run.num_shards)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_aggregate_metrics_equal_plain_pass_at_k(tmp_path: Path, scenario: str) -> None:
+    run, _ = build(tmp_path, scenario)
+    merge.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    data = store.merged_aggregate_metrics_path(run.run_dir).read_bytes()
+    assert data == orjson.dumps(orjson.loads(data), option=orjson.OPT_INDENT_2)  # Gym's file layout
+    entries = orjson.loads(data)
+    rollouts = read_jsonl(store.merged_rollouts_path(run.run_dir))
+    profile_rows = read_jsonl(store.merged_reward_profiling_path(run.run_dir))
+    agent_of = {r["_ng_task_index"]: r["sample"]["agent_ref"]["name"] for r in profile_rows}
+    assert [e["agent_ref"]["name"] for e in entries] == sorted(set(agent_of.values()))
+    for e in entries:
+        name = e["agent_ref"]["name"]
+        tasks: dict[int, list[float]] = defaultdict(list)
+        for r in rollouts:
+            if agent_of[r["_ng_task_index"]] == name:
+                tasks[r["_ng_task_index"]].append(float(r["reward"]))
+        repeats = run.plan.agents[name]["repeats"]
+        m = e["agent_metrics"]
+        for k in (1, 2, 4, repeats):
+            want = reference_pass_at_k(list(tasks.values()), k) if k <= repeats else None
+            if want is None:
+                assert f"pass@{k}/accuracy" not in m
+            else:
+                assert m[f"pass@{k}/accuracy"] == pytest.approx(want)
+                firsts = [sum(v[:k]) / len(v[:k]) for v in tasks.values()]
+                assert m[f"pass@1[avg-of-{k}]/accuracy"] == pytest.approx(100 * sum(firsts) / len(firsts))
+        assert m["mean/reward"] == pytest.approx(statistics.fmean(x for v in tasks.values() for x in v))
+        assert e["key_metrics"]["mean/reward"] == m["mean/reward"]
+        assert any(k.startswith("majority@") for k in e["key_metrics"])
+        groups = e["group_level_metrics"]
+        assert [g["_ng_task_index"] for g in groups] == sorted(tasks)
+        assert all(g["sample"] == {"agent_ref": {"name": "agent"}} for g in groups)
+        assert all(g["expected_num_rollouts"] == g["num_rollouts"] == len(tasks[g["_ng_task_index"]])
+                   for g in groups)
+        prof = {r["_ng_task_index"]: r for r in profile_rows}
+        for g in groups:
+            p = prof[g["_ng_task_index"]]
+            assert {k: v for k, v in g.items() if "/" in k} == {k: v for k, v in p.items() if "/" in k}
+            assert g["rollout_infos"] == p["rollout_infos"]
+
+
+# ---------------------------------------------------------------- sealing
+
+def test_unsealed_shards_are_refused_with_resume_hint(tmp_path: Path) -> None:
+    run = make_run(tmp_path, input_rows(6), num_repeats=2, num_shards=3)
+    write_shard(run, 0)
+    write_shard(run, 1, seal_it=False)
+    with pytest.raises(IncompleteRun, match="shardrun resume") as err:
+        merge.merge_and_profile(run.run_dir)
+    assert "shard 00001: no marker" in str(err.value) and "shard 00002" in str(err.value)
+    assert not any(store.merged_dir(run.run_dir).glob("rollouts*"))
+    result = CliRunner().invoke(cli.app, ["merge-and-profile", str(run.run_dir)])
+    assert result.exit_code == IncompleteRun.exit_code and "shardrun resume" in result.output
+
+
+def test_allow_partial_merges_unsealed_shards_and_reports_completion(tmp_path: Path) -> None:
+    run = make_run(tmp_path, input_rows(6), num_repeats=4, num_shards=3)
+    write_shard(run, 0)
+    w1 = write_shard(run, 1, missing=3, torn=True, seal_it=False)
+    summary = merge.merge_and_profile(run.run_dir, allow_partial=True)
+    assert [s.sealed for s in summary.shards] == [True, False, False]
+    assert summary.shards[1].reason == "no marker" and summary.shards[1].torn_bytes > 0
+    merged = store.merged_dir(run.run_dir)
+    planned = sorted((m for i in range(3) for m in run.materialized(i)), key=KEY)
+    assert len(read_jsonl(merged / "rollouts_materialized_inputs.jsonl")) == len(planned) == 24
+    rollouts = read_jsonl(merged / "rollouts.jsonl")
+    assert len(rollouts) == 8 + 8 - 3
+    want_rows, _ = reference_profile(planned, rollouts)
+    got = read_jsonl(merged / "rollouts_reward_profiling.jsonl")
+    assert_same(got, want_rows)
+    assert summary.tasks_missing == 2  # the third shard wrote nothing
+    assert summary.tasks_complete + summary.tasks_partial == 4
+    assert {r["reward_profile_completion_pct"] for r in got} <= {25.0, 50.0, 75.0, 100.0}
+    assert summary.tasks_partial == len({t for t, _ in w1.missing})
+    assert not list(merged.glob(".tmp-*"))
+    assert "unsealed shards merged as partial" in CliRunner().invoke(
+        cli.app, ["merge-and-profile", str(run.run_dir), "--allow-partial"]).output
+
+
+def test_rollouts_changed_after_sealing_count_as_unsealed(tmp_path: Path) -> None:
+    run = make_run(tmp_path, input_rows(4), num_repeats=2, num_shards=2)
+    write_shard(run, 0)
+    write_shard(run, 1)
+    path = store.rollouts_path(run.run_dir, 1)
+    data = bytearray(path.read_bytes())
+    data[data.index(b'"reward":') + 9] ^= 1  # same size, other content: only the hash can tell
+    path.write_bytes(bytes(data))
+    with pytest.raises(IncompleteRun, match="sha256 differs"):
+        merge.merge_and_profile(run.run_dir)
+    summary = merge.merge_and_profile(run.run_dir, allow_partial=True)
+    assert not summary.shards[1].sealed and "sha256" in summary.shards[1].reason
+    with open(path, "ab") as f:  # appended after sealing: the size no longer matches
+        f.write(b"\n")
+    with pytest.raises(IncompleteRun, match="changed after sealing"):
+        merge.merge_and_profile(run.run_dir)
+
+
+def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: Path, monkeypatch) -> None:
+    """Shard 1 is sealed while the merge reads shard 0; shard 0 is rewritten between its check and its read."""
+    run = make_run(tmp_path, input_rows(4), num_repeats=2, num_shards=2)
+    write_shard(run, 0)
+    write_shard(run, 1, seal_it=False, missing=1)
+    real_scan = merge.scan_rollouts
+
+    def racing_scan(path: Path, **kw: Any):
+        if path.parent.name == "00000":
+            seal_shard(run, 1, num_failed=1)  # shard 1 gets sealed now, after the merge checked it
+        return real_scan(path, **kw)
+
+    monkeypatch.setattr(merge, "scan_rollouts", racing_scan)
+    summary = merge.merge_and_profile(run.run_dir, allow_partial=True)
+    assert [s.sealed for s in summary.shards] == [True, False]  # as checked: never half
+    assert summary.shards[1].marker is None and summary.rollouts == 7
+
+    def rewriting_scan(path: Path, **kw: Any):
+        if path.parent.name == "00000" and kw.get("snapshot") is None:
+            rows = read_jsonl(path)
+            rows[0]["reward"] = 0.5 if rows[0]["reward"] != 0.5 else 0.25
+            data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
+            path.write_bytes(data[:path.stat().st_size].ljust(path.stat().st_size, b" "))
+        return real_scan(path, **kw)
+
+    monkeypatch.setattr(merge, "scan_rollouts", rewriting_scan)
+    with pytest.raises(IncompleteRun, match="sha256 differs"):
+        merge.merge_and_profile(run.run_dir)
+
+
+# ---------------------------------------------------------------- identity
+
+def test_renumbered_shard_is_mapped_back_to_planned_identities(tmp_path: Path) -> None:
+    rows = input_rows(5)
+    plain = make_run(tmp_path, rows, num_repeats=4, num_shards=3, name="plain")
+    renum = make_run(tmp_path, rows, num_repeats=4, num_shards=3, name="renum")
+    assert renum.identities(1)[0][1] > 0  # shard 1 starts mid-task: local and global numbering differ
+    for i in range(3):
+        write_shard(plain, i, failed=1 if i == 1 else 0)
+        write_shard(renum, i, renumber=i == 1, failed=1 if i == 1 else 0)
+    a = merge.merge_and_profile(plain.run_dir)
+    b = merge.merge_and_profile(renum.run_dir)
+    assert b.shards[1].renumbered and not a.shards[1].renumbered
+    for name in ("rollouts.jsonl", "rollouts_reward_profiling.jsonl", "rollouts_failures.jsonl"):
+        assert read_jsonl(store.merged_dir(plain.run_dir) / name) == read_jsonl(store.merged_dir(renum.run_dir) / name)
+
+
+def test_rows_without_identity_or_unreadable_are_rejected(tmp_path: Path) -> None:
+    run = make_run(tmp_path, input_rows(3), num_repeats=2, num_shards=1)
+    planned = run.materialized(0)
+    lines = [orjson.dumps(rollout_row(m)) for m in planned]
+    lines.insert(2, b'{"reward": 1.0}')
+    lines.insert(3, b'{"_ng_task_index": 0, "_ng_rollout_index": "1"}')
+    lines.insert(1, b"not json at all")
+    lines.insert(1, b"")
+    store.rollouts_path(run.run_dir, 0).write_bytes(b"\n".join(lines) + b"\n")
+    seal_shard(run, 0)
+    s = merge.merge_and_profile(run.run_dir)
+    assert s.rejected == {"not planned for its shard": 0, "no identity": 2, "unreadable line": 1}
+    assert s.rollouts == 6 and s.tasks_complete == 3
+
+
+# ---------------------------------------------------------------- re-running and being killed
+
+def merged_bytes(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(store.merged_dir(run_dir).iterdir())
+            if p.name not in (".merge.lock", "merge_summary.json")}
+
+
+def test_rerun_gives_identical_bytes(tmp_path: Path) -> None:
+    run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
+    merge.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    first = merged_bytes(run.run_dir)
+    (store.merged_dir(run.run_dir) / ".tmp-rollouts.jsonl.killed").write_bytes(b"half a file")
+    merge.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    assert merged_bytes(run.run_dir) == first and len(first) == 6
+
+
+def test_a_failing_merge_leaves_the_previous_outputs(tmp_path: Path, monkeypatch) -> None:
+    run, _ = build(tmp_path, "contiguous-int")
+    merge.merge_and_profile(run.run_dir)
+    before = merged_bytes(run.run_dir)
+    write_shard(run, 0, seed=99)  # new content, so a completed merge would change the outputs
+
+    def boom(*a: Any, **k: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(merge, "_write_aggregate", boom)
+    with pytest.raises(KeyboardInterrupt):
+        merge.merge_and_profile(run.run_dir)
+    assert merged_bytes(run.run_dir) == before
+    assert not list(store.merged_dir(run.run_dir).glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_point_then_rerun_gives_the_clean_result(tmp_path: Path) -> None:
+    run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
+    merge.merge_and_profile(run.run_dir)
+    clean = merged_bytes(run.run_dir)
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); " \
+           f"from shardrun import merge; merge.merge_and_profile({str(run.run_dir)!r})"
+    for attempt, delay in enumerate((0.05, 0.15, 0.3, 0.45, 0.6, 0.8)):
+        for p in store.merged_dir(run.run_dir).iterdir():
+            p.unlink() if attempt % 2 else None  # every other kill starts from an empty merged/
+        proc = subprocess.Popen([sys.executable, "-c", code])
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        leftovers = merged_bytes(run.run_dir)
+        for name, data in leftovers.items():  # whatever is there is complete (old or new), never half
+            assert name.startswith(".tmp-") or data == clean[name]
+        merge.merge_and_profile(run.run_dir)
+        assert merged_bytes(run.run_dir) == clean
+
+
+def corner_row(m: dict[str, Any]) -> dict[str, Any]:
+    row = rollout_row(m)
+    t, r = m["_ng_task_index"], m["_ng_rollout_index"]
+    variant = (t + r) % 5
+    if variant == 0:
+        row["input_tokens"] = 999  # shadowed by response.usage in the stats, not in rollout_infos
+    elif variant == 1:
+        row["reward"] = None
+    elif variant == 2:
+        row["reward"] = bool(r % 2)
+    elif variant == 3:
+        row["big"] = 2 ** 60 + 1 + r  # beyond float precision: rollout_infos keep the exact integer
+    else:
+        row["response"] = {"usage": "not a dict"}
+    return row
+
+
+def test_corner_case_rows_equal_plain_computation(tmp_path: Path) -> None:
+    run = make_run(tmp_path, input_rows(8, agents=("a", "b")), num_repeats={"a": 3, "_default": 1}, num_shards=2,
+                   slicing="round_robin")
+    for i in range(2):
+        write_shard(run, i, make_row=corner_row, seed=i)
+    merge.merge_and_profile(run.run_dir)
+    merged = store.merged_dir(run.run_dir)
+    planned = read_jsonl(merged / "rollouts_materialized_inputs.jsonl")
+    rollouts = read_jsonl(merged / "rollouts.jsonl")
+    want_rows, want_agents = reference_profile(planned, rollouts)
+    got_rows = read_jsonl(merged / "rollouts_reward_profiling.jsonl")
+    assert_same(got_rows, want_rows)
+    assert_same(orjson.loads((merged / "rollouts_agent_metrics.json").read_bytes()), want_agents)
+    bigs = [i["big"] for row in got_rows for i in row["rollout_infos"] if "big" in i]
+    assert bigs and all(b > 2 ** 60 and isinstance(b, int) for b in bigs)
+    assert any(i["reward"] is None for row in got_rows for i in row["rollout_infos"])
+    assert any(i["reward"] is True for row in got_rows for i in row["rollout_infos"])

@@ -130,18 +130,30 @@ def submit(
     config: Path = typer.Argument(..., help="Run config YAML (with gym and policy sections)."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Hydra overrides: key=value, +key=value, cluster=NAME."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Return after submitting (local executor waits by default)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be submitted (Slurm: the array layout and "
+                                 "the sbatch scripts); write and submit nothing."),
+    no_merge_job: bool = typer.Option(False, "--no-merge-job", help="Slurm: do not submit the merge-and-profile job "
+                                      "that runs after the arrays."),
 ) -> None:
     """Plan the run (refusing a different existing plan), launch every unsealed shard, print the run directory,
     the job ids and, when waiting, each shard's outcome."""
     from shardrun import launch
 
     cfg = run(config_mod.load, config, overrides or [])
-    result = run(launch.submit, cfg, wait_for_jobs=False if no_wait else None, echo=typer.echo)
+    result = run(launch.submit, cfg, wait_for_jobs=False if no_wait else None, echo=typer.echo,
+                 merge_job=not no_merge_job, dry_run=dry_run)
+    if result.dry_run is not None:
+        typer.echo(result.dry_run)
+        return
+    if result.merge_job_id:
+        typer.echo(f"merge job: {result.merge_job_id} (shardrun merge-and-profile, after the shard jobs end)")
+    if result.live:
+        typer.echo(f"still queued or running, not submitted again: {len(result.live)} shard(s)")
     for reason in result.ignored_markers:
         typer.echo(f"warning: {reason}", err=True)
     if result.already_sealed:
         typer.echo(f"already sealed: {len(result.already_sealed)} shard(s), not launched again")
-    if not result.jobs:
+    if not result.jobs and not result.live:
         typer.echo(f"run directory: {result.run_dir}\nevery shard is sealed; nothing to launch")
     for o in result.outcomes or []:
         typer.echo(f"shard {o.index:05d}: {o.state}" + (f" ({o.detail})" if o.detail else ""))
@@ -149,6 +161,37 @@ def submit(
         typer.echo(f"error: {len(result.failed)} shard(s) did not seal; logs in {result.run_dir}/shards/*/logs/",
                    err=True)
         raise typer.Exit(4)
+
+
+@app.command()
+def resume(
+    run_dir: Path = typer.Argument(..., help="Run directory."),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Overrides applied to the saved launch settings (or to "
+                                                    "--config), e.g. cluster.max_attempts=5 cluster.partition=long."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Resume with this run config instead of the "
+                                          "settings the last launch saved (the plan must not change)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be resubmitted; submit nothing."),
+    no_merge_job: bool = typer.Option(False, "--no-merge-job", help="Slurm: no merge-and-profile job afterwards."),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Local executor: return after submitting."),
+) -> None:
+    """Resubmit the shards that are not sealed and not queued or running (each resumes from its last complete
+    rollout); refuses if the input or config no longer give the run's plan; gives up on a shard after
+    cluster.max_attempts launches and says why."""
+    from shardrun import resume as resume_mod
+
+    result = run(resume_mod.resume, run_dir, config, overrides or [], merge_job=not no_merge_job, dry_run=dry_run,
+                 wait_for_jobs=False if no_wait else None, echo=typer.echo)
+    typer.echo(resume_mod.render(result))
+    if result.gave_up:
+        raise typer.Exit(4)
+
+
+@app.command()
+def cancel(run_dir: Path = typer.Argument(..., help="Run directory.")) -> None:
+    """Cancel the run's queued and running jobs (shards and merge job); their progress is kept for resume."""
+    from shardrun import resume as resume_mod
+
+    typer.echo(resume_mod.render_cancel(run(resume_mod.cancel, run_dir)))
 
 
 @app.command("run-shard")

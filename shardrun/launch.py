@@ -1,9 +1,10 @@
 """Launching shards through submitit (the only module that knows submitit).
 
 The seam:
-- `make_executor(cfg, run_dir)` builds the submitit executor from the cluster config (local now; slurm next).
+- `make_executor(cfg, run_dir)` builds the local submitit executor; Slurm executors are made per job array by
+  `slurm_executor` (parameters from slurm.py, which is pure).
 - `submit_shards(cfg, run_dir, indices)` submits shards and returns which job runs which shard; it appends one
-  launch record to RUN_DIR/launches.jsonl (read by status / resume).
+  launch record to RUN_DIR/launches.jsonl (read by status / resume / cancel).
 - The job functions `shard_job(run_dir, index)` and `shard_worker(run_dir, indices)` are small and importable;
   their arguments are a path and integers, so submitit's pickles hold no state and no secrets: everything a shard
   needs is in the run directory (plan.json, launch.json, the shard's files) and in the environment (API keys).
@@ -14,18 +15,29 @@ unsealed shard, and for the local executor wait for them by default.
 Local executor: submitit's LocalExecutor starts every job at once, so the cap on concurrent shards
 (cluster.array_parallelism) is kept by submitting at most that many worker jobs, each running its share of the
 shards one after another (shards i, i+cap, i+2cap, ...).
+
+Slurm executor: one job array per MaxArraySize shards (one sbatch each, throttled with %N so that together they
+run at most array_parallelism shards), each task a `ShardJob` (submitit Checkpointable: on the checkpoint signal
+the shard stops cleanly and submitit requeues it), then one CPU merge job after all arrays (afterany).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shlex
+import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from shardrun import processes, seal, store
-from shardrun.config import ClusterConfig, RunConfig
+from submitit.helpers import Checkpointable
+
+from shardrun import processes, seal, slurm, status, store
+from shardrun.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig, RunConfig
 from shardrun.errors import BadInput, ShardFailed, ShardrunError
 from shardrun.planner import Plan
 
@@ -74,7 +86,7 @@ def shard_worker(run_dir: str, indices: Sequence[int]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- executor and submission
 
 def make_executor(cfg: RunConfig, run_dir: Path):
-    """The submitit executor for the run's cluster config, with its folder in the run directory."""
+    """The local submitit executor, with its folder in the run directory (Slurm: `slurm_executor`)."""
     import submitit
 
     cluster = cfg.cluster_or_default
@@ -89,7 +101,7 @@ def make_executor(cfg: RunConfig, run_dir: Path):
             params["setup"] = list(cluster.setup)
         executor.update_parameters(**params)
         return executor
-    raise BadInput(f"cluster.executor={cluster.executor!r}: only the local executor is available in this version")
+    raise BadInput(f"cluster.executor={cluster.executor!r}: make_executor builds the local executor only")
 
 
 def local_timeout_min(cluster: ClusterConfig) -> int:
@@ -110,21 +122,33 @@ def local_groups(indices: Sequence[int], parallelism: int) -> list[list[int]]:
 class Launch:
     jobs: dict[int, str]  # shard index -> job id
     handles: list[Any] = field(default_factory=list)  # submitit jobs (only to wait on them here)
+    arrays: list[str] = field(default_factory=list)  # Slurm: the job array ids, in submission order
+    tag: str | None = None  # Slurm: the job name of the shard jobs
+    merge_name: str | None = None  # Slurm: the job name of the merge job
+    merge_job_id: str | None = None
 
 
-def submit_shards(cfg: RunConfig, run_dir: Path, indices: Sequence[int]) -> Launch:
-    """Submit the shards `indices`; records the launch in RUN_DIR/launches.jsonl. Returns shard -> job id."""
+def submit_shards(cfg: RunConfig, run_dir: Path, indices: Sequence[int], *, merge_job: bool = True,
+                  locked: bool = False) -> Launch:
+    """Submit the shards `indices` (Slurm: and, with `merge_job`, the merge job after them); records the launch in
+    RUN_DIR/launches.jsonl, even when a later sbatch of the launch failed. Holds the run lock unless the caller
+    does (`locked`). Returns shard -> job id."""
     cluster = cfg.cluster_or_default
-    executor = make_executor(cfg, run_dir)
     launch = Launch(jobs={})
-    if cluster.executor == "local":
-        for group in local_groups(list(indices), cluster.array_parallelism):
-            job = executor.submit(shard_worker, str(run_dir), group)
-            launch.handles.append(job)
-            for i in group:
-                launch.jobs[i] = str(job.job_id)
-    with store.run_lock(run_dir):
-        store.append_launch(run_dir, launch_record(cfg, run_dir, launch))
+    with contextlib.nullcontext() if locked else store.run_lock(run_dir):
+        try:
+            if cluster.executor == "slurm":
+                submit_slurm(cfg, run_dir, store.load_plan(run_dir), indices, launch, merge_job=merge_job)
+            else:
+                executor = make_executor(cfg, run_dir)
+                for group in local_groups(list(indices), cluster.array_parallelism):
+                    job = executor.submit(shard_worker, str(run_dir), group)
+                    launch.handles.append(job)
+                    for i in group:
+                        launch.jobs[i] = str(job.job_id)
+        finally:
+            if launch.jobs:
+                store.append_launch(run_dir, launch_record(cfg, run_dir, launch))
     return launch
 
 
@@ -133,9 +157,12 @@ def launch_record(cfg: RunConfig, run_dir: Path, launch: Launch) -> dict[str, An
     record: dict[str, Any] = {
         "executor": cluster.executor, "submitted_at": time.time(), "host": socket.gethostname(),
         "jobs": {str(i): j for i, j in sorted(launch.jobs.items())},
-        "max_attempts": cluster.max_attempts, "gpus_per_shard": cluster.gpus_per_node,
+        "max_attempts": cluster.max_attempts, "gpus_per_shard": cluster.nodes * cluster.gpus_per_node,
         "done_at_submit": rollouts_done(run_dir),
     }
+    if cluster.executor == "slurm":
+        record.update(tag=launch.tag, merge_job_name=launch.merge_name, arrays=launch.arrays,
+                      merge_job_id=launch.merge_job_id)
     if cluster.executor == "local":
         pids = sorted({int(j) for j in launch.jobs.values()})
         record["pid_start"] = {str(p): processes.start_ticks(p) for p in pids}
@@ -186,6 +213,9 @@ class SubmitResult:
     already_sealed: list[int]
     ignored_markers: list[str]
     outcomes: list[ShardOutcome] | None  # None with --no-wait
+    live: list[int] = field(default_factory=list)  # unsealed but still queued or running: not submitted again
+    merge_job_id: str | None = None
+    dry_run: str | None = None  # --dry-run: what would be submitted
 
     @property
     def failed(self) -> list[ShardOutcome]:
@@ -230,16 +260,21 @@ def unsealed(run_dir: Path, plan: Plan) -> tuple[list[int], list[int], list[str]
 
 
 def launch_unsealed(cfg: RunConfig, run_dir: Path, plan: Plan, *, wait_for_jobs: bool,
-                    echo: Callable[[str], None] = print) -> SubmitResult:
-    """Save the launch settings and launch every unsealed shard (what submit and resume share)."""
-    store.write_launch_settings(run_dir, cfg)
-    todo, done, ignored = unsealed(run_dir, plan)
-    result = SubmitResult(run_dir, plan, False, {}, done, ignored, None)
-    if not todo:
-        result.outcomes = []
-        return result
-    launch = submit_shards(cfg, run_dir, todo)
+                    echo: Callable[[str], None] = print, merge_job: bool = True) -> SubmitResult:
+    """Save the launch settings and launch every unsealed shard that is not queued or running already (what submit
+    and resume share). Holds the run lock from the check to the launch record, so two submits launch once."""
+    with store.run_lock(run_dir):
+        store.write_launch_settings(run_dir, cfg)
+        todo, done, ignored = unsealed(run_dir, plan)
+        live = set(status.collect(run_dir, plan=plan).indices(*status.LIVE_STATES)) if todo else set()
+        result = SubmitResult(run_dir, plan, False, {}, done, ignored, None, live=sorted(live & set(todo)))
+        todo = [i for i in todo if i not in live]
+        if not todo:
+            result.outcomes = [] if not result.live else None
+            return result
+        launch = submit_shards(cfg, run_dir, todo, merge_job=merge_job, locked=True)
     result.jobs = launch.jobs
+    result.merge_job_id = launch.merge_job_id
     echo(f"run directory: {run_dir}")
     echo("jobs: " + ", ".join(f"shard {i} -> {j}" for i, j in sorted(launch.jobs.items())))
     if wait_for_jobs and launch.handles:
@@ -248,12 +283,216 @@ def launch_unsealed(cfg: RunConfig, run_dir: Path, plan: Plan, *, wait_for_jobs:
     return result
 
 
-def submit(cfg: RunConfig, *, wait_for_jobs: bool | None = None, echo: Callable[[str], None] = print) -> SubmitResult:
-    """`shardrun submit`: plan + launch every unsealed shard (+ wait, by default for the local executor)."""
+def submit(cfg: RunConfig, *, wait_for_jobs: bool | None = None, echo: Callable[[str], None] = print,
+           merge_job: bool = True, dry_run: bool = False) -> SubmitResult:
+    """`shardrun submit`: plan + launch every unsealed shard (+ wait, by default for the local executor; on Slurm
+    + the merge job unless `merge_job` is off). `dry_run` writes and submits nothing: it describes the launch."""
+    if dry_run:
+        return dry_run_submit(cfg, merge_job=merge_job)
     cfg.require("gym", "policy")
     plan, written = store.write_plan(cfg)
     if wait_for_jobs is None:
         wait_for_jobs = cfg.cluster_or_default.executor == "local"
-    result = launch_unsealed(cfg, cfg.run_dir, plan, wait_for_jobs=wait_for_jobs, echo=echo)
+    result = launch_unsealed(cfg, cfg.run_dir, plan, wait_for_jobs=wait_for_jobs, echo=echo, merge_job=merge_job)
     result.planned_now = written
     return result
+
+
+def dry_run_submit(cfg: RunConfig, *, merge_job: bool) -> SubmitResult:
+    """What `submit` would launch: the shards not sealed yet (all of them for a run not planned yet)."""
+    run_dir = cfg.run_dir
+    plan = store.scan_input(cfg)
+    store.check_run_dir(run_dir)
+    existing = store.existing_plan_matches(run_dir, plan)  # PlanMismatch if the run directory holds another plan
+    todo, done, ignored = unsealed(run_dir, plan) if existing else ([s.index for s in plan.shards], [], [])
+    result = SubmitResult(run_dir, plan, False, {}, done, ignored, None)
+    text = describe_submission(cfg, run_dir, todo, merge_job=merge_job, fingerprint=plan.fingerprint) if todo \
+        else "every shard is sealed; nothing would be submitted"
+    missing = [name for name in ("gym", "policy") if getattr(cfg, name) is None]
+    if missing:
+        text += f"\nnote: the config has no {' or '.join(missing)} section; submit needs them"
+    result.dry_run = text
+    return result
+
+
+# ---------------------------------------------------------------- Slurm: job arrays, the merge job, checkpoints
+
+class CheckpointRequested(BaseException):
+    """Raised inside a Slurm shard job by the checkpoint signal (USR2: the time limit is near, or a preemption).
+
+    A BaseException, so the runtime's `except Exception` neither records it as the shard's failure nor as failed
+    rollouts: it unwinds the shard, whose teardown stops the collector (watchdog) and the servers in order; every
+    completed rollout stays in rollouts.jsonl and rollouts in flight are simply run again by the requeued job."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"checkpoint signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def checkpoint_signal() -> int:
+    """submitit's checkpoint signal (USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise)."""
+    return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
+
+
+class ShardJob(Checkpointable):
+    """One shard as a Slurm array task. On the checkpoint signal it stops the shard cleanly, then hands over to
+    submitit, which calls `checkpoint` (the same shard again: it resumes from its files), requeues the job and
+    exits. Pickled by submitit: it holds the run directory only."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = str(run_dir)
+
+    def __call__(self, index: int) -> dict[str, Any]:
+        sig = checkpoint_signal()
+        submitit_handler = signal.getsignal(sig)  # submitit's checkpoint_and_try_requeue inside a job
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            signal.signal(signum, signal.SIG_IGN)  # one stop is enough; Slurm may signal again
+            raise CheckpointRequested(signum)
+
+        signal.signal(sig, on_signal)
+        try:
+            return shard_job(self.run_dir, index)
+        except CheckpointRequested as e:
+            print(f"[shardrun] shard {index}: {e}: collector and servers stopped, completed rollouts kept; "
+                  f"handing over to submitit to requeue", flush=True)
+            signal.signal(sig, submitit_handler)
+            if callable(submitit_handler):
+                submitit_handler(e.signum, None)  # checkpoint -> scontrol requeue -> exit
+            raise
+        finally:
+            signal.signal(sig, submitit_handler)
+
+
+def slurm_executor(run_dir: Path, cluster: ClusterConfig, params: dict[str, Any]):
+    import submitit
+
+    folder = store.jobs_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
+    except RuntimeError as e:  # no srun on PATH
+        raise slurm.SlurmError(f"cannot submit to Slurm from here: {e}") from None
+    executor.update_parameters(**params)
+    return executor
+
+
+def render_sbatch(params: dict[str, Any], folder: Path, *, map_count: int | None, python: str | None = None) -> str:
+    """The sbatch script submitit writes for these parameters (pure: submitit's own renderer, nothing submitted).
+    A job array when `map_count` is given (submitit submits a single shard as a plain job)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = Path(folder).absolute()
+    command = " ".join([shlex.quote(python or sys.executable), "-u -m submitit.core._submit",
+                        shlex.quote(str(folder))])
+    return _make_sbatch_string(command=command, folder=folder, map_count=map_count, **params)
+
+
+@dataclass(frozen=True)
+class SlurmPlan:
+    """What a Slurm submission consists of (pure): the job name, the arrays and the parameters."""
+
+    tag: str
+    merge_name: str
+    layout: list[slurm.ArrayChunk]
+    shard_params: dict[str, Any]
+    merge_params: dict[str, Any] | None
+
+    def array_params(self, chunk: slurm.ArrayChunk) -> dict[str, Any]:
+        return {**self.shard_params, "array_parallelism": chunk.parallelism}
+
+
+def slurm_plan(cfg: RunConfig, run_dir: Path, fingerprint: str, indices: Sequence[int], *, max_array_size: int,
+               merge_job: bool, after: Sequence[str] = ()) -> SlurmPlan:
+    cluster = cfg.cluster_or_default
+    tag = slurm.job_tag(cluster.job_name_prefix, run_dir, fingerprint)
+    comment = f"shardrun {run_dir}"
+    pass_through = [cfg.policy.api_key_env] if cfg.policy and cfg.policy.api_key_env else []
+    shard_params = slurm.shard_parameters(cluster, job_name=tag, comment=comment, pass_through_env=pass_through)
+    merge_name = slurm.merge_job_name(tag)
+    merge_params = slurm.merge_parameters(cluster, job_name=merge_name, comment=comment, after=after) \
+        if merge_job else None
+    return SlurmPlan(tag, merge_name, slurm.array_layout(list(indices), max_array_size, cluster.array_parallelism),
+                     shard_params, merge_params)
+
+
+def merge_command(run_dir: Path) -> list[str]:
+    """What the merge job runs: `shardrun merge-and-profile RUN_DIR` (it re-verifies every shard's seal itself,
+    since Slurm counts a dependency on a purged job id as met; missing shards: non-zero exit, 'shardrun resume')."""
+    return [sys.executable, "-m", "shardrun.cli", "merge-and-profile", str(run_dir)]
+
+
+def slurm_scripts(sp: SlurmPlan, run_dir: Path, *, python: str | None = None) -> list[tuple[str, str]]:
+    """(title, sbatch script) for every sbatch call of the submission, in order (pure)."""
+    folder = store.jobs_dir(run_dir)
+    out = []
+    for k, chunk in enumerate(sp.layout):
+        out.append((f"array {k}: shards {slurm.format_ranges(chunk.shards)}",
+                    render_sbatch(sp.array_params(chunk), folder, map_count=chunk.size if chunk.size > 1 else None,
+                                  python=python)))
+    if sp.merge_params is not None:
+        out.append((f"merge job: shardrun merge-and-profile {shlex.quote(str(run_dir))}",
+                    render_sbatch(sp.merge_params, folder, map_count=None, python=python)))
+    return out
+
+
+def max_array_size_for_dry_run(cluster: ClusterConfig) -> tuple[int, str]:
+    if cluster.max_array_size:
+        return cluster.max_array_size, "cluster.max_array_size"
+    try:
+        return slurm.query_max_array_size(), "scontrol show config"
+    except slurm.SlurmError:
+        return DEFAULT_MAX_ARRAY_SIZE, "Slurm's default; scontrol is not available here"
+
+
+def describe_submission(cfg: RunConfig, run_dir: Path, indices: Sequence[int], *, merge_job: bool = True,
+                        fingerprint: str | None = None) -> str:
+    """`--dry-run`: the array layout and every sbatch script that would be submitted (Slurm), or the worker
+    groups (local). Nothing is submitted or written."""
+    cluster = cfg.cluster_or_default
+    if cluster.executor == "local":
+        groups = local_groups(list(indices), cluster.array_parallelism)
+        return "\n".join([f"local executor: {len(indices)} shard(s) in {len(groups)} worker job(s) at once"]
+                         + [f"  worker {w}: shards {slurm.format_ranges(g)}" for w, g in enumerate(groups)])
+    fingerprint = fingerprint or store.load_plan(run_dir).fingerprint
+    size, source = max_array_size_for_dry_run(cluster)
+    sp = slurm_plan(cfg, run_dir, fingerprint, indices, max_array_size=size, merge_job=merge_job,
+                    after=[f"<array {k} job id>" for k in range(-(-len(indices) // size))])
+    lines = [f"job name: {sp.tag} (status, resume and cancel find the run's jobs by it)",
+             f"MaxArraySize: {size} ({source})", slurm.describe_layout(sp.layout)]
+    if merge_job:
+        lines.append(f"merge job: {sp.merge_name}, after every array ends (afterany, --kill-on-invalid-dep=yes)")
+    for title, script in slurm_scripts(sp, run_dir):
+        lines += ["", f"# ---- sbatch script for {title}", script.rstrip("\n")]
+    return "\n".join(lines)
+
+
+def submit_slurm(cfg: RunConfig, run_dir: Path, plan: Plan, indices: Sequence[int], launch: Launch, *,
+                 merge_job: bool) -> None:
+    """Submit the shards as job arrays (one sbatch per array) and the merge job after them (one more sbatch),
+    filling `launch` as each sbatch succeeds."""
+    from submitit.helpers import CommandFunction
+
+    cluster = cfg.cluster_or_default
+    sp = slurm_plan(cfg, run_dir, plan.fingerprint, indices, max_array_size=slurm.max_array_size(cluster),
+                    merge_job=False)
+    launch.tag, launch.merge_name = sp.tag, sp.merge_name
+    job = ShardJob(str(run_dir))
+    for chunk in sp.layout:
+        jobs = slurm_executor(run_dir, cluster, sp.array_params(chunk)).map_array(job, list(chunk.shards))
+        for i, j in zip(chunk.shards, jobs):
+            launch.jobs[i] = str(j.job_id)
+        launch.arrays.append(str(jobs[0].job_id).split("_", 1)[0])
+    if merge_job:
+        # the run's merge jobs still waiting would run before the new shards end: replace them by one merge job
+        # after every array of the run that is still queued or running
+        names = status.fold_launches(store.read_launches(run_dir)).names | {sp.tag, sp.merge_name}
+        live = slurm.query_live_jobs(names)
+        slurm.cancel({j.job_id for j in live.values() if j.name == sp.merge_name})
+        after = sorted({j.array_id for j in live.values() if j.name != sp.merge_name} | set(launch.arrays),
+                       key=lambda s: (len(s), s))
+        merge_params = slurm.merge_parameters(cluster, job_name=sp.merge_name, comment=f"shardrun {run_dir}",
+                                              after=after)
+        merge = slurm_executor(run_dir, cluster, merge_params).submit(CommandFunction(merge_command(run_dir),
+                                                                                      verbose=True))
+        launch.merge_job_id = str(merge.job_id)

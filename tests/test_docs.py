@@ -33,7 +33,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from reportkit import seal_shards, write_merged
+from reportkit import merge_run, seal_shards
 from shardrun import config, docs_gen, store
 from shardrun.cli import app
 
@@ -129,7 +129,7 @@ def collected(tmp_path_factory) -> Path:
         cfg = config.load(ws / "examples" / "arith" / "plan-only.yaml")
         store.write_plan(cfg)
         seal_shards(cfg.run_dir, reward)
-        write_merged(cfg.run_dir)
+        merge_run(cfg.run_dir)
     finally:
         os.chdir(cwd)
     return ws

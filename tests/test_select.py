@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from reportkit import input_row, planned_run, seal_shards, write_merged
+from reportkit import input_row, merge_run, planned_run, seal_shards
 from shardrun import select, store, taskstats
 from shardrun.cli import app
 from shardrun.errors import BadInput, PlanMismatch, RunDirError
@@ -159,7 +159,8 @@ def run(tmp_path):
     rows.insert(5, b"\n")  # a blank line does not count as a task
     run_dir, cfg = planned_run(tmp_path, rows, num_repeats=4, num_shards=3)
     seal_shards(run_dir, reward)
-    profile = write_merged(run_dir)
+    merge_run(run_dir)
+    profile = list(store.iter_jsonl_objects(store.merged_reward_profiling_path(run_dir)))
     lines = [ln for ln in cfg.input_jsonl.read_bytes().splitlines(keepends=True) if ln.strip()]
     index = [42 if b'"_ng_task_index": 42' in ln else n for n, ln in enumerate(lines)]
     return run_dir, cfg, profile, dict(zip(index, lines))

@@ -36,7 +36,8 @@ from shardrun.errors import BadInput, ServerFailure
 VENV_ENV = "SHARDRUN_GYM_VENV"
 HEAD_HOST = "127.0.0.1"
 SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models")
-STOP_GRACE_S = 15.0
+STOP_GRACE_S = 5.0  # ng_run exits about 3 s after SIGTERM; results are on disk by then
+STRAGGLER_GRACE_S = 0.5
 PORT_TRIES = 3
 
 
@@ -173,7 +174,7 @@ class GymStack:
     def stop(self) -> None:
         """SIGTERM ng_run's group, kill stragglers, delete env.yaml (it holds the key) and Ray's temp dir."""
         try:
-            processes.stop(self.proc, grace=STOP_GRACE_S)
+            processes.stop(self.proc, grace=STOP_GRACE_S, straggler_grace=STRAGGLER_GRACE_S)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 self.env_yaml.unlink()

@@ -193,17 +193,26 @@ def wait_http(url: str, *, watch: Sequence[Proc] = (), timeout: float, what: str
 
 # ---------------------------------------------------------------- stopping
 
-def stop(proc: Proc, grace: float = 10.0, sig: int = signal.SIGTERM) -> int | None:
-    """SIGTERM the process group, wait up to `grace` s for the leader, then SIGKILL whatever is left of the group
-    and of the leader's descendants. Returns the leader's exit code. Safe to call twice."""
+def stop(proc: Proc, grace: float = 10.0, sig: int = signal.SIGTERM, straggler_grace: float = 2.0) -> int | None:
+    """SIGTERM the process group and wait up to `grace` s for the leader; then SIGTERM what is left of the group
+    and of the leader's descendants (some leave the group), wait up to `straggler_grace` s, and SIGKILL the rest.
+    Returns the leader's exit code. Safe to call twice."""
     family = _family(proc.pgid, proc.pid)
     _signal_group(proc.pgid, sig)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.popen.wait(timeout=grace)
     family |= _family(proc.pgid, proc.pid)
-    _wait_gone(family, min(2.0, grace))
+    _signal_each(family, sig)
+    _wait_gone(family, min(straggler_grace, grace))
     kill_tree(proc, extra=family)
     return proc.popen.poll()
+
+
+def _signal_each(family: set[tuple[int, int]], sig: int) -> None:
+    for pid, starttime in family:
+        if _start_time(pid) == starttime:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
 
 
 def kill_tree(proc: Proc, extra: set[tuple[int, int]] | None = None) -> None:

@@ -145,20 +145,29 @@ class Shard:
         self.started_at = time.time()
         self.server_wait_s = 0.0
         self.collect_s = 0.0
+        self.teardown_started: float | None = None
 
     def run(self) -> dict:
+        """Seal first, then tear down: a walltime that hits during teardown cannot cost the seal."""
         self.prepare_files()
         book = self.ledger()
-        if book.pending:
-            self.log(f"{len(book.pending)} of {len(book.planned)} planned rollouts to run "
-                     f"({len(book.done)} done, {book.num_failed} failed)")
-            with contextlib.ExitStack() as teardown:
-                endpoint, stack = self.start_servers(teardown)
-                self.collect(endpoint, stack)
-                self.log("collection complete; stopping servers")
-        else:
+        if not book.pending:
             self.log("every planned rollout is already accounted for; sealing without starting servers")
-        return self.seal()
+            return self.seal()
+        self.log(f"{len(book.pending)} of {len(book.planned)} planned rollouts to run "
+                 f"({len(book.done)} done, {book.num_failed} failed)")
+        with contextlib.ExitStack() as teardown:
+            teardown.callback(self.log_teardown, time.monotonic)
+            endpoint, stack = self.start_servers(teardown)
+            self.collect(endpoint, stack)
+            marker = self.seal()
+            self.log("sealed; stopping servers")
+            self.teardown_started = time.monotonic()
+        return marker
+
+    def log_teardown(self, clock) -> None:
+        if self.teardown_started is not None:
+            self.log(f"servers stopped in {clock() - self.teardown_started:.1f} s")
 
     # ------------------------------------------------------------ files
 

@@ -134,3 +134,11 @@ def tagged_processes(tag: str) -> list[int]:
         if needle in env.split(b"\0") and processes.start_ticks(int(entry.name)) is not None:
             found.append(int(entry.name))
     return found
+
+
+def keys_complete(path: Path) -> list[tuple[int, int]]:
+    """Identities on the complete lines of a JSONL file (a torn last line is ignored)."""
+    data = path.read_bytes()
+    body = data[: data.rfind(b"\n") + 1]
+    return [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in
+            (json.loads(l) for l in body.decode().splitlines() if l.strip())]

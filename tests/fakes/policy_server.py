@@ -151,9 +151,15 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def authorized(self) -> bool:
+        key = self.state.api_key
+        return key is None or self.headers.get("Authorization") == f"Bearer {key}"
+
     def do_GET(self) -> None:
         if self.path == "/health":
             self._send(200, {})
+        elif self.path == "/v1/models" and not self.authorized():
+            self._send(401, {"error": {"message": "bad api key", "type": "authentication_error"}})
         elif self.path == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": self.state.model, "object": "model",
                                                          "owned_by": "shardrun-tests"}]})
@@ -173,7 +179,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         st = self.state
         n = st.next_request()
-        auth_ok = st.api_key is None or self.headers.get("Authorization") == f"Bearer {st.api_key}"
+        auth_ok = self.authorized()
         fault = st.fault_for(n, body)
         st.log({"n": n, "seed": body.get("seed"), "prompt": prompt_text(body.get("messages") or []),
                 "model": body.get("model"), "tools": bool(body.get("tools")), "auth_ok": auth_ok, "fault": fault,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shardrun import cost
 from shardrun.summary import table
 
 MAX_LISTED_FAILED = 1000
@@ -107,10 +108,15 @@ class MergeSummary:
     def gpu_hours(self) -> float:
         return sum(s.gpu_hours for s in self.shards if s.sealed)
 
+    @property
+    def run_cost(self) -> cost.RunCost:
+        """Cost accounting over the sealed shards' markers (GPU-hours, rollouts per GPU-hour, tokens/s)."""
+        return cost.run_costs(cost.shard_costs(s.marker for s in self.shards if s.sealed))
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(duplicates=self.duplicates, rejected=self.rejected, gpu_hours=self.gpu_hours,
-                 sealed_shards=self.sealed_shards)
+                 sealed_shards=self.sealed_shards, cost=cost.run_row(self.run_cost))
         return d
 
 
@@ -154,6 +160,7 @@ def render(s: MergeSummary) -> str:
         ("failed rollouts", f"{s.failed_total:,} ({s.failure_rows:,} failure rows in the sidecars)"),
         ("GPU-hours (markers)", f"{s.gpu_hours:,.2f}"),
     ]
+    rows += [r for r in cost.cost_rows(s.run_cost) if r[0] not in ("sealed shards", "GPU-hours (markers)")]
     if s.timings.get("total_s") is not None:
         rows.append(("merge time", f"{s.timings['total_s']:.1f} s"))
     out = [table(rows), ""]

@@ -128,3 +128,18 @@ def test_status_shows_the_sealed_cost(tmp_path):
     assert f"{run.rollouts_per_gpu_hour:,.1f} rollouts/GPU-hour" in line
     assert f"{run.output_tokens_per_s:,.1f} output tokens/s over 3 sealed shard(s)" in line
     assert cost.sealed_cost_text({}) == "-"
+
+
+def test_merge_summary_shows_the_cost(tmp_path):
+    from reportkit import merge_run
+    from shardrun import merge_summary
+
+    run_dir, _ = planned_run(tmp_path, [input_row(i) for i in range(6)], num_repeats=2, num_shards=3)
+    markers = seal_shards(run_dir, lambda t, r: 1.0, gpus=4)
+    summary = merge_run(run_dir)
+    run = cost.run_costs(cost.shard_costs(markers))
+    assert summary.to_json()["cost"] == cost.run_row(run)
+    rows = dict(ln.split("  ", 1) for ln in merge_summary.render(summary).splitlines()[:14] if "  " in ln)
+    assert rows["rollouts per GPU-hour"].strip() == f"{run.rollouts_per_gpu_hour:,.1f}"
+    assert rows["output tokens per second"].strip() == f"{run.output_tokens_per_s:,.1f}"
+    assert rows["wall time"].strip() == cost.hours(run.wall_s)

@@ -14,9 +14,10 @@ Convention (what a doc writer must follow; the harness refuses anything else):
 - A ```yaml block preceded by <!-- doc-test: file=NAME --> is written to NAME in the workspace first.
 
 Each doc runs in a fresh workspace (a temp dir as the current directory) holding copies of examples/ and
-cluster_configs/, data/prompts.jsonl (20,000 synthetic rows, for the 20k-prompt recipe) and runs/arith: the
-bundled example planned, every shard sealed with synthesized rollouts (tests/reportkit.py) and merged, so
-status/merge-and-profile/report/select examples have a collected run to work on.
+cluster_configs/, data/prompts.jsonl (20,000 synthetic rows, for the 20k-prompt recipe) and, for every example
+config examples/*/*.yaml, its run directory (runs/arith, runs/arith-vllm, ...) planned, every shard sealed with
+synthesized rollouts (tests/reportkit.py) and merged by merge-and-profile, so the status, merge-and-profile,
+report and select examples have a collected run to work on.
 """
 
 from __future__ import annotations
@@ -126,10 +127,11 @@ def collected(tmp_path_factory) -> Path:
     cwd = os.getcwd()
     os.chdir(ws)
     try:
-        cfg = config.load(ws / "examples" / "arith" / "plan-only.yaml")
-        store.write_plan(cfg)
-        seal_shards(cfg.run_dir, reward)
-        merge_run(cfg.run_dir)
+        for example in sorted((ws / "examples").glob("*/*.yaml")):  # each example's run dir, collected
+            cfg = config.load(example)
+            store.write_plan(cfg)
+            seal_shards(cfg.run_dir, reward)
+            merge_run(cfg.run_dir)
     finally:
         os.chdir(cwd)
     return ws

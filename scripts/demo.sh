@@ -1,7 +1,59 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: set up, then plan the bundled example into runs/arith.
+# The main job on a fresh machine: install what is needed, collect the bundled example (examples/arith: 36 tasks
+# x 4 repeats in 4 shards on the local executor, at most 2 at once) with a REAL policy -- each shard starts the
+# vLLM CPU build serving SmolLM2-135M-Instruct -- then merge the shards and print the reward profile summary.
+#
+# Usage: scripts/demo.sh [--policy-url URL [--model NAME] [--api-key-env VAR]] [--run-dir DIR] [OVERRIDE ...]
+#   --policy-url URL   use an existing OpenAI-compatible endpoint (.../v1) instead of starting vLLM per shard
+#   --model NAME       model name to send there (default: the first id its /models lists)
+#   --api-key-env VAR  NAME of the environment variable holding that endpoint's key
+#   --run-dir DIR      where the run goes (default runs/demo-<timestamp>; an existing run dir is resumed)
+#   OVERRIDE           Hydra overrides for the run config, e.g. num_repeats=2 cluster.array_parallelism=1
+# Venvs and models are cached in $SHARDRUN_CACHE (default ~/.cache/shardrun): a second run starts at once.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
-./scripts/setup.sh project
-.venv/bin/shardrun plan examples/arith/plan-only.yaml --write
+CONFIG=examples/arith/config-vllm.yaml
+policy_url="" model="" key_env="" run_dir="runs/demo-$(date +%Y%m%d-%H%M%S)"
+overrides=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --policy-url) policy_url=${2:?--policy-url needs a URL}; shift 2 ;;
+    --model) model=${2:?--model needs a name}; shift 2 ;;
+    --api-key-env) key_env=${2:?--api-key-env needs a variable name}; shift 2 ;;
+    --run-dir) run_dir=${2:?--run-dir needs a directory}; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) overrides+=("$1"); shift ;;
+  esac
+done
+say() { printf '\n=== %s\n' "$*"; }
+
+if [ -n "$policy_url" ]; then
+  say "set-up: shardrun, NeMo Gym 0.4.0 (policy: $policy_url)"
+  ./scripts/setup.sh project gym
+  policy_url=${policy_url%/}
+  if [ -z "$model" ]; then
+    model=$(.venv/bin/python - "$policy_url" "$key_env" <<'PY'
+import json, os, sys, urllib.request
+url, key = sys.argv[1], os.environ.get(sys.argv[2], "") if sys.argv[2] else ""
+req = urllib.request.Request(url + "/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+print(json.load(urllib.request.urlopen(req, timeout=30))["data"][0]["id"])
+PY
+) || { echo "cannot list models at $policy_url/models; pass --model NAME" >&2; exit 2; }
+  fi
+  overrides=("~policy.vllm" "policy.base_url=$policy_url" "policy.model_name=$model"
+             ${key_env:+"policy.api_key_env=$key_env"} "${overrides[@]}")
+else
+  say "set-up: shardrun, NeMo Gym 0.4.0, vLLM CPU build, SmolLM2-135M-Instruct (cached after the first run)"
+  ./scripts/setup.sh project gym vllm models
+fi
+
+say "collect: shardrun submit $CONFIG run_dir=$run_dir ${overrides[*]}"
+t0=$(date +%s)
+.venv/bin/shardrun submit "$CONFIG" "run_dir=$run_dir" "${overrides[@]}"
+echo "collected in $(( $(date +%s) - t0 )) s"
+
+say "merge and profile: shardrun merge-and-profile $run_dir"
+.venv/bin/shardrun merge-and-profile "$run_dir"
+
+say "done: $run_dir (per-task profile in $run_dir/merged/; try: .venv/bin/shardrun report $run_dir)"

@@ -232,7 +232,8 @@ Runner = Callable[..., subprocess.CompletedProcess]
 
 def query_sacct(job_ids: Iterable[str], runner: Runner = subprocess.run,
                 which: Callable[[str], str | None] = shutil.which) -> dict[str, SacctUsage] | None:
-    """Run sacct for these job ids; None when sacct is not installed, fails or there are no ids (the edge)."""
+    """Run sacct for these job ids -> {job id: usage} for those ids; None when sacct is not installed, fails or
+    there are no ids (the edge)."""
     ids = [j for j in job_ids if j]
     if not ids or which("sacct") is None:
         return None
@@ -240,7 +241,9 @@ def query_sacct(job_ids: Iterable[str], runner: Runner = subprocess.run,
         done = runner(sacct_usage_command(ids), capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
-    return parse_sacct_usage(done.stdout) if done.returncode == 0 else None
+    if done.returncode != 0:
+        return None
+    return {j: u for j, u in parse_sacct_usage(done.stdout).items() if j in ids}
 
 
 # ---------------------------------------------------------------- text

@@ -68,13 +68,25 @@ def read_key_metrics(path: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def slurm_job_ids(launches: Sequence[dict], plan: Plan, shards: Sequence[cost.ShardCost]) -> list[str]:
+    """The sealed shards' job ids that are Slurm jobs: per the launch records (launch.py), or, for a run launched
+    without them, when the plan's cluster is Slurm. Local job ids (pids) never reach sacct."""
+    if launches:
+        known = {str(j) for rec in launches if rec.get("executor") == "slurm" for j in (rec.get("jobs") or {}).values()}
+    elif (plan.config.get("cluster") or {}).get("executor") == "slurm":
+        known = {s.job_id for s in shards if s.job_id}
+    else:
+        known = set()
+    return sorted(s.job_id for s in shards if s.job_id in known)
+
+
 def gather(run_dir: Path, use_sacct: bool = True) -> ReportData:
     plan = store.load_plan(run_dir)
     tasks = taskstats.load_profile(run_dir)
     markers, unsealed = sealed_markers(run_dir, plan)
     shards = cost.shard_costs(markers)
-    if use_sacct and (plan.config.get("cluster") or {}).get("executor") == "slurm":
-        jobs = cost.query_sacct(s.job_id for s in shards if s.job_id)
+    if use_sacct:
+        jobs = cost.query_sacct(slurm_job_ids(store.read_launches(run_dir), plan, shards))
         shards = cost.with_sacct(shards, jobs) if jobs else shards
     return ReportData(plan, tasks, shards, count_lines(store.merged_failures_path(run_dir)),
                       read_key_metrics(store.merged_aggregate_metrics_path(run_dir)), unsealed)

@@ -16,7 +16,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from reportkit import input_row, merge_run, planned_run, seal_shards, tokens_of
-from shardrun import report, store, taskstats
+from shardrun import cost, report, store, taskstats
 from shardrun.cli import app
 
 REPEATS = 4
@@ -145,6 +145,14 @@ def test_slurm_run_adds_sacct_gpu_hours(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     assert "<td>GPU-hours (sacct)</td><td>6.00</td>" in report.build_report(run_dir).html.read_text()
     assert "GPU-hours (sacct)" not in report.build_report(run_dir, use_sacct=False).html.read_text()
+    # with launch records, only the jobs launched on Slurm go to sacct
+    store.append_launch(run_dir, {"executor": "slurm", "jobs": {"0": "500_0"}})
+    assert "<td>GPU-hours (sacct)</td><td>4.00</td>" in report.build_report(run_dir).html.read_text()
+    store.append_launch(run_dir, {"executor": "local", "jobs": {"1": "500_1"}})
+    plan = store.load_plan(run_dir)
+    shards = cost.shard_costs([{"shard_index": 1, "job_id": "500_1"}, {"shard_index": 0, "job_id": "500_0"}])
+    assert report.slurm_job_ids([{"executor": "local", "jobs": {"0": "500_0"}}], plan, shards) == []
+    assert report.slurm_job_ids([], plan, shards) == ["500_0", "500_1"]  # no records: the plan says Slurm
 
 
 def test_without_matplotlib_the_error_says_how_to_install_it(run, monkeypatch):

@@ -407,13 +407,18 @@ def slurm_plan(cfg: RunConfig, run_dir: Path, fingerprint: str, indices: Sequenc
     cluster = cfg.cluster_or_default
     tag = slurm.job_tag(cluster.job_name_prefix, run_dir, fingerprint)
     comment = f"shardrun {run_dir}"
-    pass_through = [cfg.policy.api_key_env] if cfg.policy and cfg.policy.api_key_env else []
-    shard_params = slurm.shard_parameters(cluster, job_name=tag, comment=comment, pass_through_env=pass_through)
+    shard_params = slurm.shard_parameters(cluster, job_name=tag, comment=comment,
+                                          pass_through_env=pass_through_env(cfg))
     merge_name = slurm.merge_job_name(tag)
     merge_params = slurm.merge_parameters(cluster, job_name=merge_name, comment=comment, after=after) \
         if merge_job else None
     return SlurmPlan(tag, merge_name, slurm.array_layout(list(indices), max_array_size, cluster.array_parallelism),
                      shard_params, merge_params)
+
+
+def pass_through_env(cfg: RunConfig) -> list[str]:
+    """Environment variables a shard job needs from the submitting shell besides cluster.env_vars: the API key."""
+    return [cfg.policy.api_key_env] if cfg.policy and cfg.policy.api_key_env else []
 
 
 def merge_command(run_dir: Path) -> list[str]:
@@ -474,6 +479,10 @@ def submit_slurm(cfg: RunConfig, run_dir: Path, plan: Plan, indices: Sequence[in
     from submitit.helpers import CommandFunction
 
     cluster = cfg.cluster_or_default
+    missing = slurm.missing_pass_through(cluster.env_vars, pass_through_env(cfg), os.environ)
+    if missing:
+        raise BadInput(f"{', '.join(missing)} not set in this shell: Slurm jobs get these from the environment "
+                       f"they are submitted from (sbatch --export=ALL); export them and submit again")
     sp = slurm_plan(cfg, run_dir, plan.fingerprint, indices, max_array_size=slurm.max_array_size(cluster),
                     merge_job=False)
     launch.tag, launch.merge_name = sp.tag, sp.merge_name

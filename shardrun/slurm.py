@@ -19,7 +19,7 @@ import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from shardrun.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig
 from shardrun.errors import BadInput, ShardrunError
@@ -188,6 +188,12 @@ def env_setup_lines(env_vars: Sequence[str], pass_through: Sequence[str] = ()) -
         if line not in lines:
             lines.append(line)
     return lines
+
+
+def missing_pass_through(env_vars: Sequence[str], pass_through: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """The names a job expects from the submitting shell (bare env_vars entries, the policy key) that are unset."""
+    names = [item for item in env_vars if "=" not in item] + list(pass_through)
+    return sorted({n for n in names if not environ.get(n)})
 
 
 def _require_env(name: str) -> str:

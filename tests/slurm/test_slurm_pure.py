@@ -134,3 +134,8 @@ def test_parse_sacct():
     assert jobs["7_1"].state == "CANCELLED" and jobs["7_3"].state == "CANCELLED"
     assert slurm.describe_ended(jobs["8"]) == "Slurm job 8 hit its time limit"
     assert "exit code 1:0" in slurm.describe_ended(slurm.EndedJob("3", "FAILED", "1:0", "", ""))
+
+
+def test_missing_pass_through():
+    assert slurm.missing_pass_through(["A=1", "B", "C"], ["KEY"], {"C": "x"}) == ["B", "KEY"]
+    assert slurm.missing_pass_through(["A=1"], [], {}) == []

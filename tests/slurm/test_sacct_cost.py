@@ -1,0 +1,32 @@
+"""Cost accounting against the real local Slurm (slurmdbd): `sacct` usage for array tasks, as the report uses it."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from shardrun import cost
+
+pytestmark = pytest.mark.slurm
+
+
+def test_query_sacct_reads_real_array_tasks(slurm_cluster):
+    out = subprocess.run(["sbatch", "--parsable", "--array=0-1", "--job-name=shardrun-cost-test", "--time=2",
+                          "--wrap", "sleep 2"], capture_output=True, text=True, timeout=60, check=True).stdout
+    array = out.strip().split(";")[0]
+    ids = [f"{array}_0", f"{array}_1"]
+    deadline = time.time() + 120
+    jobs = None
+    while time.time() < deadline:
+        jobs = cost.query_sacct(ids)
+        if jobs and len(jobs) == 2 and all(j.state == "COMPLETED" for j in jobs.values()):
+            break
+        time.sleep(1)
+    assert jobs and set(jobs) == set(ids) and all(j.state == "COMPLETED" for j in jobs.values()), jobs
+    for j in jobs.values():
+        assert 2 <= j.elapsed_s < 60
+        assert j.gpus == 0 and j.gpu_hours == 0.0  # the local cluster has no GPUs (AllocTRES without gres/gpu)
+    shards = cost.with_sacct(cost.shard_costs([{"shard_index": 0, "job_id": ids[0], "gpus": 0}]), jobs)
+    assert shards[0].sacct_gpu_hours == 0.0 and cost.run_costs(shards).sacct_gpu_hours == 0.0

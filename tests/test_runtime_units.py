@@ -299,3 +299,15 @@ def test_missing_api_key_fails_before_any_server(tmp_path: Path, monkeypatch) ->
     with pytest.raises(BadInput, match="SHARDRUN_TEST_UNSET_KEY"):
         runtime.run_shard(cfg.run_dir, 0)
     assert not store.env_yaml_path(cfg.run_dir, 0).exists()
+
+
+def test_bundled_example_config_is_a_full_run_config(gym_venv: Path) -> None:
+    from shardrun import config as config_mod
+
+    cfg = config_mod.load(harness.REPO / "examples/arith/config.yaml", ["policy.model_name=m"])
+    cfg.require("gym", "policy")
+    assert cfg.policy.base_url and cfg.gym.server_venvs == "shared" and cfg.cluster_or_default.executor == "local"
+    site = gym_stack.site_packages(gym_stack.gym_venv(cfg.gym, {gym_stack.VENV_ENV: str(gym_venv)}))
+    names = [p.split("/")[1] for p in cfg.gym.config_paths]
+    assert names == ["math_with_judge", "example_single_tool_call", "vllm_model"]
+    assert all((site / p).is_file() for p in cfg.gym.config_paths)

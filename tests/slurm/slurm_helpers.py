@@ -1,0 +1,135 @@
+"""Helpers for the tests against the real local Slurm: a stand-in policy server on a 23xxx port, a small run
+config with executor slurm, the CLI as a subprocess, polling, and Slurm's own view (squeue, sacct)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import yaml
+
+from shardrun import processes, store
+from tests.fakes import harness
+
+GYM_CONFIG_PATHS = [
+    "resources_servers/math_with_judge/configs/math_with_judge.yaml",
+    "responses_api_models/vllm_model/configs/vllm_model.yaml",
+]
+
+
+def free_port(offset: int = 0) -> int:
+    """A free port in 23000-23999 (the range these tests use), spread by pid."""
+    base = (os.getpid() * 13 + offset * 101) % 1000
+    for k in range(1000):
+        port = 23000 + (base + k) % 1000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 23000-23999")
+
+
+@contextmanager
+def fake_policy(tmp: Path, *args: str, offset: int = 0) -> Iterator[harness.FakePolicy]:
+    """The stand-in OpenAI-compatible policy server (tests/fakes/policy_server.py) stands in for vLLM."""
+    port = free_port(offset)
+    log = tmp / f"policy-{port}-requests.jsonl"
+    proc = processes.start([sys.executable, str(harness.FAKE), "--port", str(port), "--api-key", harness.API_KEY,
+                            "--request-log", str(log), *args], tmp / f"policy-{port}.log", name="fake-policy")
+    fake = harness.FakePolicy(proc, port, log)
+    try:
+        processes.wait_http(f"http://127.0.0.1:{port}/health", watch=[proc], timeout=30, what="fake policy")
+        yield fake
+    finally:
+        fake.stop()
+
+
+def math_input(path: Path, rows: int) -> Path:
+    lines = (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:rows]
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def write_config(path: Path, input_jsonl: Path, run_dir: Path, policy_url: str, *, repeats: int, shards: int,
+                 cluster: dict, gym: dict | None = None) -> Path:
+    data = {
+        "input_jsonl": str(input_jsonl), "run_dir": str(run_dir), "num_repeats": repeats,
+        "sharding": {"num_shards": shards},
+        "gym": {"config_paths": GYM_CONFIG_PATHS, "num_samples_in_parallel": 2, "stall_timeout_s": 600,
+                "ready_timeout_s": 300} | (gym or {}),
+        "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": harness.API_KEY_ENV},
+        "cluster": {"executor": "slurm", "partition": os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
+                    "time_limit": "00:15:00", "cpus_per_task": 1, "mem_gb": 2, "job_name_prefix": "srtest"}
+        | cluster,
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def shardrun(*args: str, cwd: Path, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "shardrun.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+    if check:
+        assert proc.returncode == 0, f"shardrun {' '.join(map(str, args))} exited {proc.returncode}:\n" \
+                                     f"{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def status_json(run_dir: Path, cwd: Path) -> dict:
+    return json.loads(shardrun("status", run_dir, "--json", cwd=cwd, timeout=60).stdout)
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 2.0):
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def squeue(*names: str) -> list[tuple[str, str, str]]:
+    """(job id, state, reason) of the live jobs carrying one of `names`."""
+    out = subprocess.run(["squeue", "--noheader", "--array", f"--name={','.join(names)}", "--format=%i|%T|%r"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    return [tuple(line.split("|")) for line in out.splitlines() if line.strip()]  # type: ignore[misc]
+
+
+def sacct_state(job_id: str) -> str | None:
+    out = subprocess.run(["sacct", "--noheader", "--parsable2", "--allocations", "--format=JobID,State",
+                          "--jobs", job_id], capture_output=True, text=True, timeout=60).stdout
+    for line in out.splitlines():
+        jid, _, state = line.partition("|")
+        if jid == job_id:
+            return state.split(" ")[0]
+    return None
+
+
+def scancel_names(*names: str) -> None:
+    for name in names:
+        subprocess.run(["scancel", f"--name={name}"], capture_output=True, timeout=60)
+
+
+def launches(run_dir: Path) -> list[dict]:
+    return store.read_launches(run_dir)
+
+
+def planned_identities(run_dir: Path, shards: int) -> list[tuple[int, int]]:
+    return sorted(k for i in range(shards) for k in harness.keys(store.materialized_path(run_dir, i)))
+
+
+def job_names(run_dir: Path) -> tuple[str, str]:
+    rec = launches(run_dir)[-1]
+    return rec["tag"], rec["merge_job_name"]

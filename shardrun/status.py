@@ -14,6 +14,7 @@ from __future__ import annotations
 import socket
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -233,35 +234,37 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
     max_attempts = int(latest.get("max_attempts") or 3)
     gpus_per_shard = int(latest.get("gpus_per_shard") or 0)
 
-    live, warnings = local_live(launches)
-    slurm_jobs, problem = slurm_live(launches, query_live)
-    live.update(slurm_jobs)
-    if problem:
-        warnings.append(problem)
+    # Slurm answers in tens of milliseconds; ask it while the run directory is read (threads wait on the commands)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        asking = pool.submit(slurm_live, launches, query_live)
+        seals = {spec.index: seal.check(run_dir, plan, spec.index) for spec in plan.shards}
+        live, warnings = local_live(launches)
+        slurm_jobs, problem = asking.result()
+        live.update(slurm_jobs)
+        if problem:
+            warnings.append(problem)
+        gone = [i for i, s in seals.items() if not s.sealed and i in launches.last_job
+                and launches.last_job[i] not in live]
+        failures = {i: _read_failure(run_dir, i) for i in gone}
+        slurm_gone = {launches.last_job[i].split("_", 1)[0] for i in gone
+                      if launches.last_executor.get(i) == "slurm"
+                      and str((failures[i] or {}).get("job_id")) != launches.last_job[i]}
+        ending = pool.submit(query_ended, slurm_gone) if slurm_gone else None
+        lines = {i: (store.count_complete_lines(store.rollouts_path(run_dir, i)),
+                      store.count_complete_lines(store.failures_path(run_dir, i)))
+                  for i, st in seals.items() if not st.sealed}
+        ended: dict[str, slurm.EndedJob] = ending.result() if ending else {}
     sources = []
     if launches.names:
         sources.append(f"squeue --name={','.join(sorted(launches.names))}: {len(slurm_jobs)} live")
     if launches.local_pids:
         sources.append(f"local pids: {sum(1 for p in launches.local_pids if p in live)} live")
 
-    seals: dict[int, seal.SealState] = {}
-    for spec in plan.shards:
-        seals[spec.index] = seal.check(run_dir, plan, spec.index)
-    gone = [i for i, s in seals.items() if not s.sealed and i in launches.last_job
-            and launches.last_job[i] not in live]
-    failures = {i: _read_failure(run_dir, i) for i in gone}
-    ended: dict[str, slurm.EndedJob] = {}
-    slurm_gone = {launches.last_job[i].split("_", 1)[0] for i in gone if launches.last_executor.get(i) == "slurm"
-                  and str((failures[i] or {}).get("job_id")) != launches.last_job[i]}
-    if slurm_gone:
-        ended = query_ended(slurm_gone)
-
     shards = []
     for spec in plan.shards:
         i = spec.index
-        counts = (0, 0) if seals[i].sealed else (store.count_complete_lines(store.rollouts_path(run_dir, i)),
-                                                 store.count_complete_lines(store.failures_path(run_dir, i)))
-        shards.append(classify(i, spec.num_rollouts, seals[i], launches, live, failures.get(i), ended, counts,
+        shards.append(classify(i, spec.num_rollouts, seals[i], launches, live, failures.get(i), ended,
+                               lines.get(i, (0, 0)),
                                max_attempts=max_attempts, gpus_per_shard=gpus_per_shard, now=now, run_dir=run_dir))
 
     done = sum(s.done for s in shards)

@@ -3,6 +3,7 @@
 #   project  .venv: Python 3.12 venv with shardrun (editable) and its test/report extras
 #   gym      $SHARDRUN_GYM_VENV: Python 3.12 venv with nemo-gym 0.4.0 and uv (what each shard runs)
 #   vllm     $SHARDRUN_VLLM_VENV: Python 3.11 venv with the vLLM CPU build (stands in for GPU vLLM here)
+#   models   $SHARDRUN_CACHE/models: tiny-chatml (tests) and SmolLM2-135M-Instruct (demo), via scripts/setup-models.sh
 # Caches live in $SHARDRUN_CACHE (default ~/.cache/shardrun) so a second run starts quickly.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -75,6 +76,7 @@ for part in "$@"; do
     project) setup_project ;;
     gym) setup_gym ;;
     vllm) setup_vllm ;;
+    models) "$ROOT/scripts/setup-models.sh" ;;
     *) [ -x "$ROOT/scripts/setup-$part.sh" ] && "$ROOT/scripts/setup-$part.sh" || { log "unknown part $part"; exit 2; } ;;
   esac
 done

@@ -39,6 +39,7 @@ SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_mode
 STOP_GRACE_S = 5.0  # ng_run exits about 3 s after SIGTERM; results are on disk by then
 STRAGGLER_GRACE_S = 0.5
 PORT_TRIES = 3
+RAY_TMP_BASE_MAX = 40
 
 
 # ---------------------------------------------------------------- pure parts
@@ -126,6 +127,21 @@ def link_server_venvs(venvs_dir: Path, venv: Path) -> int:
     return n
 
 
+def ray_tmp_dir(shard: Path) -> Path:
+    """A short RAY_TMPDIR named after the shard, emptied first: what a killed attempt left is removed by the next
+    (the shard lock keeps attempts of one shard apart). Node-local $TMPDIR unless its path is too long for Ray's
+    Unix sockets (107 bytes), then /tmp."""
+    import hashlib
+
+    base = tempfile.gettempdir()
+    if len(base) > RAY_TMP_BASE_MAX:
+        base = "/tmp"
+    path = Path(base) / f"sr-ray-{hashlib.sha256(str(Path(shard).resolve()).encode()).hexdigest()[:12]}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
 # ---------------------------------------------------------------- the running stack
 
 @dataclass
@@ -204,7 +220,7 @@ def start(run_dir: Path, index: int, gym: GymConfig, base_urls: Sequence[str], a
         venvs_dir.mkdir(parents=True, exist_ok=True)
     env_yaml = store.env_yaml_path(run_dir, index)
     write_env_yaml(env_yaml, env_yaml_text(base_urls, api_key, model_name))
-    ray_tmp = Path(tempfile.mkdtemp(prefix="sr-ray-"))
+    ray_tmp = ray_tmp_dir(store.shard_dir(run_dir, index))
     port = processes.free_port(HEAD_HOST)
     cmd = ng_run_command(venv, gym, port, venvs_dir)
     if not shared:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import sys
 import time
@@ -311,3 +312,20 @@ def test_bundled_example_config_is_a_full_run_config(gym_venv: Path) -> None:
     names = [p.split("/")[1] for p in cfg.gym.config_paths]
     assert names == ["math_with_judge", "example_single_tool_call", "vllm_model"]
     assert all((site / p).is_file() for p in cfg.gym.config_paths)
+
+
+def test_ray_tmp_dir_is_short_per_shard_and_emptied(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    a = gym_stack.ray_tmp_dir(tmp_path / "shards" / "00000")
+    (a / "left-by-a-killed-attempt").write_text("x")
+    assert gym_stack.ray_tmp_dir(tmp_path / "shards" / "00000") == a and not any(a.iterdir())
+    b = gym_stack.ray_tmp_dir(tmp_path / "shards" / "00001")
+    try:
+        assert b != a and len(str(a)) <= gym_stack.RAY_TMP_BASE_MAX + 20
+        assert a.parent == tmp_path or len(str(tmp_path)) > gym_stack.RAY_TMP_BASE_MAX
+    finally:
+        for d in (a, b):
+            shutil.rmtree(d, ignore_errors=True)

@@ -155,7 +155,7 @@ class ClusterConfig(StrictModel):
     max_array_size: int | None = Field(None, ge=2, description="Override the cluster's MaxArraySize.")
     max_attempts: int = Field(3, ge=1, description="Attempts per shard before resume gives up on it.")
     max_requeues: int = Field(10, ge=0, description="Times a shard job is requeued after reaching its time limit "
-                              "(submitit checkpoint); preemptions do not count.")
+                              "(submitit checkpoint); a preemption counts only near the time limit.")
     signal_delay_s: int = Field(120, ge=1, description="Seconds before the time limit at which the shard is asked "
                                 "to stop and requeue (USR2); capped at half the time limit.")
     merge_partition: str | None = Field(None, description="Partition of the CPU merge job (default: partition).")

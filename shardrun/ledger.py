@@ -44,6 +44,7 @@ class Ledger:
     unplanned: list[Key] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=dict)
     reasons: dict[Key, str] = field(default_factory=dict)
+    sidecar_rows: int = 0  # failure rows in rollouts_failures.jsonl (agents may write one per failed attempt)
 
     @property
     def pending(self) -> list[Key]:
@@ -100,7 +101,8 @@ def tally(planned_rows: Iterable[dict], rollout_rows: Iterable[dict], failure_ro
         if TASK_KEY in r and ROLLOUT_KEY in r:
             attempts[key_of(r)] += 1
     return Ledger(planned=planned, done=done, failed=failed, attempts=attempts, duplicates=duplicates,
-                  unplanned=unplanned, usage=dict(usage), reasons=reasons)
+                  unplanned=unplanned, usage=dict(usage), reasons=reasons,
+                  sidecar_rows=sum(side_attempts.values()))
 
 
 def load(run_dir: Path, index: int, max_attempts: int) -> Ledger:

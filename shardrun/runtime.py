@@ -222,7 +222,7 @@ class Shard:
             book = self.ledger()
             if not book.pending:
                 return
-            before = (len(book.done), sum(book.attempts.values()), len(book.failed))
+            before = progress_mark(book)
             rc, failed = self.collect_round(venv, stack, checks, round_no, len(book.pending))
             if failed:
                 ledger.record_attempts(self.run_dir, self.index, failed, self.attempt)
@@ -231,7 +231,7 @@ class Shard:
             book = self.ledger()
             if not book.pending:
                 return
-            after = (len(book.done), sum(book.attempts.values()), len(book.failed))
+            after = progress_mark(book)
             if rc != 0 and not failed:
                 raise ShardFailed(f"ng_collect_rollouts exited with code {rc} and named no failed rollout; "
                                   f"{len(book.pending)} rollouts still pending. Last lines of "
@@ -280,6 +280,11 @@ class Shard:
             gpus=gpus_visible(), extra=dict(book.usage) or None)
         seal.write_marker(self.run_dir, self.index, marker)
         return marker
+
+
+def progress_mark(book: ledger.Ledger) -> tuple[int, int, int, int]:
+    """Changes whenever a round did anything: a rollout, a failed attempt (ours or an agent's), a failure."""
+    return len(book.done), sum(book.attempts.values()), book.sidecar_rows, len(book.failed)
 
 
 def size(path: Path) -> int:

@@ -41,7 +41,7 @@ def test_ledger_gates_failures_like_gym_resume() -> None:
     assert book.pending == [(2, 0)] and not book.complete
     assert book.usage == {"input_tokens": 4, "output_tokens": 3, "total_tokens": 7}
     assert book.due_for_quarantine(2) == [(2, 0)] and book.due_for_quarantine(3) == []
-    assert book.reasons[(1, 1)] == "nope"
+    assert book.reasons[(1, 1)] == "nope" and book.sidecar_rows == 3
     assert ledger.tally(planned, rollouts, failures, attempts, max_attempts=3).failed == {(1, 1)}
 
 

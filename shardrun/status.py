@@ -84,6 +84,7 @@ class Launches:
 
     last_job: dict[int, str] = field(default_factory=dict)
     last_executor: dict[int, str] = field(default_factory=dict)
+    last_submitted: dict[int, float] = field(default_factory=dict)
     attempts: dict[int, int] = field(default_factory=dict)
     names: set[str] = field(default_factory=set)  # Slurm job names of this run (shards and merge jobs)
     local_pids: dict[str, int | None] = field(default_factory=dict)  # pid -> its start time (clock ticks)
@@ -104,6 +105,7 @@ def fold_launches(records: Iterable[Mapping]) -> Launches:
             i = int(key)
             out.last_job[i] = str(job_id)
             out.last_executor[i] = executor
+            out.last_submitted[i] = float(rec.get("submitted_at") or 0.0)
             out.attempts[i] = out.attempts.get(i, 0) + 1
         if executor == "slurm":
             for name in (rec.get("tag"), rec.get("merge_job_name")):
@@ -183,7 +185,8 @@ def _parse_start(text: str) -> float | None:
 
 def classify(index: int, planned: int, seal_state: seal.SealState, launches: Launches, live: Mapping[str, Live],
              failure: Mapping | None, ended: Mapping[str, slurm.EndedJob], counts: tuple[int, int], *,
-             max_attempts: int, gpus_per_shard: int, now: float, run_dir: Path) -> ShardStatus:
+             max_attempts: int, gpus_per_shard: int, now: float, run_dir: Path,
+             queued_locally: bool = False) -> ShardStatus:
     job_id = launches.last_job.get(index)
     attempts = launches.attempts.get(index, 0)
     log = str(store.job_log_path(run_dir, job_id)) if job_id else None
@@ -196,9 +199,11 @@ def classify(index: int, planned: int, seal_state: seal.SealState, launches: Lau
     ignored = "" if seal_state.reason == "no marker" else seal_state.reason
     if job_id is not None and job_id in live:
         job = live[job_id]
-        state = RUNNING if job.state == "RUNNING" else PENDING
+        state = RUNNING if job.state == "RUNNING" and not queued_locally else PENDING
         gpu_h = gpus_per_shard * max(0.0, now - job.started_at) / 3600 if job.started_at else 0.0
         reason = job.reason if state == PENDING and job.reason not in ("", "None") else ignored
+        if queued_locally:
+            reason = f"waiting for its local worker (job {job_id}) to finish the shards before it"
         return ShardStatus(index, state, planned, rollouts, failed, attempts, job_id, reason, log, gpu_h, False)
     if job_id is None:
         return ShardStatus(index, NEVER_STARTED, planned, rollouts, failed, 0, None, ignored, None, 0.0, False)
@@ -254,6 +259,10 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
                       store.count_complete_lines(store.failures_path(run_dir, i)))
                   for i, st in seals.items() if not st.sealed}
         ended: dict[str, slurm.EndedJob] = ending.result() if ending else {}
+    # a local worker runs its shards one after another: those it has not started since the launch are waiting
+    queued_locally = {i for i, j in launches.last_job.items()
+                      if launches.last_executor.get(i) == "local" and j in live and not seals[i].sealed
+                      and _mtime(store.shard_log_path(run_dir, i)) < launches.last_submitted.get(i, 0.0)}
     sources = []
     if launches.names:
         sources.append(f"squeue --name={','.join(sorted(launches.names))}: {len(slurm_jobs)} live")
@@ -264,8 +273,8 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
     for spec in plan.shards:
         i = spec.index
         shards.append(classify(i, spec.num_rollouts, seals[i], launches, live, failures.get(i), ended,
-                               lines.get(i, (0, 0)),
-                               max_attempts=max_attempts, gpus_per_shard=gpus_per_shard, now=now, run_dir=run_dir))
+                               lines.get(i, (0, 0)), max_attempts=max_attempts, gpus_per_shard=gpus_per_shard,
+                               now=now, run_dir=run_dir, queued_locally=i in queued_locally))
 
     done = sum(s.done for s in shards)
     counts = {state: 0 for state in STATES}
@@ -288,6 +297,13 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
         gpu_hours=sum(s.gpu_hours for s in shards), live_source="; ".join(sources) or "nothing launched yet",
         warnings=warnings,
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))))
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _read_failure(run_dir: Path, index: int) -> dict | None:

@@ -140,9 +140,25 @@ def test_local_pids_running_and_gone(tmp_path):
     store.append_launch(run_dir, {"executor": "local", "submitted_at": time.time(), "host": os.uname().nodename,
                                   "jobs": {"0": str(me), "1": str(dead.pid)},
                                   "pid_start": {str(me): status.pid_start_ticks(me), str(dead.pid): 1}})
+    store.shard_log_path(run_dir, 0).parent.mkdir(parents=True, exist_ok=True)
+    store.shard_log_path(run_dir, 0).write_text("start\n")
     st = status.collect(run_dir, query_live=squeue(""), query_ended=no_sacct)
     assert [s.state for s in st.shards] == ["running", "failed"]
     assert "ended without sealing" in st.shards[1].reason
+
+
+def test_local_worker_shards_not_started_yet_are_pending(tmp_path):
+    run_dir, plan = make_run(tmp_path, shards=2)
+    me = os.getpid()
+    store.append_launch(run_dir, {"executor": "local", "submitted_at": time.time() - 5, "host": os.uname().nodename,
+                                  "jobs": {"0": str(me), "1": str(me)},
+                                  "pid_start": {str(me): status.pid_start_ticks(me)}})
+    log = store.shard_log_path(run_dir, 0)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("start: attempt 1\n")  # the worker started shard 0; shard 1 waits its turn
+    st = status.collect(run_dir, query_live=squeue(""), query_ended=no_sacct)
+    assert [s.state for s in st.shards] == ["running", "pending"]
+    assert "waiting for its local worker" in st.shards[1].reason
 
 
 def test_reused_pid_is_not_running(tmp_path):

@@ -1,0 +1,71 @@
+"""`shardrun submit` through submitit's real LocalExecutor, with shards that fail fast (no Gym stack needed): the
+launch record, the job logs, the outcome per shard and exit code 4, --no-wait, launch.json without secrets, and
+the concurrency cap. The policy endpoint is the stand-in server (tests/fakes/policy_server.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shardrun import processes, store
+from tests.fakes import harness
+
+
+def broken_gym_config(tmp_path: Path, policy_url: str, shards: int, parallelism: int) -> Path:
+    input_jsonl = tmp_path / "input.jsonl"
+    input_jsonl.write_text("".join(l + "\n" for l in
+                                   (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:4]))
+    return harness.write_config(tmp_path / "run.yaml", input_jsonl, tmp_path / "run", policy_url, repeats=1,
+                                shards=shards, gym={"venv": str(tmp_path / "no-gym-here")},
+                                cluster={"array_parallelism": parallelism})
+
+
+def submit(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**__import__("os").environ, harness.API_KEY_ENV: harness.API_KEY}
+    return subprocess.run([sys.executable, "-m", "shardrun.cli", "submit", str(cfg), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cfg.parent, env=env)
+
+
+def test_submit_waits_and_reports_every_failed_shard(tmp_path: Path) -> None:
+    with harness.fake_policy(tmp_path) as fake:
+        cfg = broken_gym_config(tmp_path, fake.base_url, shards=3, parallelism=2)
+        done = submit(cfg)
+    run_dir = tmp_path / "run"
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert f"run directory: {run_dir}" in done.stdout
+    for i in range(3):
+        assert f"shard 0000{i}: failed (BadInput: gym venv {tmp_path / 'no-gym-here'} has no bin/ng_run" \
+            in done.stdout
+        failure = json.loads(store.shard_failure_path(run_dir, i).read_text())
+        assert failure["error"].startswith("BadInput") and failure["job_id"]
+    records = store.read_launches(run_dir)
+    assert len(records) == 1 and records[0]["executor"] == "local"
+    jobs = records[0]["jobs"]
+    assert sorted(jobs) == ["0", "1", "2"] and len(set(jobs.values())) == 2  # cap 2: two workers for 3 shards
+    assert jobs["0"] == jobs["2"] != jobs["1"]
+    assert set(records[0]["pid_start"]) == set(jobs.values())
+    for job_id in set(jobs.values()):
+        assert "has no bin/ng_run" in store.job_log_path(run_dir, job_id).read_text() + \
+            store.job_log_path(run_dir, job_id).with_suffix(".err").read_text()
+    saved = json.loads(store.launch_settings_path(run_dir).read_text())["config"]
+    assert saved["policy"]["api_key_env"] == harness.API_KEY_ENV
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert harness.API_KEY.encode() not in path.read_bytes(), path
+
+
+def test_submit_no_wait_returns_while_shards_run(tmp_path: Path) -> None:
+    with harness.fake_policy(tmp_path, "--delay", "0") as fake:
+        cfg = broken_gym_config(tmp_path, fake.base_url, shards=1, parallelism=1)
+        t0 = time.monotonic()
+        done = submit(cfg, "--no-wait")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "jobs: shard 0 -> " in done.stdout and "shard 00000:" not in done.stdout
+        job_id = done.stdout.split("shard 0 -> ")[1].split()[0]
+        failure = store.shard_failure_path(tmp_path / "run", 0)
+        processes.wait_until(failure.exists, timeout=60, what="the background shard job to record its failure")
+        assert time.monotonic() - t0 < 60
+        assert json.loads(failure.read_text())["job_id"] == job_id

@@ -22,7 +22,7 @@ import pytest
 from shardrun import gym_stack, processes, runtime, store
 from tests.fakes import harness
 
-pytestmark = [pytest.mark.gym, pytest.mark.slow]
+pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
 REPEATS = 3
 
 

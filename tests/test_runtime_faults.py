@@ -19,7 +19,7 @@ from shardrun import gym_stack, processes, runtime, store
 from shardrun.errors import ServerFailure
 from tests.fakes import harness
 
-pytestmark = [pytest.mark.gym, pytest.mark.slow]
+pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture

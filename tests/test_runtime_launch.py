@@ -10,8 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from shardrun import processes, store
 from tests.fakes import harness
+
+pytestmark = pytest.mark.timeout(300)
 
 
 def broken_gym_config(tmp_path: Path, policy_url: str, shards: int, parallelism: int) -> Path:

@@ -70,8 +70,35 @@ def run_shard(run_dir: Path | str, index: int, *, job_id: str | None = None) -> 
         log(f"marker ignored: {state.reason}")
     cfg = launch_config(run_dir, plan)
     attempt = shard_attempt(run_dir, index)
+    with holding_shard_lock(run_dir, index):
+        marker = run_locked(run_dir, index, plan, cfg, log, job_id, attempt)
+    log(f"sealed: {marker['num_rollouts']} rollouts, {marker['num_failed']} failed, "
+        f"servers {marker['server_wait_s']:.1f} s, collecting {marker['collect_s']:.1f} s")
+    return ShardResult(index, "sealed", marker)
+
+
+@contextlib.contextmanager
+def holding_shard_lock(run_dir: Path, index: int) -> Iterator[None]:
+    """The shard's lock, or ShardFailed at once when another process runs the shard (its state is left alone)."""
+    from filelock import Timeout
+
+    lock = store.shard_lock(run_dir, index, timeout=0)
     try:
-        with store.shard_lock(run_dir, index, timeout=0), interruptible():
+        lock.acquire()
+    except Timeout:
+        raise ShardFailed(f"shard {index} is already running (its lock {lock.lock_file} is held by another "
+                          f"process)") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def run_locked(run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: ShardLog, job_id: str | None,
+               attempt: int) -> dict:
+    """One attempt; a failure is recorded in `.failed` (and the shard log) and re-raised as a domain error."""
+    try:
+        with interruptible():
             log(f"start: attempt {attempt}, job {job_id or '-'}, host {socket.gethostname()}, pid {os.getpid()}")
             marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt).run()
     except Exception as e:
@@ -85,16 +112,10 @@ def run_shard(run_dir: Path | str, index: int, *, job_id: str | None = None) -> 
         raise ShardFailed(f"shard {index}: {error}") from e
     with contextlib.suppress(FileNotFoundError):
         store.shard_failure_path(run_dir, index).unlink()
-    log(f"sealed: {marker['num_rollouts']} rollouts, {marker['num_failed']} failed, "
-        f"servers {marker['server_wait_s']:.1f} s, collecting {marker['collect_s']:.1f} s")
-    return ShardResult(index, "sealed", marker)
+    return marker
 
 
 def describe(e: BaseException) -> str:
-    from filelock import Timeout
-
-    if isinstance(e, Timeout):
-        return "ShardFailed: the shard is already running (its lock is held by another process)"
     return f"{type(e).__name__}: {e}"
 
 
@@ -105,7 +126,7 @@ def launch_config(run_dir: Path, plan: Plan) -> RunConfig:
 
 
 def shard_attempt(run_dir: Path, index: int) -> int:
-    """1 + the number of earlier launches of this shard (from the launch records; 1 when run by hand)."""
+    """How many launches included this shard, this one too (from the launch records; 1 when run by hand)."""
     key = str(index)
     launched = sum(1 for rec in store.read_launches(run_dir) if key in (rec.get("jobs") or {}))
     return max(1, launched)

@@ -289,6 +289,7 @@ def test_a_running_shard_is_not_run_twice(tmp_path: Path) -> None:
     with store.shard_lock(cfg.run_dir, 0):
         with pytest.raises(ShardFailed, match="already running"):
             runtime.run_shard(cfg.run_dir, 0)
+    assert not store.shard_failure_path(cfg.run_dir, 0).exists()  # the running attempt's state is left alone
 
 
 def test_missing_api_key_fails_before_any_server(tmp_path: Path, monkeypatch) -> None:

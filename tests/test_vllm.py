@@ -259,3 +259,28 @@ def test_real_vllm_cpu_serves_the_tiny_model_and_stops_cleanly(tmp_path: Path, v
     log = server.log_path.read_text()
     assert "Starting vLLM server" in log and "test-key-123" not in log
     assert not store.vllm_scratch_dirs(shard)[0].exists()
+
+
+@pytest.mark.vllm
+def test_tiny_model_template_renders_tool_call_turns(vllm_venv: Path, tiny_model: Path) -> None:
+    """The chat template of the prepared models renders `content: null` assistant turns with tool calls (a
+    plain concatenating template makes vLLM answer 400 to the second turn of a tool-calling rollout)."""
+    import subprocess
+
+    script = (
+        "import json, sys\n"
+        "from transformers import AutoTokenizer\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "msgs = [{'role': 'user', 'content': [{'type': 'text', 'text': 'weather in Berlin?'}]},\n"
+        "        {'role': 'assistant', 'content': None, 'tool_calls': [{'id': 'c1', 'type': 'function',\n"
+        "         'function': {'name': 'get_weather', 'arguments': '{\"city\": \"Berlin\"}'}}]},\n"
+        "        {'role': 'tool', 'tool_call_id': 'c1', 'content': 'sunny'}]\n"
+        "print(json.dumps(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)))\n")
+    out = subprocess.run([str(vllm_venv / "bin" / "python"), "-c", script, str(tiny_model)], capture_output=True,
+                         text=True, timeout=120, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == (
+        "<|im_start|>user\nweather in Berlin?<|im_end|>\n"
+        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Berlin\"}}\n"
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")

@@ -182,7 +182,7 @@ def resume(
     result = run(resume_mod.resume, run_dir, config, overrides or [], merge_job=not no_merge_job, dry_run=dry_run,
                  wait_for_jobs=False if no_wait else None, echo=typer.echo)
     typer.echo(resume_mod.render(result))
-    if result.gave_up:
+    if result.gave_up or result.failed:
         raise typer.Exit(4)
 
 

@@ -214,6 +214,7 @@ class SubmitResult:
     ignored_markers: list[str]
     outcomes: list[ShardOutcome] | None  # None with --no-wait
     live: list[int] = field(default_factory=list)  # unsealed but still queued or running: not submitted again
+    gave_up: list[status.ShardStatus] = field(default_factory=list)  # launched max_attempts times: not again
     merge_job_id: str | None = None
     dry_run: str | None = None  # --dry-run: what would be submitted
 
@@ -260,19 +261,29 @@ def unsealed(run_dir: Path, plan: Plan) -> tuple[list[int], list[int], list[str]
 
 
 def launch_unsealed(cfg: RunConfig, run_dir: Path, plan: Plan, *, wait_for_jobs: bool,
-                    echo: Callable[[str], None] = print, merge_job: bool = True) -> SubmitResult:
+                    echo: Callable[[str], None] = print, merge_job: bool = True, max_attempts: int | None = None,
+                    dry_run: bool = False, lock_timeout: float = -1) -> SubmitResult:
     """Save the launch settings and launch every unsealed shard that is not queued or running already (what submit
-    and resume share). Holds the run lock from the check to the launch record, so two submits launch once."""
-    with store.run_lock(run_dir):
-        store.write_launch_settings(run_dir, cfg)
+    and resume share); with `max_attempts`, not the shards launched that many times (they are listed in gave_up).
+    Holds the run lock from the check to the launch record, so two submits or resumes launch once."""
+    with store.run_lock(run_dir, timeout=lock_timeout):
         todo, done, ignored = unsealed(run_dir, plan)
-        live = set(status.collect(run_dir, plan=plan).indices(*status.LIVE_STATES)) if todo else set()
+        st = status.collect(run_dir, plan=plan) if todo else None
+        live = set(st.indices(*status.LIVE_STATES)) if st else set()
         result = SubmitResult(run_dir, plan, False, {}, done, ignored, None, live=sorted(live & set(todo)))
-        todo = [i for i in todo if i not in live]
+        if st is not None and max_attempts is not None:
+            result.gave_up = [s for s in st.shards if s.index in todo and s.index not in live
+                              and s.attempts >= max_attempts]
+        todo = [i for i in todo if i not in live and i not in {s.index for s in result.gave_up}]
+        if dry_run:
+            result.dry_run = describe_submission(cfg, run_dir, todo, merge_job=merge_job) if todo \
+                else "nothing to submit"
+            return result
+        store.write_launch_settings(run_dir, cfg)
         if not todo:
             result.outcomes = [] if not result.live else None
             return result
-        launch = submit_shards(cfg, run_dir, todo, merge_job=merge_job, locked=True)
+        launch = submit_shards(cfg, run_dir, todo, merge_job=merge_job and not result.gave_up, locked=True)
     result.jobs = launch.jobs
     result.merge_job_id = launch.merge_job_id
     echo(f"run directory: {run_dir}")

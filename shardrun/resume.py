@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -35,21 +35,6 @@ class RunBusy(ShardrunError):
     """Another shardrun command holds the run directory's lock for too long."""
 
     exit_code = 7
-
-
-@dataclass
-class ResumeResult:
-    run_dir: Path
-    submitted: dict[int, str] = field(default_factory=dict)  # shard -> job id
-    sealed: list[int] = field(default_factory=list)
-    live: list[int] = field(default_factory=list)  # queued or running: left alone
-    gave_up: list[status.ShardStatus] = field(default_factory=list)
-    merge_job_id: str | None = None
-    dry_run: str | None = None  # what would be submitted, with --dry-run
-
-    @property
-    def complete(self) -> bool:
-        return not (self.submitted or self.live or self.gave_up) and self.dry_run is None
 
 
 def resume_config(run_dir: Path, config_file: Path | None, overrides: Sequence[str]) -> RunConfig:
@@ -85,7 +70,8 @@ def check_plan(cfg: RunConfig, plan: Plan) -> None:
 
 def resume(run_dir: Path, config_file: Path | None = None, overrides: Sequence[str] = (), *, merge_job: bool = True,
            dry_run: bool = False, wait_for_jobs: bool | None = None, lock_timeout: float = LOCK_TIMEOUT_S,
-           echo: Callable[[str], None] = print) -> ResumeResult:
+           echo: Callable[[str], None] = print):
+    """Check the plan, then launch.launch_unsealed with the attempt cap. Returns launch.SubmitResult."""
     from shardrun import launch
 
     run_dir = Path(run_dir).absolute()
@@ -93,57 +79,40 @@ def resume(run_dir: Path, config_file: Path | None = None, overrides: Sequence[s
     cfg = resume_config(run_dir, config_file, overrides)
     cfg.require("gym", "policy")
     check_plan(cfg, plan)
-    max_attempts = cfg.cluster_or_default.max_attempts
-    result = ResumeResult(run_dir)
+    if wait_for_jobs is None:
+        wait_for_jobs = cfg.cluster_or_default.executor == "local"
     try:
-        with store.run_lock(run_dir, timeout=lock_timeout):
-            st = status.collect(run_dir, plan=plan)
-            result.sealed = st.indices(status.SEALED)
-            result.live = st.indices(*status.LIVE_STATES)
-            todo = []
-            for s in st.shards:
-                if s.state in (status.FAILED, status.NEVER_STARTED):
-                    if s.attempts >= max_attempts:
-                        result.gave_up.append(s)
-                    else:
-                        todo.append(s.index)
-            if dry_run:
-                result.dry_run = launch.describe_submission(cfg, run_dir, todo, merge_job=merge_job) if todo \
-                    else "nothing to submit"
-                return result
-            if todo:
-                sub = launch.submit_shards(cfg, run_dir, todo, merge_job=merge_job and not result.gave_up,
-                                           locked=True)
-                result.submitted = dict(sub.jobs)
-                result.merge_job_id = sub.merge_job_id
+        return launch.launch_unsealed(cfg, run_dir, plan, wait_for_jobs=wait_for_jobs, echo=echo,
+                                      merge_job=merge_job, max_attempts=cfg.cluster_or_default.max_attempts,
+                                      dry_run=dry_run, lock_timeout=lock_timeout)
     except Timeout:
         raise RunBusy(f"{run_dir} is locked by another shardrun command (submit, resume or cancel) for over "
                       f"{lock_timeout:.0f} s; try again when it is done") from None
-    if result.submitted and (cfg.cluster_or_default.executor == "local" if wait_for_jobs is None
-                             else wait_for_jobs):
-        launch.wait(sub, echo)  # outside the lock: status, cancel and other resumes stay possible
-    return result
 
 
-def render(result: ResumeResult) -> str:
+def render(result) -> str:
+    """What `shardrun resume` prints (result: launch.SubmitResult)."""
     lines = []
     if result.dry_run is not None:
         lines.append(result.dry_run)
-    if result.submitted:
-        lines.append(f"resubmitted {len(result.submitted)} shard(s): "
-                     f"{slurm.format_ranges(result.submitted)} ("
-                     + ", ".join(f"{i} -> {j}" for i, j in sorted(result.submitted.items())[:20])
-                     + (", ..." if len(result.submitted) > 20 else "") + ")")
+    if result.jobs:
+        lines.append(f"resubmitted {len(result.jobs)} shard(s): {slurm.format_ranges(result.jobs)} ("
+                     + ", ".join(f"{i} -> {j}" for i, j in sorted(result.jobs.items())[:20])
+                     + (", ..." if len(result.jobs) > 20 else "") + ")")
     if result.merge_job_id:
         lines.append(f"merge job {result.merge_job_id} runs when they have ended")
     if result.live:
         lines.append(f"left alone, still queued or running: {slurm.format_ranges(result.live)}")
-    lines.append(f"sealed: {len(result.sealed)}")
+    lines.append(f"sealed: {len(result.already_sealed)} of {len(result.plan.shards)}")
+    for reason in result.ignored_markers:
+        lines.append(f"warning: {reason}")
     for s in result.gave_up:
         lines.append(f"gave up on shard {s.index} after {s.attempts} attempt(s): {s.reason} (log {s.log})")
     if result.gave_up:
         lines.append("raise cluster.max_attempts (shardrun resume RUN_DIR cluster.max_attempts=N) to try them again")
-    if result.complete:
+    for o in result.outcomes or []:
+        lines.append(f"shard {o.index:05d}: {o.state}" + (f" ({o.detail})" if o.detail else ""))
+    if len(result.already_sealed) == len(result.plan.shards):
         lines.append("every shard is sealed; nothing to resume (merge with `shardrun merge-and-profile RUN_DIR`)")
     return "\n".join(lines)
 

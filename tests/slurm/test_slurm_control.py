@@ -74,7 +74,9 @@ def test_resume_gives_up_after_max_attempts_and_refuses_a_changed_input(tmp_path
         wait_for(lambda: not squeue(tag), 60, "cancelled jobs to leave the queue")
         third = shardrun("resume", run_dir, cwd=tmp_path, check=False)
         assert third.returncode == 4, third.stdout + third.stderr
-        assert "gave up on shard 0 after 2 attempt(s)" in third.stdout and "was cancelled" in third.stdout
+        assert "gave up on shard 0 after 2 attempt(s)" in third.stdout
+        # the reason: sacct's, once accounting has the cancellation (it may lag a moment behind scancel)
+        assert third.stdout.count("was cancelled") + third.stdout.count("ended without sealing the shard") == 5
         assert len(launches(run_dir)) == 2
         st = status_json(run_dir, tmp_path)
         assert st["gave_up"] == 5

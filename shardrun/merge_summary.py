@@ -32,6 +32,7 @@ class ShardResult:
     renumbered: bool = False
     failure_rows: int = 0
     marker: dict[str, Any] | None = None
+    failure_rows_rejected: int = 0  # sidecar rows without a planned identity
 
     @property
     def rejected(self) -> int:

@@ -46,13 +46,16 @@ class TableBuilder:
         self.np = self.nr = 0
         self.blocks: list[Block] = []
         self.columns: dict[str, int] = {}
+        self.agents: dict[str, int] = {}
 
     def add(self, index: int, planned: Planned, rollouts: Rollouts, resolution: Resolution) -> None:
         a, b = self.np, self.np + len(planned.task)
         if b > len(self.p_task):
             raise PlanMismatch(f"shard {index:05d}: more materialized rows than plan.json plans")
+        codes = np.array([self.agents.setdefault(n, len(self.agents)) for n in planned.agents], np.int32)
         self.p_task[a:b], self.p_rollout[a:b], self.p_shard[a:b] = planned.task, planned.rollout, index
-        self.p_offset[a:b], self.p_length[a:b], self.p_agent[a:b] = planned.offset, planned.length, planned.agent
+        self.p_offset[a:b], self.p_length[a:b] = planned.offset, planned.length
+        self.p_agent[a:b] = codes[planned.agent] if len(codes) else planned.agent
         self.np = b
         keep, table = resolution.keep, rollouts.table
         a, b = self.nr, self.nr + len(keep)
@@ -71,7 +74,7 @@ class TableBuilder:
             cols = np.array([self.columns.setdefault(n, len(self.columns)) for n in schema.names], np.int64)
             self.blocks.append(Block(schema, table.columns[sid], table.irregular_infos[sid], cols))
 
-    def finish(self, agents: list[str]) -> "MergedTable":
+    def finish(self) -> "MergedTable":
         """Sort everything by identity. PlanMismatch if two shards plan one identity."""
         if self.np != len(self.p_task):
             raise PlanMismatch(f"the shards' materialized files hold {self.np:,} rows, plan.json plans "
@@ -92,7 +95,7 @@ class TableBuilder:
         fields = ("r_shard", "r_offset", "r_length", "r_block", "r_pos", "r_renumbered")
         kept = [self._take(f, order, n) for f in fields]
         answers = self._take("r_answers", order, n) if self.r_answers is not None else None
-        table = MergedTable(tasks, stride, agents, p_key, *planned, r_key[order], *kept, answers,
+        table = MergedTable(tasks, stride, list(self.agents), p_key, *planned, r_key[order], *kept, answers,
                             self.blocks, list(self.columns))
         table.columns, table.blocks = _reorder_columns(table)
         return table
@@ -205,8 +208,8 @@ class MergedTable:
             return np.full(len(self.r_key), np.nan)
         return self.gather(0, len(self.r_key), [self.columns.index(name)])[0]
 
-    def infos(self, a: int, b: int) -> list[dict[str, Any]]:
-        """Gym's rollout_infos entries of rows a..b, in row order."""
+    def infos(self, a: int, b: int) -> list[bytes]:
+        """Gym's rollout_infos entries of rows a..b as JSON, in row order."""
         out: list[Any] = [None] * (b - a)
         tasks = self.task_of_key(self.r_key[a:b])
         rollouts = self.rollout_of_key(self.r_key[a:b])

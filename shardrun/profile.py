@@ -78,7 +78,11 @@ def segment_stats(values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> 
     """(6, segments) stats of one column over contiguous segments of rows."""
     out = np.full((6, len(sizes)), np.nan)
     for bucket in size_buckets(sizes):
-        out[:, bucket] = describe(padded(values, starts[bucket], sizes[bucket]))
+        if len(bucket) == 1:  # one segment (an agent's rollouts): a view, no padding
+            s, n = int(starts[bucket[0]]), int(sizes[bucket[0]])
+            out[:, bucket] = describe(values[s:s + n][None, :])
+        else:
+            out[:, bucket] = describe(padded(values, starts[bucket], sizes[bucket]))
     return out
 
 

@@ -14,7 +14,7 @@ from typing import IO, Callable, Sequence
 
 import numpy as np
 
-TRIM_BYTES = 256 << 20
+TRIM_BYTES = 32 << 20
 FLUSH_BYTES = 4 << 20
 PIECE_BYTES = 8 << 20
 
@@ -33,7 +33,8 @@ class ByteSources:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _map(self, i: int) -> mmap.mmap:
+    def map(self, i: int) -> mmap.mmap:
+        """The map of file i (callers that slice it themselves call trim() now and then)."""
         m = self._maps.get(i)
         if m is None:
             fd = os.open(self.paths[i], os.O_RDONLY)
@@ -48,7 +49,7 @@ class ByteSources:
         self._since_trim += length
         if self._since_trim >= TRIM_BYTES:
             self.trim()
-        return self._map(i)[offset:offset + length]
+        return self.map(i)[offset:offset + length]
 
     def trim(self) -> None:
         """Drop the mapped pages touched so far from this process's resident set."""
@@ -79,26 +80,33 @@ def copy_rows(out: IO[bytes], sources: ByteSources, source: np.ndarray, offset: 
 
     Returns the number of bytes written.
     """
-    bounds = runs(source, offset, length, breaks).tolist()
-    src, off, ln = source.tolist(), offset.tolist(), length.tolist()
+    bounds = runs(source, offset, length, breaks)
+    first, last = bounds[:-1], bounds[1:] - 1
+    if not len(first):
+        return 0
+    run_source = source[first].tolist()
+    run_start = offset[first].tolist()
+    run_end = (offset[last] + length[last]).tolist()
+    flagged = set(np.flatnonzero(breaks[first]).tolist()) if breaks is not None and rewrite is not None else set()
+    maps = {i: sources.map(i) for i in set(run_source)}
     parts: list[bytes] = []
-    pending = written = 0
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        start, end = off[a], off[b - 1] + ln[b - 1]
-        if end - start <= PIECE_BYTES or (breaks is not None and breaks[a]):
-            piece = sources.get(src[a], start, end - start)
-            if rewrite is not None and breaks is not None and breaks[a]:
-                piece = rewrite(a, piece)
-            parts.append(piece)
-            pending += len(piece)
-        else:  # a long run of back-to-back rows: copy it in pieces (bounded memory)
-            for p in range(start, end, PIECE_BYTES):
-                parts.append(sources.get(src[a], p, min(end, p + PIECE_BYTES) - p))
-                pending += len(parts[-1])
-        if pending >= FLUSH_BYTES:
-            out.write(b"".join(parts))
-            written += pending
-            parts.clear()
-            pending = 0
+    pending = written = since_trim = 0
+    for n, (i, a, b) in enumerate(zip(run_source, run_start, run_end)):
+        if b - a > PIECE_BYTES and n not in flagged:  # a long run of back-to-back rows: copy it in pieces
+            for p in range(a, b, PIECE_BYTES):
+                out.write(b"".join(parts) + maps[i][p:min(b, p + PIECE_BYTES)])
+                parts.clear()
+            written, since_trim, pending = written + pending + b - a, since_trim + b - a, 0
+        else:
+            piece = maps[i][a:b]
+            parts.append(rewrite(int(first[n]), piece) if n in flagged else piece)  # type: ignore[misc]
+            pending += b - a
+            if pending >= FLUSH_BYTES:
+                out.write(b"".join(parts))
+                parts.clear()
+                written, since_trim, pending = written + pending, since_trim + pending, 0
+        if since_trim >= TRIM_BYTES:
+            sources.trim()
+            since_trim = 0
     out.write(b"".join(parts))
     return written + pending

@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from operator import itemgetter
+from typing import Any, Callable
 
 import numpy as np
 import orjson
@@ -29,6 +30,8 @@ KIND = {int: "i", float: "f", bool: "b"}
 IDENTITY = frozenset((TASK_KEY, ROLLOUT_KEY))
 INFO_SKIP = frozenset((TASK_KEY, ROLLOUT_KEY, "reward", "response"))
 EXACT_INT = 2 ** 53
+INT64_MAX = 2 ** 63 - 1
+MAX_SHAPES = 10_000  # row shapes remembered per shard (a file of ever-new keys stays correct, just slower)
 NO_ANSWER = 0
 
 
@@ -75,61 +78,115 @@ def answer_code(value: Any) -> int:
     return code or 1
 
 
+@dataclass(frozen=True)
+class RowShape:
+    """What rows of one shape (keys and value types, at top level and in response.usage) contribute."""
+
+    task_at: int | None  # position of an integer _ng_task_index among the row's values (None: no identity)
+    rollout_at: int | None
+    sid: int | None  # their schema; None: irregular rows (slow path)
+    numbers: Callable[[list], tuple]  # the numeric values (top level, then usage) from values + usage values
+    check_big: bool  # has integer fields (which must stay below 2**53 to be exact in float64)
+
+
+def _getter(positions: list[int]) -> Callable[[list], tuple]:
+    if not positions:
+        return lambda values: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda values: (values[i],)
+    return itemgetter(*positions)
+
+
+def _beyond_exact(values: tuple) -> bool:
+    return bool(values) and (max(values) >= EXACT_INT or min(values) <= -EXACT_INT)
+
+
 @dataclass
 class RowTable:
-    """Numeric values of rows, added in file order; row n is described by (schema_of[n], pos_of[n])."""
+    """Identity and numeric values of rows, added in file order; row n is (task[n], rollout[n]) and its numbers
+    are row pos[n] of schema schema_of[n]."""
 
     answer_key: str | None = None
+    exact_ints: bool = False  # check every row for integers beyond 2**53 (see needs_exact_ints)
     schemas: list[Schema] = field(default_factory=list)
     values: list[array] = field(default_factory=list)
     irregular_infos: list[list[dict] | None] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # rows per schema (after finish)
+    pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # (after finish)
+    task: array = field(default_factory=lambda: array("q"))
+    rollout: array = field(default_factory=lambda: array("q"))
     schema_of: array = field(default_factory=lambda: array("i"))
-    pos_of: array = field(default_factory=lambda: array("i"))
     answers: array = field(default_factory=lambda: array("q"))
     columns: list[list[np.ndarray]] = field(default_factory=list)  # per schema, per field (after finish)
     _index: dict[tuple, int] = field(default_factory=dict)
+    _shapes: dict[tuple, RowShape] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.schema_of)
 
-    def add(self, row: dict[str, Any]) -> None:
-        names: list[str] = []
-        kinds: list[str] = []
-        vals: list[Any] = []
-        for k, v in row.items():
-            c = KIND.get(type(v))
-            if c is not None and k not in IDENTITY:
-                names.append(k)
-                kinds.append(c)
-                vals.append(v)
-        response = row.get("response")
-        usage = response.get("usage") if type(response) is dict else None
-        regular = type(usage) is dict or usage is None
-        unames: list[str] = []
-        if usage and regular:
-            for k, v in usage.items():
-                if k in row:
-                    regular = False
-                c = KIND.get(type(v))
-                if c is not None:
-                    unames.append(k)
-                    kinds.append(c)
-                    vals.append(v)
-        if "reward" in row and type(row["reward"]) not in KIND:
-            regular = False
-        if vals and (max(vals) >= EXACT_INT or min(vals) <= -EXACT_INT):
-            regular = False
+    def add(self, row: dict[str, Any]) -> bool:
+        """Add a parsed rollout row; False (nothing added) when it has no valid identity."""
+        return self.adder()(row)
+
+    def adder(self) -> Callable[[dict[str, Any]], bool]:
+        """`add` as a closure over the table's buffers (the hot loop of a merge calls it once per row)."""
+        shapes, buffers, schema_of = self._shapes, self.values, self.schema_of
+        task, rollout, answers, answer_key = self.task.append, self.rollout.append, self.answers, self.answer_key
+        new_shape, irregular, exact = self._new_shape, self._add_irregular, self.exact_ints
+
+        def add(row: dict[str, Any]) -> bool:
+            values = list(row.values())
+            response = row.get("response")
+            usage = response.get("usage") if type(response) is dict else None
+            if type(usage) is dict:
+                values += usage.values()
+                key: tuple = (*row, *map(type, values), *usage)
+            else:
+                usage = None
+                key = (*row, *map(type, values))
+            shape = shapes.get(key) or new_shape(row, usage, key)
+            if shape.task_at is None:
+                return False
+            t, r = values[shape.task_at], values[shape.rollout_at]  # type: ignore[index]
+            if t < 0 or r < 0 or t > INT64_MAX or r > INT64_MAX:
+                return False
+            sid = shape.sid
+            if sid is None or (exact and shape.check_big and _beyond_exact(shape.numbers(values))):
+                irregular(row, usage or {})
+            else:
+                buffers[sid].extend(shape.numbers(values))
+                schema_of.append(sid)
+            task(t)
+            rollout(r)
+            if answer_key is not None:
+                answers.append(answer_code(row.get(answer_key)))
+            return True
+
+        return add
+
+    def _new_shape(self, row: dict[str, Any], usage: dict[str, Any] | None, key: tuple) -> RowShape:
+        keys = list(row)
+        ident = [keys.index(k) if type(row.get(k)) is int else None for k in (TASK_KEY, ROLLOUT_KEY)]
+        if None in ident:
+            ident = [None, None]
+        top = [i for i, k in enumerate(keys) if type(row[k]) in KIND and k not in IDENTITY]
+        ukeys = list(usage or {})
+        low = [i for i, k in enumerate(ukeys) if type(usage[k]) in KIND]  # type: ignore[index]
+        regular = not any(k in row for k in ukeys) and ("reward" not in row or type(row["reward"]) in KIND)
+        kinds = "".join(KIND[type(row[keys[i]])] for i in top) + \
+                "".join(KIND[type(usage[ukeys[i]])] for i in low)  # type: ignore[index]
+        sid = None
         if regular:
-            key = (tuple(names), tuple(unames), "".join(kinds))
-            sid = self._index.get(key)
+            names, unames = [keys[i] for i in top], [ukeys[i] for i in low]
+            skey = (tuple(names), tuple(unames), kinds)
+            sid = self._index.get(skey)
             if sid is None:
-                sid = self._new(key, regular_schema(names, key[2][:len(names)], unames, key[2][len(names):]))
-            self._append(sid, vals)
-        else:
-            self._add_irregular(row, usage if type(usage) is dict else {})
-        if self.answer_key is not None:
-            self.answers.append(answer_code(row.get(self.answer_key)))
+                sid = self._new(skey, regular_schema(names, kinds[:len(names)], unames, kinds[len(names):]))
+        shape = RowShape(ident[0], ident[1], sid, _getter(top + [len(keys) + i for i in low]), "i" in kinds)
+        if len(self._shapes) < MAX_SHAPES:
+            self._shapes[key] = shape
+        return shape
 
     def _add_irregular(self, row: dict[str, Any], usage: dict[str, Any]) -> None:
         merged = row | usage  # Gym's `result | response.usage`
@@ -138,37 +195,60 @@ class RowTable:
         sid = self._index.get(key)
         if sid is None:
             sid = self._new(key, Schema(key[1], key[2], None))
-        self._append(sid, [float(v) for _, _, v in stats])
-        self.irregular_infos[sid].append(irregular_info(row, usage))
+        self.values[sid].extend([float(v) for _, _, v in stats])
+        self.schema_of.append(sid)
+        self.irregular_infos[sid].append(irregular_info(row, usage))  # type: ignore[union-attr]
 
     def _new(self, key: tuple, schema: Schema) -> int:
         self._index[key] = len(self.schemas)
         self.schemas.append(schema)
         self.values.append(array("d"))
-        self.counts.append(0)
         self.irregular_infos.append([] if schema.info is None else None)
         return len(self.schemas) - 1
 
-    def _append(self, sid: int, vals: list[Any]) -> None:
-        self.values[sid].extend(vals)
-        self.schema_of.append(sid)
-        self.pos_of.append(self.counts[sid])
-        self.counts[sid] += 1
+    def needs_exact_ints(self) -> bool:
+        """True when a regular row held an integer beyond 2**53 (float64 cannot hold it exactly): the shard
+        must be read again with exact_ints=True, which sends such rows down the exact (irregular) path.
+        Checked per buffer after reading, so the common case pays nothing per row."""
+        if self.exact_ints:
+            return False
+        for schema, buf in zip(self.schemas, self.values):
+            if schema.info is not None and "i" in schema.kinds and len(buf):
+                ints = np.frombuffer(buf, dtype=np.float64).reshape(-1, len(schema.kinds))[
+                    :, [j for j, k in enumerate(schema.kinds) if k == "i"]]
+                if (np.abs(ints) >= EXACT_INT).any():
+                    return True
+        return False
 
     def finish(self) -> None:
-        """Keep each schema's values column by column in the narrowest exact dtype; frees the row buffers."""
+        """Number each row within its schema, and keep each schema's values column by column in the narrowest
+        exact dtype; frees the row buffers."""
+        schema = self.schema_array()
+        order = np.argsort(schema, kind="stable")
+        self.counts = np.bincount(schema, minlength=len(self.schemas)).tolist()
+        self.pos = np.empty(len(schema), np.int32)
+        counts = np.array(self.counts, np.int64)
+        self.pos[order] = np.arange(len(schema)) - np.repeat(np.cumsum(counts) - counts, counts)
         for sid, buf in enumerate(self.values):
             width, n = len(self.schemas[sid].names), self.counts[sid]
             flat = np.frombuffer(buf, dtype=np.float64) if n * width else np.zeros(n * width)
             matrix = flat.reshape(n, width)
             self.columns.append([narrow(matrix[:, j]) for j in range(width)])
         self.values = []
+        self._shapes = {}  # getters are not picklable, and no more rows come
 
     def schema_array(self) -> np.ndarray:
         return np.frombuffer(self.schema_of, dtype=np.int32) if len(self) else np.zeros(0, np.int32)
 
     def pos_array(self) -> np.ndarray:
-        return np.frombuffer(self.pos_of, dtype=np.int32) if len(self) else np.zeros(0, np.int32)
+        """Each row's position among the rows of its schema (after finish)."""
+        return self.pos
+
+    def task_array(self) -> np.ndarray:
+        return np.frombuffer(self.task, dtype=np.int64) if len(self) else np.zeros(0, np.int64)
+
+    def rollout_array(self) -> np.ndarray:
+        return np.frombuffer(self.rollout, dtype=np.int64) if len(self) else np.zeros(0, np.int64)
 
     def answer_array(self) -> np.ndarray | None:
         if self.answer_key is None:
@@ -199,18 +279,28 @@ def narrow(column: np.ndarray) -> np.ndarray:
 
 
 def rollout_infos(schema: Schema, values: list[np.ndarray], tasks: list[int], rollouts: list[int],
-                  irregular: list[dict] | None = None) -> list[dict[str, Any]]:
-    """`rollout_infos` entries for rows of one schema (values: one array per field; irregular: stored tails)."""
-    head = [{"rollout_id": f"{t}:{r}", TASK_KEY: t, ROLLOUT_KEY: r} for t, r in zip(tasks, rollouts)]
-    if schema.info is None:
-        for d, tail in zip(head, irregular or []):
-            d.update(tail)
-        return head
-    names = [n for n, _, _ in schema.info]
-    columns = [_typed(values[j], kind) for _, j, kind in schema.info]
-    for d, vals in zip(head, zip(*columns)) if columns else ():
-        d.update(zip(names, vals))
-    return head
+                  irregular: list[dict] | None = None) -> list[bytes]:
+    """Rows' `rollout_infos` entries as JSON (orjson's bytes for Gym's dict), for rows of one schema.
+
+    values: one array per field; irregular: the stored tails of irregular rows. Values are serialised a column
+    at a time by orjson and put into a per-schema template, so a row costs one bytes formatting.
+    """
+    names = [n for n, _, _ in schema.info or ()]
+    if schema.info is None or "rollout_id" in names:
+        tails = irregular if schema.info is None else [
+            dict(zip(names, row)) for row in zip(*(_typed(values[j], k) for _, j, k in schema.info))]
+        return [orjson.dumps({"rollout_id": f"{t}:{r}", TASK_KEY: t, ROLLOUT_KEY: r, **tail})
+                for t, r, tail in zip(tasks, rollouts, tails or [])]
+    fields = b"".join(b"," + orjson.dumps(n).replace(b"%", b"%%") + b":%s" for n in names)
+    template = b'{"rollout_id":"%s:%s","_ng_task_index":%s,"_ng_rollout_index":%s' + fields + b"}"
+    t, r = _json_items(tasks), _json_items(rollouts)
+    columns = [_json_items(_typed(values[j], kind)) for _, j, kind in schema.info]
+    return [template % row for row in zip(t, r, t, r, *columns)]
+
+
+def _json_items(items: list[Any]) -> list[bytes]:
+    """Each number or bool of a list as orjson writes it."""
+    return orjson.dumps(items)[1:-1].split(b",") if items else []
 
 
 def _typed(column: np.ndarray, kind: str) -> list[Any]:

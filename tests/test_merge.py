@@ -17,7 +17,7 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from shardrun import cli, merge, store
+from shardrun import cli, merge, profile_writer, shardread, store
 from shardrun.errors import IncompleteRun
 from tests.builders import Run, ShardWrite, input_rows, make_run, rollout_row, seal_shard, write_shard
 
@@ -136,13 +136,14 @@ def reference_pass_at_k(tasks: list[list[float]], k: int) -> float | None:
 
 # ---------------------------------------------------------------- scenarios
 
-SCENARIOS = {
-    "contiguous-int": dict(rows=dict(n_tasks=9), num_repeats=4, num_shards=3, slicing="contiguous"),
+SCENARIOS = {  # workers: shards read in this process (1) or a pool of 2 processes
+    "contiguous-int": dict(rows=dict(n_tasks=9), num_repeats=4, num_shards=3, slicing="contiguous", workers=1),
     "roundrobin-dict-sparse-shuffled": dict(
         rows=dict(n_tasks=11, agents=("math", "tool"), explicit_index=True, shuffle_seed=5),
-        num_repeats={"math": 4, "_default": 2}, num_shards=4, slicing="round_robin"),
+        num_repeats={"math": 4, "_default": 2}, num_shards=4, slicing="round_robin", workers=2),
     "contiguous-split-tasks": dict(rows=dict(n_tasks=7, agents=("a", "b", "c")),
-                                   num_repeats={"a": 3, "b": 5, "_default": 1}, num_shards=5, slicing="contiguous"),
+                                   num_repeats={"a": 3, "b": 5, "_default": 1}, num_shards=5, slicing="contiguous",
+                                   workers=2),
 }
 
 
@@ -160,7 +161,8 @@ def build(tmp_path: Path, scenario: str) -> tuple[Run, list[ShardWrite]]:
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_merged_files_and_profile_equal_plain_computation(tmp_path: Path, scenario: str) -> None:
     run, writes = build(tmp_path, scenario)
-    summary = merge.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    summary = merge.merge_and_profile(run.run_dir, answer_field="extracted_answer",
+                                      workers=SCENARIOS[scenario]["workers"])
     merged = store.merged_dir(run.run_dir)
 
     planned = sorted((m for i in range(run.num_shards) for m in run.materialized(i)), key=KEY)
@@ -205,8 +207,12 @@ def test_aggregate_metrics_equal_plain_pass_at_k(tmp_path: Path, scenario: str) 
     run, _ = build(tmp_path, scenario)
     merge.merge_and_profile(run.run_dir, answer_field="extracted_answer")
     data = store.merged_aggregate_metrics_path(run.run_dir).read_bytes()
-    assert data == orjson.dumps(orjson.loads(data), option=orjson.OPT_INDENT_2)  # Gym's file layout
     entries = orjson.loads(data)
+    heads = orjson.dumps([{k: v for k, v in e.items() if k != "group_level_metrics"} for e in entries],
+                         option=orjson.OPT_INDENT_2)
+    assert data.startswith(heads.split(b'"key_metrics"')[0])  # entries laid out as Gym's (indented) file
+    group_lines = [x for x in data.splitlines() if x.startswith(b"      {")]
+    assert len(group_lines) == sum(len(e["group_level_metrics"]) for e in entries)  # one row per line
     rollouts = read_jsonl(store.merged_rollouts_path(run.run_dir))
     profile_rows = read_jsonl(store.merged_reward_profiling_path(run.run_dir))
     agent_of = {r["_ng_task_index"]: r["sample"]["agent_ref"]["name"] for r in profile_rows}
@@ -303,14 +309,14 @@ def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: 
     run = make_run(tmp_path, input_rows(4), num_repeats=2, num_shards=2)
     write_shard(run, 0)
     write_shard(run, 1, seal_it=False, missing=1)
-    real_scan = merge.scan_rollouts
+    real_scan = shardread.scan_rollouts
 
     def racing_scan(path: Path, **kw: Any):
         if path.parent.name == "00000":
             seal_shard(run, 1, num_failed=1)  # shard 1 gets sealed now, after the merge checked it
         return real_scan(path, **kw)
 
-    monkeypatch.setattr(merge, "scan_rollouts", racing_scan)
+    monkeypatch.setattr(shardread, "scan_rollouts", racing_scan)
     summary = merge.merge_and_profile(run.run_dir, allow_partial=True)
     assert [s.sealed for s in summary.shards] == [True, False]  # as checked: never half
     assert summary.shards[1].marker is None and summary.rollouts == 7
@@ -323,7 +329,7 @@ def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: 
             path.write_bytes(data[:path.stat().st_size].ljust(path.stat().st_size, b" "))
         return real_scan(path, **kw)
 
-    monkeypatch.setattr(merge, "scan_rollouts", rewriting_scan)
+    monkeypatch.setattr(shardread, "scan_rollouts", rewriting_scan)
     with pytest.raises(IncompleteRun, match="sha256 differs"):
         merge.merge_and_profile(run.run_dir)
 
@@ -385,7 +391,7 @@ def test_a_failing_merge_leaves_the_previous_outputs(tmp_path: Path, monkeypatch
     def boom(*a: Any, **k: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(merge, "_write_aggregate", boom)
+    monkeypatch.setattr(profile_writer, "write_profile", boom)
     with pytest.raises(KeyboardInterrupt):
         merge.merge_and_profile(run.run_dir)
     assert merged_bytes(run.run_dir) == before

@@ -1,0 +1,71 @@
+"""Run directories for the fault tests that need no servers: planned with the real planner, shard outputs in NeMo
+Gym's formats from tests/builders.py, and launch settings (gym + policy sections) so that `shardrun resume` and
+`run-shard` work on them. A shard whose every planned identity is accounted for seals without starting any server
+(runtime: "sealing without starting servers"), so sealing, resume and submit run for real and fast.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import orjson
+
+from shardrun import config, ledger, store
+from tests import builders
+
+MAX_ROLLOUT_ATTEMPTS = 2
+UNREACHABLE_POLICY = "http://127.0.0.1:9/v1"  # never contacted: these shards seal without servers
+
+
+def launch_config(run: builders.Run, **cluster) -> config.RunConfig:
+    data = run.cfg.model_dump(mode="json")
+    data.update(gym={"config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"],
+                     "max_rollout_attempts": MAX_ROLLOUT_ATTEMPTS},
+                policy={"base_url": UNREACHABLE_POLICY, "model_name": "m"},
+                cluster={"executor": "local", "array_parallelism": 1, "max_attempts": 10_000} | cluster)
+    return config.validate(data)
+
+
+def write_config_file(run: builders.Run, path: Path, **cluster) -> Path:
+    """The run's config as a file (what a user passes to `shardrun submit`)."""
+    path.write_bytes(orjson.dumps(launch_config(run, **cluster).model_dump(mode="json")))  # JSON is YAML
+    return path
+
+
+def make(tmp: Path, *, tasks: int, shards: int, seal: bool, name: str = "run") -> builders.Run:
+    """A run with every shard's outputs written. Unsealed shards are ready to seal without servers: some have
+    a torn last line, duplicates, Gym failure rows (2 per identity = MAX_ROLLOUT_ATTEMPTS: failed), and one
+    identity that failed its attempts in shardrun's retry ledger only (quarantined into the sidecar at seal)."""
+    run = builders.make_run(tmp, builders.input_rows(tasks, agents=("math", "tool")),
+                            num_repeats={"math": 6, "_default": 3}, num_shards=shards, slicing="round_robin",
+                            name=name)
+    for i in range(shards):
+        wrote = builders.write_shard(run, i, failed=1 if i % 3 == 0 else 0, duplicates=1 if i % 4 == 1 else 0,
+                                     torn=i % 4 == 2 and not seal, missing=1 if i % 5 == 0 and not seal else 0, seal_it=seal)
+        if not seal and wrote.missing:
+            store.append_jsonl(store.rollout_attempts_path(run.run_dir, i),
+                               [ledger.attempt_row(k, "/run failed with HTTP 500 (injected)", 1)
+                                for k in wrote.missing for _ in range(MAX_ROLLOUT_ATTEMPTS)])
+    store.write_launch_settings(run.run_dir, launch_config(run))
+    return run
+
+
+def restore(src: Path, dst: Path) -> None:
+    """Put the run directory back to a saved state (same path, so launch records and logs stay valid)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, symlinks=True)
+
+
+def shard_files(run_dir: Path, num_shards: int) -> dict[str, bytes]:
+    """What sealing must produce identically whatever happened before: rollouts and failure sidecars."""
+    out = {}
+    for i in range(num_shards):
+        for path in (store.rollouts_path(run_dir, i), store.failures_path(run_dir, i)):
+            if path.exists():
+                out[str(path.relative_to(run_dir))] = path.read_bytes()
+    return out
+
+
+def temps(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob(store.TMP_PREFIX + "*") if p.is_file())

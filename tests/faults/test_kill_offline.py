@@ -1,0 +1,229 @@
+"""SIGKILL at seeded random points of the stages that need no servers: sealing `.done` (inside `shardrun resume`,
+whose shard jobs seal shards whose rollouts are all there), mid-merge and mid-profile (`shardrun
+merge-and-profile`). The whole process tree dies at once (frozen with SIGSTOP, then SIGKILLed); the normal command
+is run again; every planned identity must then appear exactly once, nothing invented, and the outputs must be
+byte-identical to an uninterrupted run (merge_summary.json: except its timings).
+
+The killed commands run in children forked from the test process (the CLI's own code path, without paying the
+interpreter start-up for every kill); the recovery runs are the real `shardrun` executable.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from shardrun import cli, merge, resume, seal, store  # noqa: F401 (imported once, before the forks)
+from tests.faults import faultkit, synthetic
+
+KILLS = 20  # per stage, at least
+SHARDS = 16
+
+
+def shard_log_sizes(run_dir: Path, n: int) -> list[int]:
+    out = []
+    for i in range(n):
+        try:
+            out.append(store.shard_log_path(run_dir, i).stat().st_size)
+        except FileNotFoundError:
+            out.append(0)
+    return out
+
+
+def sealed(run_dir: Path, n: int) -> set[int]:
+    plan = store.load_plan(run_dir)
+    return {i for i in range(n) if seal.check(run_dir, plan, i, deep=True).sealed}
+
+
+@pytest.fixture
+def tagged(monkeypatch) -> str:
+    tag = uuid.uuid4().hex
+    from tests.fakes import harness
+
+    monkeypatch.setenv(harness.TAG_ENV, tag)
+    return tag
+
+
+def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path, tagged: str):
+    run = synthetic.make(tmp_path / "w", tasks=3000, shards=SHARDS, seal=False)
+    run_dir = run.run_dir
+    pristine = tmp_path / "pristine"
+    synthetic.restore(run_dir, pristine)
+    planned = [k for i in range(SHARDS) for k in run.identities(i)]
+
+    # the uninterrupted run: `shardrun resume` seals every shard without starting servers
+    t0 = time.monotonic()
+    proc = faultkit.fork_cli("resume", run_dir, log=tmp_path / "reference.log")
+    first = faultkit.wait_for(lambda: any(shard_log_sizes(run_dir, SHARDS)), 120, "the first shard to start", proc=proc)
+    t_first = time.monotonic()
+    faultkit.wait_for(lambda: all(b"sealed:" in store.shard_log_path(run_dir, i).read_bytes()
+                                  for i in range(SHARDS) if store.shard_log_path(run_dir, i).exists())
+                      and all(shard_log_sizes(run_dir, SHARDS)), 300, "every shard to seal", proc=proc)
+    sealing_s = time.monotonic() - t_first  # from the first shard's start to the last shard's seal
+    assert first and proc.wait(300) == 0, (tmp_path / "reference.log").read_text()
+    assert sealed(run_dir, SHARDS) == set(range(SHARDS))
+    reference = synthetic.shard_files(run_dir, SHARDS)
+    assert faultkit.cli("merge-and-profile", run_dir).returncode == 0
+    reference_merged = faultkit.merged_outputs(run_dir)
+    failed = {k for i in range(SHARDS) for k in faultkit.identities(store.failures_path(run_dir, i))}
+    faultkit.assert_exactly_once(run_dir, planned, failed)
+    reference_markers = {i: {k: v for k, v in seal.check(run_dir, run.plan, i).marker.items()
+                             if k in ("num_rollouts", "num_failed", "rollouts_sha256", "rollouts_bytes")}
+                         for i in range(SHARDS)}
+    startup_s = t_first - t0
+
+    rng = faultkit.seeded(4242)
+    synthetic.restore(pristine, run_dir)
+    landed: Counter = Counter()
+    kills = chains = 0
+    for attempt in range(6 * KILLS):
+        if kills >= KILLS:
+            break
+        before = sealed(run_dir, SHARDS)
+        sizes = shard_log_sizes(run_dir, SHARDS)
+        proc = faultkit.fork_cli("resume", run_dir, log=tmp_path / "chaos.log")
+        started = faultkit.wait_for(lambda: shard_log_sizes(run_dir, SHARDS) != sizes, 120 + startup_s,
+                                    "a shard job to start sealing", proc=proc)
+        if started:
+            time.sleep(rng.uniform(0.0, sealing_s))
+        if proc.poll() is None:
+            faultkit.kill_tree(proc, tag=tagged)
+            kills += 1
+            now = sealed(run_dir, SHARDS)
+            landed["sealed some shards before the kill"] += bool(now - before)
+            landed["left a temp file"] += bool(synthetic.temps(run_dir / "shards"))
+            landed["mid-shard (started, not sealed)"] += any(
+                i not in now and b"start:" in store.shard_log_path(run_dir, i).read_bytes()[sizes[i]:]
+                for i in range(SHARDS) if store.shard_log_path(run_dir, i).exists())
+            assert faultkit.leftovers(tagged, also=run_dir) == []
+        else:
+            assert proc.returncode == 0, (tmp_path / "chaos.log").read_text()[-3000:]
+            now = sealed(run_dir, SHARDS)
+        # a valid seal always describes exactly the bytes an uninterrupted run seals
+        for i in now:
+            marker = seal.check(run_dir, run.plan, i).marker
+            assert {k: marker[k] for k in reference_markers[i]} == reference_markers[i]
+            assert store.rollouts_path(run_dir, i).read_bytes() == reference[
+                str(store.rollouts_path(run_dir, i).relative_to(run_dir))]
+        if now == set(range(SHARDS)):  # this chain of kills is recovered: check it, start another
+            assert synthetic.shard_files(run_dir, SHARDS) == reference
+            chains += 1
+            synthetic.restore(pristine, run_dir)
+
+    # the normal recovery command, uninterrupted
+    res = faultkit.cli("resume", run_dir)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert sealed(run_dir, SHARDS) == set(range(SHARDS))
+    assert synthetic.shard_files(run_dir, SHARDS) == reference
+    assert not synthetic.temps(run_dir / "shards")
+    assert faultkit.cli("merge-and-profile", run_dir).returncode == 0
+    assert faultkit.merged_outputs(run_dir) == reference_merged
+    checked = faultkit.assert_exactly_once(run_dir, planned, failed)
+    assert kills >= KILLS, (kills, landed)
+    assert landed["mid-shard (started, not sealed)"] >= KILLS // 2, landed
+    faultkit.counts_line("sealing", kills=kills, recovered_chains=chains + 1, identities_checked=checked,
+                         **{k.replace(" ", "_"): v for k, v in landed.items()})
+
+
+def merged_temps(run_dir: Path) -> dict[str, int]:
+    """Temp files of a merge in progress: output (or scratch) name -> bytes written so far."""
+    out = {}
+    for p in synthetic.temps(store.merged_dir(run_dir)):
+        name = p.name[len(store.TMP_PREFIX):]
+        out[name if name.startswith(("groups-", "snapshot-")) else name.rsplit(".", 1)[0]] = p.stat().st_size
+    return out
+
+
+def merge_phase(run_dir: Path) -> str:
+    """Where a merge is, from what it has on disk: reading + copying rows ("mid-merge": lock taken, nothing of the
+    profile yet), profiling ("mid-profile": its scratch or profile output begun), or renaming its outputs."""
+    tmp = merged_temps(run_dir)
+    outputs = [n for n in faultkit.MERGED_FILES + ("merge_summary.json",) if n in tmp]
+    if tmp and len(outputs) < len(faultkit.MERGED_FILES) + 1 and not any(k.startswith("groups-") for k in tmp):
+        return "while renaming outputs"
+    if any(k.startswith("groups-") for k in tmp) or tmp.get("rollouts_reward_profiling.jsonl", 0) > 0:
+        return "mid-profile"
+    return "mid-merge"
+
+
+def phase_starts(run_dir: Path, log: Path) -> dict[str, float]:
+    """Seconds after the merge takes its lock at which it starts profiling and renaming (one watched run)."""
+    lock = store.merged_dir(run_dir) / ".merge.lock"
+    lock.unlink(missing_ok=True)
+    proc = faultkit.fork_cli("merge-and-profile", run_dir, log=log)
+    faultkit.wait_for(lock.exists, 60, "the merge to take its lock", interval=0.001, proc=proc)
+    t0 = time.monotonic()
+    seen: dict[str, float] = {}
+    while proc.poll() is None:
+        phase = merge_phase(run_dir)
+        seen.setdefault(phase, time.monotonic() - t0)
+        time.sleep(0.001)
+    assert proc.returncode == 0
+    seen["end"] = time.monotonic() - t0
+    return seen
+
+
+def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path: Path, tagged: str):
+    run = synthetic.make(tmp_path, tasks=2500, shards=SHARDS, seal=True)
+    run_dir = run.run_dir
+    planned = [k for i in range(SHARDS) for k in run.identities(i)]
+    res = faultkit.cli("merge-and-profile", run_dir)
+    assert res.returncode == 0, res.stderr
+    reference = faultkit.merged_outputs(run_dir)
+    reference_files = {n: (store.merged_dir(run_dir) / n).read_bytes() for n in faultkit.MERGED_FILES}
+    failed = {k for k in faultkit.identities(store.merged_failures_path(run_dir))} - set(
+        faultkit.identities(store.merged_rollouts_path(run_dir)))
+    phases = phase_starts(run_dir, tmp_path / "watched.log")
+    profile_at = phases.get("mid-profile", phases["end"] / 2)
+    renaming_at = phases.get("while renaming outputs", phases["end"])
+    lock = store.merged_dir(run_dir) / ".merge.lock"
+
+    rng = faultkit.seeded(606)
+    landed: Counter = Counter()
+    recoveries = kills = 0
+    for it in range(8 * KILLS):
+        if landed["mid-merge"] >= KILLS and landed["mid-profile"] >= KILLS:
+            break
+        if it % 2 == 0:  # half the kills hit a first merge, half a re-merge over complete earlier outputs
+            for name in faultkit.MERGED_FILES + ("merge_summary.json",):
+                (store.merged_dir(run_dir) / name).unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
+        had_outputs = all((store.merged_dir(run_dir) / n).exists() for n in reference_files)
+        target = "mid-merge" if landed["mid-merge"] <= landed["mid-profile"] else "mid-profile"
+        delay = rng.uniform(0, profile_at) if target == "mid-merge" else rng.uniform(profile_at, renaming_at)
+        proc = faultkit.fork_cli("merge-and-profile", run_dir, log=tmp_path / "chaos.log")
+        faultkit.wait_for(lock.exists, 60, "the merge to take its lock", interval=0.001, proc=proc)
+        time.sleep(delay)
+        if proc.poll() is not None:
+            assert proc.returncode == 0, (tmp_path / "chaos.log").read_text()[-3000:]
+            landed["finished before the kill"] += 1
+            continue
+        faultkit.kill_tree(proc, tag=tagged)
+        kills += 1
+        landed[merge_phase(run_dir)] += 1
+        # nothing half-written under an output's name: each is absent (first merge) or complete
+        for name, data in reference_files.items():
+            path = store.merged_dir(run_dir) / name
+            if had_outputs:
+                assert path.read_bytes() == data, f"a killed re-merge damaged {name}"
+            else:
+                assert not path.exists() or path.read_bytes() == data, name
+        landed["of which re-merges over complete outputs"] += had_outputs
+        assert faultkit.leftovers(tagged, also=run_dir) == []
+        if kills % 3 == 0:  # the normal recovery: merge-and-profile again (a stale lock file and temps are there)
+            res = faultkit.cli("merge-and-profile", run_dir, timeout=120)
+            assert res.returncode == 0, res.stderr
+            assert faultkit.merged_outputs(run_dir) == reference
+            assert not synthetic.temps(store.merged_dir(run_dir))
+            recoveries += 1
+    res = faultkit.cli("merge-and-profile", run_dir, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert faultkit.merged_outputs(run_dir) == reference and not synthetic.temps(store.merged_dir(run_dir))
+    checked = faultkit.assert_exactly_once(run_dir, planned, failed)
+    assert landed["mid-merge"] >= KILLS and landed["mid-profile"] >= KILLS, landed
+    faultkit.counts_line("merge-and-profile", kills=kills, recoveries=recoveries + 1, identities_checked=checked,
+                         **{k.replace(" ", "_").replace("-", "_"): v for k, v in landed.items()})

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import gym_stack, processes, runtime, store
+from shardrun import gym_stack, runtime, store
 from tests.fakes import harness
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]

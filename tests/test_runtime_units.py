@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import stat
-import sys
 import time
 from pathlib import Path
 

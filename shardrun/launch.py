@@ -223,6 +223,17 @@ class SubmitResult:
         return [o for o in self.outcomes or [] if o.state != "sealed"]
 
 
+def describe_jobs(jobs: dict[int, str], listed: int = 12) -> str:
+    """'shard 0 -> 7_0, ...' for a few shards; per job array ('array 7: shards 0-1000') for many."""
+    if len(jobs) <= listed:
+        return ", ".join(f"shard {i} -> {j}" for i, j in sorted(jobs.items()))
+    groups: dict[str, list[int]] = {}
+    for i, j in jobs.items():
+        groups.setdefault(j.split("_", 1)[0], []).append(i)
+    return ", ".join(f"{'array ' if len(g) > 1 else 'job '}{a}: shard{'s' if len(g) > 1 else ''} "
+                     f"{slurm.format_ranges(g)}" for a, g in groups.items())
+
+
 def shard_outcomes(run_dir: Path, plan: Plan, indices: Sequence[int]) -> list[ShardOutcome]:
     out = []
     for i in indices:
@@ -287,7 +298,7 @@ def launch_unsealed(cfg: RunConfig, run_dir: Path, plan: Plan, *, wait_for_jobs:
     result.jobs = launch.jobs
     result.merge_job_id = launch.merge_job_id
     echo(f"run directory: {run_dir}")
-    echo("jobs: " + ", ".join(f"shard {i} -> {j}" for i, j in sorted(launch.jobs.items())))
+    echo("jobs: " + describe_jobs(launch.jobs))
     if wait_for_jobs and launch.handles:
         wait(launch, echo)
         result.outcomes = shard_outcomes(run_dir, plan, todo)

@@ -92,13 +92,14 @@ def resume(run_dir: Path, config_file: Path | None = None, overrides: Sequence[s
 
 def render(result) -> str:
     """What `shardrun resume` prints (result: launch.SubmitResult)."""
+    from shardrun import launch
+
     lines = []
     if result.dry_run is not None:
         lines.append(result.dry_run)
     if result.jobs:
-        lines.append(f"resubmitted {len(result.jobs)} shard(s): {slurm.format_ranges(result.jobs)} ("
-                     + ", ".join(f"{i} -> {j}" for i, j in sorted(result.jobs.items())[:20])
-                     + (", ..." if len(result.jobs) > 20 else "") + ")")
+        lines.append(f"resubmitted {len(result.jobs)} shard(s): {slurm.format_ranges(result.jobs)} "
+                     f"({launch.describe_jobs(result.jobs)})")
     if result.merge_job_id:
         lines.append(f"merge job {result.merge_job_id} runs when they have ended")
     if result.live:

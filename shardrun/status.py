@@ -67,6 +67,7 @@ class RunStatus:
     live_source: str  # how live jobs were found
     warnings: list[str] = field(default_factory=list)
     sealed_cost: dict = field(default_factory=dict)  # cost.run_row over the sealed shards' markers
+    merge_jobs: list[dict] = field(default_factory=list)  # the run's merge jobs still queued or running
 
     @property
     def complete(self) -> bool:
@@ -263,6 +264,8 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
     queued_locally = {i for i, j in launches.last_job.items()
                       if launches.last_executor.get(i) == "local" and j in live and not seals[i].sealed
                       and _mtime(store.shard_log_path(run_dir, i)) < launches.last_submitted.get(i, 0.0)}
+    merge_jobs = [{"job_id": j, "state": live[j].state, "reason": live[j].reason}
+                  for j in launches.merge_jobs if j in live]
     sources = []
     if launches.names:
         sources.append(f"squeue --name={','.join(sorted(launches.names))}: {len(slurm_jobs)} live")
@@ -295,7 +298,7 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
         planned=plan.num_rollouts, done=done, failed_rollouts=sum(s.failed_rollouts for s in shards), counts=counts,
         gave_up=sum(1 for s in shards if s.gave_up), throughput_per_min=rate, eta_s=eta,
         gpu_hours=sum(s.gpu_hours for s in shards), live_source="; ".join(sources) or "nothing launched yet",
-        warnings=warnings,
+        warnings=warnings, merge_jobs=merge_jobs,
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))))
 
 
@@ -352,6 +355,9 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
         ("sealed cost", cost.sealed_cost_text(st.sealed_cost)),
         ("jobs", st.live_source),
     ]
+    for m in st.merge_jobs:
+        rows.append(("merge job", f"{m['job_id']} {m['state'].lower()}"
+                                  + (f" ({m['reason']})" if m["reason"] not in ("", "None") else "")))
     out = [table(rows), ""]
     for k in STATES:
         idx = st.indices(k)

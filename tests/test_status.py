@@ -72,9 +72,11 @@ def test_states_counts_and_reasons(tmp_path):
     store.atomic_write_json(store.shard_failure_path(run_dir, 4),
                             {"job_id": "7_4", "error": "ServerFailure: vLLM died", "attempt": 1})
     now = time.time()
-    record(run_dir, {0: "7_0", 1: "7_1", 2: "7_2", 3: "7_3", 4: "7_4"}, submitted_at=now - 120)
+    record(run_dir, {0: "7_0", 1: "7_1", 2: "7_2", 3: "7_3", 4: "7_4"}, submitted_at=now - 120,
+           merge_job_name="sr-test-merge", merge_job_id="8")
     start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now - 1800))
-    live = squeue(f"7_2|RUNNING|None|{start}|sr-test\n7_3|PENDING|JobArrayTaskLimit|N/A|sr-test\n")
+    live = squeue(f"7_2|RUNNING|None|{start}|sr-test\n7_3|PENDING|JobArrayTaskLimit|N/A|sr-test\n"
+                  f"8|PENDING|Dependency|N/A|sr-test-merge\n")
     st = status.collect(run_dir, now=now, query_live=live, query_ended=no_sacct)
 
     by = {s.index: s for s in st.shards}
@@ -96,6 +98,8 @@ def test_states_counts_and_reasons(tmp_path):
     assert "sealed 2 · running 1 · pending 1 · failed 1 · never started 1" in text
     assert "ServerFailure: vLLM died" in text and "7_4_0_log.out" in text
     assert "shardrun resume" in text
+    assert st.merge_jobs == [{"job_id": "8", "state": "PENDING", "reason": "Dependency"}]
+    assert "8 pending (Dependency)" in text
     data = orjson.loads(status.render_json(st))
     assert data["counts"]["failed"] == 1 and data["shards"][2]["done"] == 2 and data["complete"] is False
 

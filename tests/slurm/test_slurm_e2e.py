@@ -156,6 +156,10 @@ def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: 
     assert st["complete"] and st["counts"]["sealed"] == 3
     # the cap: never more than array_parallelism shard jobs running at once
     assert sampler.samples > 10 and 1 <= sampler.max_running <= 2
+    # the key reached the jobs through the environment only: not in a script, pickle, log or marker
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert harness.API_KEY.encode() not in path.read_bytes(), f"API key written to {path}"
 
 
 def test_time_limit_checkpoint_requeue_and_resume_inside_the_shard(tmp_path: Path, env) -> None:

@@ -519,8 +519,9 @@ def submit_slurm(cfg: RunConfig, run_dir: Path, plan: Plan, indices: Sequence[in
         # after every array of the run that is still queued or running
         names = status.fold_launches(store.read_launches(run_dir)).names | {sp.tag, sp.merge_name}
         live = slurm.query_live_jobs(names)
-        slurm.cancel({j.job_id for j in live.values() if j.name == sp.merge_name})
-        after = sorted({j.array_id for j in live.values() if j.name != sp.merge_name} | set(launch.arrays),
+        merges = {j.job_id for j in live.values() if j.name.endswith(slurm.MERGE_SUFFIX)}
+        slurm.cancel(merges)
+        after = sorted({j.array_id for j in live.values() if j.job_id not in merges} | set(launch.arrays),
                        key=lambda s: (len(s), s))
         merge_params = slurm.merge_parameters(cluster, job_name=sp.merge_name, comment=f"shardrun {run_dir}",
                                               after=after)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel

@@ -181,6 +181,9 @@ class Shard:
             teardown.callback(self.log_teardown, time.monotonic)
             endpoint, stack = self.start_servers(teardown)
             self.collect(endpoint, stack)
+            # collection is over (the servers read env.yaml at start only); once sealed the shard never runs
+            # again, so the key must not wait for a teardown that a kill can skip
+            store.env_yaml_path(self.run_dir, self.index).unlink(missing_ok=True)
             marker = self.seal()
             self.log("sealed; stopping servers")
             self.teardown_started = time.monotonic()

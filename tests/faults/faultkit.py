@@ -49,12 +49,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def fake_policy(tmp: Path, *args: str) -> Iterator[harness.FakePolicy]:
-    """The stand-in policy server (the fake at the model seam), started without this test's process tag."""
+def fake_policy(tmp: Path, *args: str, key: str = harness.API_KEY) -> Iterator[harness.FakePolicy]:
+    """The stand-in policy server (the fake at the model seam), started without this test's process tag; it
+    requires `key` as the Bearer token."""
     port = free_port()
     log = tmp / f"policy-{port}-requests.jsonl"
     env = {k: v for k, v in os.environ.items() if k != harness.TAG_ENV}
-    proc = processes.start([sys.executable, str(harness.FAKE), "--port", str(port), "--api-key", harness.API_KEY,
+    proc = processes.start([sys.executable, str(harness.FAKE), "--port", str(port), "--api-key", key,
                             "--request-log", str(log), *args], tmp / f"policy-{port}.log", name="fake-policy",
                            env=env)
     fake = harness.FakePolicy(proc, port, log)

@@ -1,0 +1,96 @@
+"""One small shard against real NeMo Gym (ng_run with math_with_judge + the vllm_model adapter: 3 servers, the
+quickest real stack) and the stand-in policy server, for the fault tests that need servers.
+
+The run: the first 4 tasks of examples/arith x 4 repeats = 16 rollouts in 1 shard. The API key is a fresh random
+value per test session, given to shardrun only as an environment variable (policy.api_key_env); the secrets test
+searches every file for it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from shardrun import store
+from tests.fakes import harness
+
+CONFIG_PATHS = ["resources_servers/math_with_judge/configs/math_with_judge.yaml",
+                "responses_api_models/vllm_model/configs/vllm_model.yaml"]
+KEY_ENV = "SHARDRUN_FAULTS_POLICY_KEY"
+TASKS = 4
+REPEATS = 4
+
+# shard.log lines that mark where an attempt is (runtime.py writes them as it gets there)
+STARTED, POLICY_READY, GYM_READY, COLLECTING, SEALED, TORN_DOWN, FAILED = (
+    "start: attempt", "policy ready", "Gym servers ready", "collector round", "sealed; stopping servers",
+    "sealed: ", "FAILED: ")
+STAGES = ("shard start", "server start-up", "mid-collection", "sealing/teardown")
+
+
+def write_input(path: Path, tasks: int = TASKS) -> Path:
+    rows = (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:tasks]
+    path.write_text("".join(r + "\n" for r in rows))
+    return path
+
+
+def write_config(path: Path, input_jsonl: Path, run_dir: Path, policy_url: str, *, repeats: int = REPEATS,
+                 gym: dict | None = None, cluster: dict | None = None) -> Path:
+    data = {
+        "input_jsonl": str(input_jsonl), "run_dir": str(run_dir), "num_repeats": repeats,
+        "sharding": {"num_shards": 1},
+        "gym": {"config_paths": CONFIG_PATHS, "num_samples_in_parallel": 2, "stall_timeout_s": 120,
+                "ready_timeout_s": 300, "max_rollout_attempts": 2, "health_interval_s": 2} | (gym or {}),
+        "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": KEY_ENV},
+        "cluster": {"executor": "local", "array_parallelism": 1, "max_attempts": 1000} | (cluster or {}),
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def log_text(run_dir: Path, index: int = 0) -> str:
+    try:
+        return store.shard_log_path(run_dir, index).read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def stage_of(new_log: str) -> str:
+    """Where an attempt was when it was killed, from the shard.log lines it wrote."""
+    if SEALED in new_log:
+        return "sealing/teardown"
+    if COLLECTING in new_log:
+        return "mid-collection"
+    if POLICY_READY in new_log:
+        return "server start-up"
+    return "shard start"
+
+
+def planned_identities(run_dir: Path) -> list[tuple[int, int]]:
+    return [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in
+            store.iter_jsonl_objects(store.materialized_path(run_dir, 0))]
+
+
+def prompt_and_seed(run_dir: Path) -> dict[tuple[int, int], tuple[str, int]]:
+    out = {}
+    for r in store.iter_jsonl_objects(store.materialized_path(run_dir, 0)):
+        users = [m["content"] for m in r["responses_create_params"]["input"] if m["role"] == "user"]
+        seed = json.loads(r["responses_create_params"]["metadata"]["extra_body"])["seed"]
+        out[(r["_ng_task_index"], r["_ng_rollout_index"])] = (users[-1], seed)
+    return out
+
+
+@dataclass
+class Milestones:
+    """Seconds from the command's start to each shard.log milestone of one watched attempt."""
+
+    at: dict[str, float] = field(default_factory=dict)
+
+    def watch(self, run_dir: Path, t0: float, offset: int) -> None:
+        text = log_text(run_dir)[offset:]
+        for m in (STARTED, POLICY_READY, GYM_READY, COLLECTING, SEALED, TORN_DOWN):
+            if m in text and m not in self.at:
+                self.at[m] = time.monotonic() - t0

@@ -85,6 +85,9 @@ def test_resume_gives_up_after_max_attempts_and_refuses_a_changed_input(tmp_path
         assert "resubmitted 5 shard(s)" in more.stdout
         shardrun("cancel", run_dir, cwd=tmp_path)
 
+        # a planning setting changed: resume refuses (exit 2) and submits nothing
+        other = shardrun("resume", run_dir, "num_repeats=3", cwd=tmp_path, check=False)
+        assert other.returncode == 2 and "no longer match the plan" in other.stderr, other.stderr
         # the input changed: resume refuses (exit 2) and submits nothing
         src = tmp_path / "input.jsonl"
         src.write_text(src.read_text().replace("What is", "What's", 1))

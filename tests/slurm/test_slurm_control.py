@@ -12,7 +12,7 @@ from shardrun import store
 from slurm_helpers import launches, math_input, shardrun, squeue, status_json, wait_for, write_config
 from tests.fakes import harness
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
 HELD = {"additional_parameters": {"hold": True}}
 

@@ -24,7 +24,7 @@ from slurm_helpers import (fake_policy, launches, math_input, planned_identities
                            shardrun, squeue, status_json, wait_for, write_config)
 from tests.fakes import harness
 
-pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture

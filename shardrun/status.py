@@ -23,7 +23,8 @@ from typing import Callable, Iterable, Mapping
 import orjson
 
 from shardrun import cost, seal, slurm, store
-from shardrun.planner import Plan
+from shardrun.errors import ShardrunError
+from shardrun.planner import ROLLOUT_KEY, TASK_KEY, Plan
 
 SEALED, RUNNING, PENDING, FAILED, NEVER_STARTED = "sealed", "running", "pending", "failed", "never_started"
 STATES = (SEALED, RUNNING, PENDING, FAILED, NEVER_STARTED)
@@ -68,6 +69,8 @@ class RunStatus:
     warnings: list[str] = field(default_factory=list)
     sealed_cost: dict = field(default_factory=dict)  # cost.run_row over the sealed shards' markers
     merge_jobs: list[dict] = field(default_factory=list)  # the run's merge jobs still queued or running
+    failed: list["FailedRollout"] = field(default_factory=list)  # rollouts recorded as failed (first MAX_FAILED)
+    failed_listed_of: int = 0  # how many there are in all
 
     @property
     def complete(self) -> bool:
@@ -226,6 +229,53 @@ def failure_reason(job_id: str, failure: Mapping | None, ended: Mapping[str, slu
     return f"job {job_id} ended without sealing the shard"
 
 
+# ---------------------------------------------------------------- rollouts recorded as failed
+
+MAX_FAILED = 200
+
+
+@dataclass(frozen=True)
+class FailedRollout:
+    task: int
+    rollout: int
+    shard: int
+    attempts: int  # failure rows in the sidecar (a terminal row counts its own attempts)
+    reason: str
+
+
+def failed_rollouts(run_dir: Path, plan: Plan) -> list[FailedRollout]:
+    """Every identity a shard's failure sidecar records as failed for good, with its last reason: a terminal row
+    (shardrun's, after gym.max_rollout_attempts) or as many rows as attempts (Gym's own; its resume skips them)."""
+    from shardrun import ledger
+
+    try:
+        settings = store.read_launch_settings(run_dir)
+    except ShardrunError:
+        settings = None
+    max_attempts = settings.gym.max_rollout_attempts if settings and settings.gym else 3
+    out = []
+    for spec in plan.shards:
+        path = store.failures_path(run_dir, spec.index)
+        try:
+            if path.stat().st_size == 0:
+                continue
+        except FileNotFoundError:
+            continue
+        rows: dict[tuple[int, int], list[dict]] = {}
+        for row in store.iter_jsonl_objects(path):
+            if isinstance(row, dict) and isinstance(row.get(TASK_KEY), int) and isinstance(row.get(ROLLOUT_KEY), int):
+                rows.setdefault((row[TASK_KEY], row[ROLLOUT_KEY]), []).append(row)
+        for (t, r), got in sorted(rows.items()):
+            terminal = [x for x in got if x.get(ledger.TERMINAL_KEY)]
+            if not terminal and len(got) < max_attempts:
+                continue
+            last = (terminal or got)[-1]
+            reason = str(last.get("reason") or last.get(ledger.FAILURE_CLASS_KEY) or last.get("error") or "failed")
+            attempts = int(terminal[-1].get("attempts") or len(got)) if terminal else len(got)
+            out.append(FailedRollout(t, r, spec.index, attempts, reason))
+    return out
+
+
 # ---------------------------------------------------------------- the run
 
 def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None,
@@ -279,6 +329,7 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
                                lines.get(i, (0, 0)), max_attempts=max_attempts, gpus_per_shard=gpus_per_shard,
                                now=now, run_dir=run_dir, queued_locally=i in queued_locally))
 
+    failed = failed_rollouts(run_dir, plan)
     done = sum(s.done for s in shards)
     counts = {state: 0 for state in STATES}
     for s in shards:
@@ -298,7 +349,7 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
         planned=plan.num_rollouts, done=done, failed_rollouts=sum(s.failed_rollouts for s in shards), counts=counts,
         gave_up=sum(1 for s in shards if s.gave_up), throughput_per_min=rate, eta_s=eta,
         gpu_hours=sum(s.gpu_hours for s in shards), live_source="; ".join(sources) or "nothing launched yet",
-        warnings=warnings, merge_jobs=merge_jobs,
+        warnings=warnings, merge_jobs=merge_jobs, failed=failed[:MAX_FAILED], failed_listed_of=len(failed),
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))))
 
 
@@ -375,6 +426,13 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
                        f"{s.job_id or '-':<14} {detail}".rstrip())
         if len(listed) < len(not_sealed):
             out.append(f"... {len(not_sealed) - len(listed)} more (--all to list every shard, --json for machines)")
+    if st.failed:
+        out += ["", "rollouts recorded as failed (task:rollout, shard, attempts, reason):"]
+        out += [f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {f.reason}"
+                for f in st.failed[:MAX_LISTED]]
+        if st.failed_listed_of > MAX_LISTED:
+            out.append(f"  ... and {st.failed_listed_of - MAX_LISTED:,} more (--json, or the shards' "
+                       f"{store.FAILURES})")
     if st.gave_up:
         out += ["", f"{st.gave_up} shard(s) failed max_attempts times; resume will not retry them (see reasons "
                     f"above; raise cluster.max_attempts to try again)"]

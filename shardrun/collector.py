@@ -27,6 +27,7 @@ FAILED_RUN = re.compile(r"\[rollout_collection\] /run failed status=(\S+) row=(\
 RESPONSE_CONTENT = re.compile(r"Response content: (b?['\"].*)")
 MESSAGE = re.compile(r"[\"']message[\"']\s*:\s*[\"']([^\"']{1,200})")
 WHERE = re.compile(r"Hit an exception in (\S+?) calling")
+EXCEPTION = re.compile(r"\b([A-Za-z_]\w*(?:Error|Exception))\(['\"]([^'\"]{1,200})")  # e.g. a body that is no JSON
 ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
 
 
@@ -76,7 +77,7 @@ def failed_identities(log_text: str) -> dict[tuple[int, int], str]:
 def reason_text(status: str, content: str) -> str:
     """A short reason: the agent's HTTP status and the innermost error message of the (nested) response body."""
     flat = re.sub(r"\\+", "", content)
-    messages = MESSAGE.findall(flat)
+    messages = MESSAGE.findall(flat) or [f"{name}: {text}" for name, text in EXCEPTION.findall(flat)]
     where = WHERE.findall(flat)
     detail = ": ".join(x for x in (where[-1] if where else "", messages[-1].strip() if messages else "") if x)
     return f"/run failed with HTTP {status}" + (f" ({detail})" if detail else "")

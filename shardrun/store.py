@@ -379,16 +379,22 @@ def os_errors_as_domain_errors(doing: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if isinstance(e, (PermissionError,)) or e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise RunDirError(f"permission denied {doing}: {e.filename or e}; fix the permissions and rerun "
-                              f"(nothing already written is lost)") from None
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise RunDirError(f"no space left on the device {doing} ({e.filename or ''}); free space and rerun "
-                              f"(nothing already sealed is lost)") from None
-        if e.errno == errno.ENOENT:
-            raise RunDirError(f"a path vanished {doing}: {e.filename}; was the run directory moved or deleted?"
-                              ) from None
-        raise RunDirError(f"I/O error {doing}: {e}") from None
+        raise os_error(e, doing) from None
+
+
+def os_error(e: OSError, doing: str = "") -> RunDirError:
+    """The RunDirError for an OSError met while `doing` something in a run directory (what happened, what to do)."""
+    at = f" {doing}" if doing else ""
+    where = f": {e.filename}" if e.filename else ""
+    if isinstance(e, PermissionError) or e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return RunDirError(f"permission denied{at}{where or f': {e}'}; fix the permissions and rerun "
+                           f"(nothing already written is lost)")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunDirError(f"no space left on the device{at}{f' ({e.filename})' if e.filename else ''}; free "
+                           f"space and rerun (nothing already sealed is lost)")
+    if e.errno == errno.ENOENT:
+        return RunDirError(f"a path vanished{at}{where}; was the run directory moved or deleted?")
+    return RunDirError(f"I/O error{at}: {e}")
 
 
 def _refuse_orphan_outputs(run_dir: Path) -> None:

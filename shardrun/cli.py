@@ -26,12 +26,17 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
 
 
 def run(fn, *args, **kwargs):
-    """Call a command's function, turning domain errors into a message and an exit code."""
+    """Call a command's function, turning domain errors into a message and an exit code; a file-system error no
+    stage turned into one (disk full, permission denied, a vanished path) is reported the same way (exit 2)."""
     try:
         return fn(*args, **kwargs)
-    except ShardrunError as e:
+    except (ShardrunError, OSError) as e:
         if _state["debug"]:
             raise
+        if isinstance(e, OSError):
+            from shardrun.store import os_error
+
+            e = os_error(e)
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(e.exit_code) from None
 

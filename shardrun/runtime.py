@@ -42,12 +42,16 @@ class ShardLog:
     def __init__(self, path: Path, index: int):
         self.path = path
         self.index = index
-        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # an unwritable run directory is reported by the shard itself
+            path.parent.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, message: str) -> None:
         line = f"[shardrun {time.strftime('%Y-%m-%d %H:%M:%S')} shard {self.index:05d}] {message}"
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+        except OSError as e:  # disk full, permission denied: the line still reaches the job log
+            line += f" (not in {self.path.name}: {e.strerror})"
         print(line, flush=True)
 
 
@@ -88,6 +92,8 @@ def holding_shard_lock(run_dir: Path, index: int) -> Iterator[None]:
     except Timeout:
         raise ShardFailed(f"shard {index} is already running (its lock {lock.lock_file} is held by another "
                           f"process)") from None
+    except OSError as e:
+        raise store.os_error(e, f"locking shard {index}") from None
     try:
         yield
     finally:
@@ -101,12 +107,16 @@ def run_locked(run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: Shard
         with interruptible():
             log(f"start: attempt {attempt}, job {job_id or '-'}, host {socket.gethostname()}, pid {os.getpid()}")
             marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt).run()
-    except Exception as e:
+    except Exception as exc:
+        e = store.os_error(exc, f"running shard {index}") if isinstance(exc, OSError) else exc
         error = describe(e)
         log(f"FAILED: {error}")
-        store.atomic_write_json(store.shard_failure_path(run_dir, index),
-                                {"job_id": job_id, "error": error, "attempt": attempt, "at": time.time(),
-                                 "host": socket.gethostname()})
+        with contextlib.suppress(OSError):  # a full or unwritable disk must not hide the error itself
+            store.atomic_write_json(store.shard_failure_path(run_dir, index),
+                                    {"job_id": job_id, "error": error, "attempt": attempt, "at": time.time(),
+                                     "host": socket.gethostname()})
+        if e is not exc:
+            raise e from exc
         if isinstance(e, ShardrunError):
             raise
         raise ShardFailed(f"shard {index}: {error}") from e

@@ -240,16 +240,11 @@ def mount_tmpfs(path: Path, options: str, mounted: list[Path]) -> Path:
 def fill(directory: Path) -> Path:
     """Fill the file system holding `directory` to the last byte (ENOSPC for the next write)."""
     filler = directory / "filler"
-    with open(filler, "wb") as f:
-        block = b"\0" * (64 << 10)
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(block)
-                f.flush()
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0")
-                f.flush()
+    with open(filler, "wb", buffering=0) as f:
+        for size in (1 << 20, 64 << 10, 4096, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * size)
     return filler
 
 

@@ -42,7 +42,8 @@ def make(tmp: Path, *, tasks: int, shards: int, seal: bool, name: str = "run") -
                             name=name)
     for i in range(shards):
         wrote = builders.write_shard(run, i, failed=1 if i % 3 == 0 else 0, duplicates=1 if i % 4 == 1 else 0,
-                                     torn=i % 4 == 2 and not seal, missing=1 if i % 5 == 0 and not seal else 0, seal_it=seal)
+                                     torn=i % 4 == 2 and not seal, missing=1 if i % 5 == 0 and not seal else 0,
+                                     seal_it=seal)
         if not seal and wrote.missing:
             store.append_jsonl(store.rollout_attempts_path(run.run_dir, i),
                                [ledger.attempt_row(k, "/run failed with HTTP 500 (injected)", 1)

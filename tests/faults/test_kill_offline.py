@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import cli, merge, resume, seal, store  # noqa: F401 (imported once, before the forks)
+from shardrun import cli, merge, resume, seal, store  # noqa: F401  (cli, merge, resume: imported before forking)
 from tests.faults import faultkit, synthetic
 
 KILLS = 20  # per stage, at least

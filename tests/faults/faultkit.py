@@ -140,9 +140,9 @@ def leftovers(tag: str, *, also: Path | None = None, wait_s: float = 5.0) -> lis
         time.sleep(0.2)
 
 
-def cmdline(pid: int) -> str:
+def cmdline(pid: int, limit: int | None = 200) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:limit]
     except OSError:
         return "?"
 

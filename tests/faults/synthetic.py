@@ -18,18 +18,19 @@ MAX_ROLLOUT_ATTEMPTS = 2
 UNREACHABLE_POLICY = "http://127.0.0.1:9/v1"  # never contacted: these shards seal without servers
 
 
-def launch_config(run: builders.Run, **cluster) -> config.RunConfig:
+def launch_config(run: builders.Run, *, api_key_env: str | None = None, **cluster) -> config.RunConfig:
     data = run.cfg.model_dump(mode="json")
     data.update(gym={"config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"],
                      "max_rollout_attempts": MAX_ROLLOUT_ATTEMPTS},
-                policy={"base_url": UNREACHABLE_POLICY, "model_name": "m"},
+                policy={"base_url": UNREACHABLE_POLICY, "model_name": "m", "api_key_env": api_key_env},
                 cluster={"executor": "local", "array_parallelism": 1, "max_attempts": 10_000} | cluster)
     return config.validate(data)
 
 
-def write_config_file(run: builders.Run, path: Path, **cluster) -> Path:
+def write_config_file(run: builders.Run, path: Path, *, api_key_env: str | None = None, **cluster) -> Path:
     """The run's config as a file (what a user passes to `shardrun submit`)."""
-    path.write_bytes(orjson.dumps(launch_config(run, **cluster).model_dump(mode="json")))  # JSON is YAML
+    cfg = launch_config(run, api_key_env=api_key_env, **cluster)
+    path.write_bytes(orjson.dumps(cfg.model_dump(mode="json")))  # JSON is YAML
     return path
 
 

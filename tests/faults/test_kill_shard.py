@@ -28,6 +28,7 @@ import pytest
 
 from shardrun import seal, store
 from tests.faults import faultkit, gymkit
+from tests.fakes import harness
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow]
 
@@ -80,6 +81,8 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
             if os.path.exists(store.env_yaml_path(run_dir, 0)):
                 mode = stat.S_IMODE(os.stat(store.env_yaml_path(run_dir, 0)).st_mode)
                 assert mode == 0o600, oct(mode)
+                if not env_yaml_seen % 200:  # and no process of the shard has the key on its command line
+                    assert not [p for p in harness.tagged_processes(tag) if ref.key in faultkit.cmdline(p, limit=None)]
                 env_yaml_seen += 1
         # no rollout finished before this attempt was asked of the model again
         again = {(r["prompt"], r["seed"]) for r in ref.fake.requests()[requests_before:]}

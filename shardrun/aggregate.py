@@ -60,9 +60,10 @@ class AgentRollouts:
 
 def score_table(task: np.ndarray, reward: np.ndarray, answers: np.ndarray | None) -> AgentRollouts:
     """Build the score table Gym's defaults use: accuracy = reward, and no_answer when answers are given."""
-    starts = np.flatnonzero(np.r_[True, task[1:] != task[:-1]]) if len(task) else np.zeros(0, np.int64)
-    number = np.cumsum(np.r_[False, task[1:] != task[:-1]]) if len(task) else np.zeros(0, np.int64)
-    position = np.arange(len(task)) - starts[number]
+    new_task = np.r_[True, task[1:] != task[:-1]] if len(task) else np.zeros(0, bool)
+    starts = np.flatnonzero(new_task)
+    number = (np.cumsum(new_task) - 1).astype(np.int32)
+    position = (np.arange(len(task)) - starts[number]).astype(np.int32)
     scores = {ACCURACY: reward.astype(np.float64)}
     if answers is not None:
         scores[NO_ANSWER_SCORE] = (answers == NO_ANSWER).astype(np.float64)

@@ -17,6 +17,7 @@ leaves the previous outputs untouched and a re-run gives the same bytes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -34,6 +35,9 @@ from shardrun.planner import Plan
 from shardrun.rowcopy import ByteSources, copy_rows
 from shardrun.shardscan import FailureRow
 
+
+
+RENDER_POOL_MIN = 3  # rendered chunks travel back to this process: worth it only with a CPU left for it
 
 
 def merge_and_profile(run_dir: Path | str, allow_partial: bool = False, answer_field: str | None = None,
@@ -92,6 +96,7 @@ def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partia
     table, shards, failures, rollout_sources = _read_shards(run_dir, plan, states, allow_partial, answer_field,
                                                             workers)
     timings["read_s"] = time.monotonic() - tick
+    trim_heap()
     summary = MergeSummary(str(run_dir), plan.fingerprint, allow_partial, shards=shards, timings=timings)
     outputs = {
         "rollouts": store.merged_rollouts_path(run_dir),
@@ -108,24 +113,36 @@ def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partia
         out = {k: stack.enter_context(store.atomic_writer(p)) for k, p in outputs.items()}
         tick = time.monotonic()
         tasks = _write_materialized(out["materialized_inputs"], table, materialized_sources)
+        trim_heap()
         _write_rollouts(out["rollouts"], table, rollout_sources)
         _write_failures(out["failures"], table, failures, summary)
+        trim_heap()
         timings["copy_s"] = time.monotonic() - tick
         tick = time.monotonic()
         _count_tasks(summary, table, tasks, plan)
         agents = profile_writer.AgentStats(table, tasks)
+        trim_heap()
         out["agent_metrics"].write(orjson.dumps(profile_writer.agent_metric_rows(table, agents)))
         entries = profile_writer.aggregate_entries(table, agents, plan)
+        trim_heap()
         _summarize_agents(summary, entries)
         groups = profile_writer.AggregateWriter(out["aggregate_metrics"], entries, agents.codes,
                                                 lambda a: store.merge_scratch(run_dir, f"groups-{a}.json"))
         profile_writer.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized_sources,
-                                     workers)
+                                     workers if workers >= RENDER_POOL_MIN else 1)
         groups.close()
         timings["profile_s"] = time.monotonic() - tick
         timings["total_s"] = time.monotonic() - started
         out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
     return summary
+
+
+def trim_heap() -> None:
+    """Give the heap memory freed by a finished step back to the OS (glibc keeps it otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 # ---------------------------------------------------------------- row files
@@ -144,6 +161,7 @@ def _write_rollouts(out: IO[bytes], table: MergedTable, sources: list[Path]) -> 
 
     with ByteSources(sources) as src:
         copy_rows(out, src, table.r_shard, table.r_offset, table.r_length, renumber, table.r_renumbered)
+    table.release_locations()
 
 
 def _write_failures(out: IO[bytes], table: MergedTable, failures: list[tuple[int, FailureRow]],

@@ -164,7 +164,12 @@ class MergedTable:
         return self.p_shard[pos], self.p_offset[pos], self.p_length[pos]
 
     def release_planned(self) -> None:
+        """Drop the planned rows (after the merged materialized file is written and TaskInfo taken)."""
         self.p_key = self.p_shard = self.p_offset = self.p_length = self.p_agent = None  # type: ignore
+
+    def release_locations(self) -> None:
+        """Drop where the rollout rows' bytes are (after the merged rollouts file is written)."""
+        self.r_shard = self.r_offset = self.r_length = self.r_renumbered = None  # type: ignore
 
     def has_rollout(self, key: np.ndarray) -> np.ndarray:
         if not len(self.r_key):

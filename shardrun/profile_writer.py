@@ -2,7 +2,8 @@
 `_aggregate_metrics.json` (the maths is in profile.py and aggregate.py; this module only arranges and writes).
 
 Tasks are processed in chunks of about CHUNK_ROWS rollouts, in task order, so memory does not grow with the
-run. The aggregate-metrics file is Gym's list, one entry per agent, each ending with that agent's
+run; with several workers the chunks are rendered by forked processes (which share the merged table) and
+written here in order. The aggregate-metrics file is Gym's list, one entry per agent, each ending with that agent's
 `group_level_metrics` (one row per task, as Gym's `compute_aggregate_metrics` builds them: the task's stats, a
 stub `sample` and completion counted over the rollouts it has). The first agent's rows go straight into the file
 as the chunks are written; other agents' rows wait in scratch files until their entry comes.
@@ -24,7 +25,7 @@ from shardrun.planner import Plan
 from shardrun.rowcopy import ByteSources
 from shardrun.workers import ordered_map
 
-CHUNK_ROWS = 1 << 15
+CHUNK_ROWS = 1 << 15  # rollouts per chunk of tasks
 PLACEHOLDER = b'"@@shardrun-group-level-metrics@@"'
 ROW_INDENT = b"\n      "
 LIST_END = b"\n    ]"
@@ -135,7 +136,7 @@ class RenderContext:
 
 
 _context: RenderContext | None = None
-_sources: ByteSources | None = None  # this process's maps of the materialized files
+_sources: ByteSources | None = None  # this process's open materialized files
 
 
 def write_profile(out: IO[bytes], aggregate_out: AggregateWriter, table: MergedTable, tasks: TaskInfo,

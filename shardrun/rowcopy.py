@@ -1,31 +1,34 @@
 """Copy rows, given as (file, offset, length), into one output in a chosen order, as raw bytes.
 
-Files are memory-mapped read-only; pages the copy has touched are dropped from this process every
-`TRIM_BYTES` (they stay in the page cache), so the resident size stays bounded however much is copied.
-Runs of rows that sit back to back in the same file are copied with one slice.
+Rows are read with pread: nothing is mapped, so the process's resident size does not grow with the bytes
+copied (the page cache keeps them), and a file that shrank under us is an error, not a crash. Runs of rows that
+sit back to back in the same file are read with one call, in pieces of at most PIECE_BYTES.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
 import numpy as np
 
-TRIM_BYTES = 32 << 20
-FLUSH_BYTES = 4 << 20
+from shardrun.errors import RunDirError
+
+WINDOW_BYTES = 64 << 20
+SPAN_BYTES = 16 << 20
+GAP_BYTES = 64 << 10
 PIECE_BYTES = 8 << 20
+MAX_OPEN = 256
 
 
 class ByteSources:
-    """Read-only maps of the files rows come from, opened on first use."""
+    """The files rows come from, opened on first use (at most MAX_OPEN at a time)."""
 
     def __init__(self, paths: Sequence[Path]):
         self.paths = list(paths)
-        self._maps: dict[int, mmap.mmap] = {}
-        self._since_trim = 0
+        self._fds: OrderedDict[int, int] = OrderedDict()
 
     def __enter__(self) -> "ByteSources":
         return self
@@ -33,34 +36,27 @@ class ByteSources:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def map(self, i: int) -> mmap.mmap:
-        """The map of file i (callers that slice it themselves call trim() now and then)."""
-        m = self._maps.get(i)
-        if m is None:
-            fd = os.open(self.paths[i], os.O_RDONLY)
-            try:
-                m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            finally:
-                os.close(fd)
-            self._maps[i] = m
-        return m
+    def fd(self, i: int) -> int:
+        fd = self._fds.get(i)
+        if fd is None:
+            if len(self._fds) >= MAX_OPEN:
+                os.close(self._fds.popitem(last=False)[1])
+            fd = self._fds[i] = os.open(self.paths[i], os.O_RDONLY)
+        else:
+            self._fds.move_to_end(i)
+        return fd
 
     def get(self, i: int, offset: int, length: int) -> bytes:
-        self._since_trim += length
-        if self._since_trim >= TRIM_BYTES:
-            self.trim()
-        return self.map(i)[offset:offset + length]
-
-    def trim(self) -> None:
-        """Drop the mapped pages touched so far from this process's resident set."""
-        for m in self._maps.values():
-            m.madvise(mmap.MADV_DONTNEED)
-        self._since_trim = 0
+        data = os.pread(self.fd(i), length, offset)
+        if len(data) != length:
+            raise RunDirError(f"{self.paths[i]}: shorter than when it was read ({offset + len(data):,} bytes, "
+                              f"needed {offset + length:,}); it changed during the merge. Run the merge again")
+        return data
 
     def close(self) -> None:
-        for m in self._maps.values():
-            m.close()
-        self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def runs(source: np.ndarray, offset: np.ndarray, length: np.ndarray, breaks: np.ndarray | None = None) -> np.ndarray:
@@ -78,35 +74,86 @@ def copy_rows(out: IO[bytes], sources: ByteSources, source: np.ndarray, offset: 
               rewrite: Callable[[int, bytes], bytes] | None = None, breaks: np.ndarray | None = None) -> int:
     """Write the rows in the given order; rows flagged in `breaks` pass through `rewrite(position, bytes)`.
 
-    Returns the number of bytes written.
+    The output is assembled a window (about WINDOW_BYTES) at a time. Within a window, rows are read in file
+    order: runs of rows that are back to back in both orders are one unit, units close together in the same
+    file are read with one pread (a span), and each unit is placed at its output position in the window's
+    buffer, which is then written in one go. So the files are read mostly sequentially, whatever the output
+    order, and memory is bounded by the window. Returns the number of bytes written.
     """
     bounds = runs(source, offset, length, breaks)
     first, last = bounds[:-1], bounds[1:] - 1
-    if not len(first):
-        return 0
-    run_source = source[first].tolist()
-    run_start = offset[first].tolist()
-    run_end = (offset[last] + length[last]).tolist()
-    flagged = set(np.flatnonzero(breaks[first]).tolist()) if breaks is not None and rewrite is not None else set()
-    maps = {i: sources.map(i) for i in set(run_source)}
-    parts: list[bytes] = []
-    pending = written = since_trim = 0
-    for n, (i, a, b) in enumerate(zip(run_source, run_start, run_end)):
-        if b - a > PIECE_BYTES and n not in flagged:  # a long run of back-to-back rows: copy it in pieces
-            for p in range(a, b, PIECE_BYTES):
-                out.write(b"".join(parts) + maps[i][p:min(b, p + PIECE_BYTES)])
-                parts.clear()
-            written, since_trim, pending = written + pending + b - a, since_trim + b - a, 0
+    u_source, u_offset = source[first], offset[first]
+    u_length = offset[last] + length[last] - u_offset
+    replaced = _rewritten(sources, source, offset, length, first, rewrite, breaks)
+    u_size = u_length.copy()
+    for unit, data in replaced.items():
+        u_size[unit] = len(data)
+    u_end = np.cumsum(u_size)
+    written = 0
+    for a, b in _windows(u_end, WINDOW_BYTES):
+        base = int(u_end[a - 1]) if a else 0
+        size = int(u_end[b - 1]) - base
+        if b - a == 1 and a not in replaced and size > WINDOW_BYTES:  # one long run: stream it in pieces
+            i, lo = int(u_source[a]), int(u_offset[a])
+            for p in range(lo, lo + size, PIECE_BYTES):
+                out.write(sources.get(i, p, min(lo + size, p + PIECE_BYTES) - p))
         else:
-            piece = maps[i][a:b]
-            parts.append(rewrite(int(first[n]), piece) if n in flagged else piece)  # type: ignore[misc]
-            pending += b - a
-            if pending >= FLUSH_BYTES:
-                out.write(b"".join(parts))
-                parts.clear()
-                written, since_trim, pending = written + pending, since_trim + pending, 0
-        if since_trim >= TRIM_BYTES:
-            sources.trim()
-            since_trim = 0
-    out.write(b"".join(parts))
-    return written + pending
+            out.write(_window(sources, u_source[a:b], u_offset[a:b], u_length[a:b], u_end[a:b] - u_size[a:b] - base,
+                              size, {u - a: d for u, d in replaced.items() if a <= u < b}))
+        written += size
+    return written
+
+
+def _rewritten(sources: ByteSources, source: np.ndarray, offset: np.ndarray, length: np.ndarray,
+               first: np.ndarray, rewrite: Callable[[int, bytes], bytes] | None,
+               breaks: np.ndarray | None) -> dict[int, bytes]:
+    """unit number -> new bytes, for the flagged rows (each its own unit; rare)."""
+    if rewrite is None or breaks is None:
+        return {}
+    units = np.flatnonzero(breaks[first])
+    return {int(u): rewrite(int(first[u]), sources.get(int(source[first[u]]), int(offset[first[u]]),
+                                                       int(length[first[u]]))) for u in units}
+
+
+def _windows(end: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """Consecutive unit ranges whose bytes add up to about `limit` (at least one unit each)."""
+    bounds = [0]
+    while bounds[-1] < len(end):
+        done = int(end[bounds[-1] - 1]) if bounds[-1] else 0
+        bounds.append(max(bounds[-1] + 1, int(np.searchsorted(end, done + limit, side="right"))))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _window(sources: ByteSources, source: np.ndarray, offset: np.ndarray, length: np.ndarray, dest: np.ndarray,
+            size: int, replaced: dict[int, bytes]) -> bytearray:
+    """One window's bytes: units read in file order, in spans, and placed at their `dest`."""
+    buf = bytearray(size)
+    view = memoryview(buf)
+    order = np.lexsort((offset, source))
+    src, off, end = source[order], offset[order], offset[order] + length[order]
+    new_span = np.r_[True, (src[1:] != src[:-1]) | (off[1:] > end[:-1] + GAP_BYTES)]
+    new_span |= _span_too_long(off, new_span)
+    starts = np.flatnonzero(new_span)
+    stops = np.r_[starts[1:], len(order)]
+    highs = np.maximum.reduceat(end, starts) if len(starts) else end
+    for s0, s1, hi in zip(starts.tolist(), stops.tolist(), highs.tolist()):
+        lo = int(off[s0])
+        data = memoryview(sources.get(int(src[s0]), lo, hi - lo))
+        units = order[s0:s1]
+        for u, o, n, d in zip(units.tolist(), (off[s0:s1] - lo).tolist(), length[units].tolist(),
+                              dest[units].tolist()):
+            if u not in replaced:
+                view[d:d + n] = data[o:o + n]
+    for u, data in replaced.items():
+        view[int(dest[u]):int(dest[u]) + len(data)] = data
+    return buf
+
+
+def _span_too_long(off: np.ndarray, new_span: np.ndarray) -> np.ndarray:
+    """Also start a span where the current one would exceed SPAN_BYTES (one pass, vectorised by span)."""
+    out = np.zeros(len(off), bool)
+    starts = np.flatnonzero(new_span)
+    span_of = np.cumsum(new_span) - 1
+    since = off - off[starts][span_of]
+    out[1:] = (since[1:] // SPAN_BYTES) != (since[:-1] // SPAN_BYTES)
+    return out & ~new_span

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -13,8 +15,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from shardrun import cli, merge, profile_writer, shardread, store
@@ -136,14 +141,14 @@ def reference_pass_at_k(tasks: list[list[float]], k: int) -> float | None:
 
 # ---------------------------------------------------------------- scenarios
 
-SCENARIOS = {  # workers: shards read in this process (1) or a pool of 2 processes
+SCENARIOS = {  # workers: shards read in this process (1) or a pool of processes
     "contiguous-int": dict(rows=dict(n_tasks=9), num_repeats=4, num_shards=3, slicing="contiguous", workers=1),
     "roundrobin-dict-sparse-shuffled": dict(
         rows=dict(n_tasks=11, agents=("math", "tool"), explicit_index=True, shuffle_seed=5),
         num_repeats={"math": 4, "_default": 2}, num_shards=4, slicing="round_robin", workers=2),
     "contiguous-split-tasks": dict(rows=dict(n_tasks=7, agents=("a", "b", "c")),
                                    num_repeats={"a": 3, "b": 5, "_default": 1}, num_shards=5, slicing="contiguous",
-                                   workers=2),
+                                   workers=3),  # 3: profile chunks rendered by the pool too
 }
 
 
@@ -453,3 +458,59 @@ def test_corner_case_rows_equal_plain_computation(tmp_path: Path) -> None:
     assert bigs and all(b > 2 ** 60 and isinstance(b, int) for b in bigs)
     assert any(i["reward"] is None for row in got_rows for i in row["rollout_infos"])
     assert any(i["reward"] is True for row in got_rows for i in row["rollout_infos"])
+
+
+def test_cli_prints_the_summary_and_json(tmp_path: Path) -> None:
+    run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
+    result = CliRunner().invoke(cli.app, ["merge-and-profile", str(run.run_dir), "--answer-field", "extracted_answer"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for text in (r"duplicates dropped +2\n", r"rows rejected +1; 1 not planned for its shard", r"torn last lines +1",
+                 r"GPU-hours \(markers\) +2\.00", r"agent math \(4 repeats\): mean reward 0\.\d{4}",
+                 r"agent tool \(2 repeats\)", r"k +pass@k +pass@1\[avg-of-k\] +majority@k",
+                 r"failed rollouts \(task:rollout, shard, reason\):", "http_500", "rollouts_reward_profiling.jsonl"):
+        assert re.search(text, out), text
+    as_json = CliRunner().invoke(cli.app, ["merge-and-profile", str(run.run_dir), "--json"])
+    data = orjson.loads(as_json.output)
+    assert data["duplicates"] == 2 and data["gpu_hours"] == pytest.approx(2.0)
+    assert [a["name"] for a in data["agents"]] == ["math", "tool"]
+    assert data["shards"][0]["marker"]["gpus"] == 1
+    saved = orjson.loads(store.merged_summary_path(run.run_dir).read_bytes())
+    assert saved["rollouts"] == data["rollouts"] and saved["timings"]["total_s"] > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_copy_rows_gives_the_rows_in_order_whatever_the_window(tmp_path_factory, data) -> None:
+    from shardrun import rowcopy
+
+    tmp = tmp_path_factory.mktemp("copy")
+    files = []
+    rows = []  # (file, offset, bytes)
+    for f in range(data.draw(st.integers(1, 4))):
+        lines = data.draw(st.lists(st.binary(min_size=0, max_size=40).map(lambda b: b.replace(b"\n", b"") + b"\n"),
+                                   min_size=1, max_size=30))
+        path = tmp / f"f{f}"
+        path.write_bytes(b"".join(lines))
+        files.append(path)
+        off = 0
+        for line in lines:
+            rows.append((f, off, line))
+            off += len(line)
+    order = data.draw(st.one_of(st.just(list(range(len(rows)))), st.permutations(range(len(rows)))))
+    flagged = data.draw(st.lists(st.booleans(), min_size=len(rows), max_size=len(rows)))
+    window, span, gap, piece = (data.draw(st.integers(1, 200)) for _ in range(4))
+    old = (rowcopy.WINDOW_BYTES, rowcopy.SPAN_BYTES, rowcopy.GAP_BYTES, rowcopy.PIECE_BYTES)
+    rowcopy.WINDOW_BYTES, rowcopy.SPAN_BYTES, rowcopy.GAP_BYTES, rowcopy.PIECE_BYTES = window, span, gap, piece
+    try:
+        source = np.array([rows[i][0] for i in order], np.int32)
+        offset = np.array([rows[i][1] for i in order], np.int64)
+        length = np.array([len(rows[i][2]) for i in order], np.int32)
+        breaks = np.array([flagged[i] for i in order])
+        out = io.BytesIO()
+        with rowcopy.ByteSources(files) as src:
+            n = rowcopy.copy_rows(out, src, source, offset, length, lambda pos, b: b"<" + b + b">", breaks)
+    finally:
+        rowcopy.WINDOW_BYTES, rowcopy.SPAN_BYTES, rowcopy.GAP_BYTES, rowcopy.PIECE_BYTES = old
+    want = b"".join(b"<" + rows[i][2] + b">" if flagged[i] else rows[i][2] for i in order)
+    assert out.getvalue() == want and n == len(want)

@@ -109,16 +109,18 @@ class Layout:
 
 def stat_items(layout: Layout, stats: np.ndarray, g: int) -> dict[str, Any]:
     """`{stat}/{column}` -> value for segment g of a (6, columns, segments) stats array, NaN dropped."""
-    out: dict[str, Any] = {}
-    block = stats[1:, :, g].tolist()
-    for s, name in enumerate(STATS):
-        row = block[s]
-        as_int = layout.all_int and name in INT_STATS
-        for c in layout.order:
-            v = row[c]
-            if v == v:
-                out[f"{name}/{layout.names[c]}"] = int(v) if as_int else v
-    return out
+    return stat_rows(layout, stats[:, :, g:g + 1])[0]
+
+
+def stat_rows(layout: Layout, stats: np.ndarray) -> list[dict[str, Any]]:
+    """stat_items of every segment of a (6, columns, segments) stats array (one numpy reshape, then dicts)."""
+    keys = [f"{name}/{layout.names[c]}" for name in STATS for c in layout.order]
+    block = stats[1:][:, list(layout.order), :].reshape(len(keys), stats.shape[2]).T
+    if not layout.all_int:
+        return [{k: v for k, v in zip(keys, row) if v == v} for row in block.tolist()]
+    width = len(layout.order)  # max and min (stats 1 and 2) are integers
+    is_int = [STATS[i // width] in INT_STATS for i in range(len(keys))]
+    return [{k: int(v) if i else v for k, v, i in zip(keys, row, is_int) if v == v} for row in block.tolist()]
 
 
 def task_profile_row(task_index: int, items: dict[str, Any], sample: dict[str, Any], num_rollouts: int,

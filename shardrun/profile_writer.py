@@ -177,10 +177,11 @@ def render_chunk(bounds: tuple[int, int]) -> tuple[bytes, dict[int, list[bytes]]
                   tasks.sample_length[g0:g1].tolist())
     lines: list[bytes] = []
     by_agent: dict[int, list[bytes]] = {x: [] for x in stats.codes}
+    all_items = profile.stat_rows(layout, group)
     for j, (code, start, n, where) in enumerate(zip(codes, starts.tolist(), sizes.tolist(), samples)):
         task_index, agent = int(table.tasks[code]), int(tasks.agent[code])
         infos_json = b"[" + b",".join(infos[start:start + n]) + b"]"
-        items = profile.stat_items(layout, group, j)
+        items = all_items[j]
         sample = profile.sample_of(orjson.loads(_sources.get(*where)))
         head = profile.task_profile_row(task_index, items, sample, n, int(tasks.expected[code]), ())
         lines.append(_with_infos(head, infos_json))

@@ -97,13 +97,12 @@ class CompleteLines:
             if self.hasher is not None:
                 self.hasher.update(data)
             data = carry + data if carry else data
-            cut = data.rfind(b"\n") + 1
-            carry = data[cut:]
-            if cut:
+            lines = data.split(b"\n")
+            carry = lines.pop()  # what follows the last newline (b"" when the block ends with one)
+            if lines:
+                cut = len(data) - len(carry)
                 if self.copy_to is not None:
                     self.copy_to.write(memoryview(data)[:cut])
-                lines = data[:cut].split(b"\n")
-                lines.pop()
                 yield offset, lines
                 offset += cut
         self.torn = len(carry)

@@ -87,6 +87,20 @@ def _read_shards(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_
     return builder.finish(), results, failures, sources
 
 
+def shard_warnings(shards: list[ShardResult]) -> list[str]:
+    """What the summary should point out about the shards (markers that disagree with their files)."""
+    out = []
+    for s in shards:
+        claimed = (s.marker or {}).get("num_rollouts")
+        if s.sealed and isinstance(claimed, int) and claimed != s.kept:
+            out.append(f"shard {s.index:05d}: its marker counts {claimed:,} rollouts, {s.kept:,} planned "
+                       f"identities were found in its rollouts.jsonl")
+        if s.failure_rows_rejected:
+            out.append(f"shard {s.index:05d}: {s.failure_rows_rejected:,} failure-sidecar rows without a planned "
+                       f"identity were left out")
+    return out
+
+
 # ---------------------------------------------------------------- the merge
 
 def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partial: bool,
@@ -97,7 +111,8 @@ def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partia
                                                             workers)
     timings["read_s"] = time.monotonic() - tick
     trim_heap()
-    summary = MergeSummary(str(run_dir), plan.fingerprint, allow_partial, shards=shards, timings=timings)
+    summary = MergeSummary(str(run_dir), plan.fingerprint, allow_partial, shards=shards, timings=timings,
+                           warnings=shard_warnings(shards))
     outputs = {
         "rollouts": store.merged_rollouts_path(run_dir),
         "materialized_inputs": store.merged_materialized_path(run_dir),

@@ -69,7 +69,8 @@ def read_rollouts(job: ShardJob) -> tuple[Rollouts, seal.SealState]:
         state = seal.SealState(False, f"{path}: content changed after sealing (sha256 differs); not sealed",
                                marker)
         if not job.allow_partial:
-            raise IncompleteRun(unsealed_message(job.run_dir, [(job.index, state.reason)], 1))
+            raise IncompleteRun(f"shard {job.index:05d} is not sealed: {state.reason}\nRun `shardrun resume "
+                                f"{job.run_dir}` to finish it, or merge what it holds with --allow-partial.")
     snapshot = store.merge_scratch(job.run_dir, f"snapshot-{job.index:05d}.jsonl")
     return scan_rollouts(path, limit=None, snapshot=snapshot, answer_key=job.answer_field), state
 

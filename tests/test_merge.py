@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from shardrun import cli, merge, profile_writer, shardread, store
+from shardrun import cli, merge, merge_summary, profile_writer, shardread, store
 from shardrun.errors import IncompleteRun
 from tests.builders import Run, ShardWrite, input_rows, make_run, rollout_row, seal_shard, write_shard
 
@@ -205,6 +205,7 @@ def test_merged_files_and_profile_equal_plain_computation(tmp_path: Path, scenar
     assert summary.tasks_partial + summary.tasks_missing == len(partial_tasks)
     assert summary.tasks_complete == summary.tasks - len(partial_tasks)
     assert summary.gpu_hours == pytest.approx(0.5 * run.num_shards)
+    assert summary.warnings == []
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -514,3 +515,15 @@ def test_copy_rows_gives_the_rows_in_order_whatever_the_window(tmp_path_factory,
         rowcopy.WINDOW_BYTES, rowcopy.SPAN_BYTES, rowcopy.GAP_BYTES, rowcopy.PIECE_BYTES = old
     want = b"".join(b"<" + rows[i][2] + b">" if flagged[i] else rows[i][2] for i in order)
     assert out.getvalue() == want and n == len(want)
+
+
+def test_marker_disagreeing_with_its_file_is_pointed_out(tmp_path: Path) -> None:
+    run = make_run(tmp_path, input_rows(4), num_repeats=2, num_shards=2)
+    write_shard(run, 0)
+    write_shard(run, 1, missing=2, seal_it=False)
+    seal_shard(run, 1, num_failed=0)  # claims all 4 rollouts; the file holds 2
+    summary = merge.merge_and_profile(run.run_dir)
+    assert summary.warnings == ["shard 00001: its marker counts 4 rollouts, 2 planned identities were found in "
+                                "its rollouts.jsonl"]
+    assert "warning: shard 00001: its marker counts 4" in merge_summary.render(summary)
+    assert summary.rollouts == 6 and summary.tasks_partial + summary.tasks_missing >= 1

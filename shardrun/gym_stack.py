@@ -11,7 +11,9 @@ What Gym 0.4.0 needs here (docs/runtime.md has the measurements):
 - server_venvs=shared: `<uv_venv_dir>/<type>/<impl>/.venv` symlinks to the Gym venv and
   `+skip_venv_if_present=true`: no uv run at all (UV_OFFLINE=1 as a guard).
 - `+global_aiohttp_client_request_debug=true` makes the collector name the identity of a failed /run (the collector
-  takes the client settings from the head server's config), which the retry ledger needs.
+  takes the client settings from the head server's config), which the retry ledger needs. It also makes
+  Gym print a failed request's headers, the policy key among them: ng_run's output reaches its log through
+  processes' redactor, which masks the key.
 - ng_run is stopped with SIGTERM to its process group, then stragglers (Ray workers leave the group) are killed.
 """
 
@@ -225,8 +227,9 @@ def start(run_dir: Path, index: int, gym: GymConfig, base_urls: Sequence[str], a
     cmd = ng_run_command(venv, gym, port, venvs_dir)
     if not shared:
         cmd.append(f"+uv_cache_dir={venvs_dir / 'uv-cache'}")
+    # with request debugging on, Gym's model adapter prints a failed request's headers (the key among them)
     proc = processes.start(cmd, store.gym_log_path(run_dir, index), name="ng_run", cwd=work,
-                           env=stack_env(base_env, venv, ray_tmp, shared))
+                           env=stack_env(base_env, venv, ray_tmp, shared), redact=[api_key] if api_key else [])
     return GymStack(proc=proc, port=port, env_yaml=env_yaml, ray_tmp=ray_tmp)
 
 

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import IO, Callable, Iterator, Mapping, Sequence
 
 from shardrun.errors import ServerFailure
 
@@ -32,6 +32,7 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     started_at: float = field(default_factory=time.time)
+    redactor: subprocess.Popen | None = None  # copies the output to the log with secrets masked (start(redact=))
 
     @property
     def pid(self) -> int:
@@ -73,29 +74,66 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def start(cmd: Sequence[str], log_path: Path, *, name: str | None = None, env: Mapping[str, str] | None = None,
-          cwd: Path | None = None, die_with_parent: bool = True) -> Proc:
+          cwd: Path | None = None, die_with_parent: bool = True, redact: Sequence[str] = ()) -> Proc:
     """Start `cmd` in a new session (own process group), stdin closed, stdout+stderr appended to `log_path`.
 
     SIGINT/SIGTERM dispositions are reset to default in the child (a non-interactive parent shell may have
     ignored SIGINT, which children would inherit). With `die_with_parent` (Linux) the child gets SIGTERM when the
     thread that started it dies, so a SIGKILLed shard does not leave its servers running; start long-lived
     servers from the main thread.
+
+    With `redact` (secret values, e.g. the policy API key), the output goes through a small redactor process
+    that writes it to the log line by line with every one of them replaced by `***`: the command's own debug
+    output (NeMo Gym prints request headers when a request fails) never puts a secret on disk. The redactor gets
+    the secrets in its environment, never on its command line, and ends when the command and everything that
+    inherited its output have exited.
     """
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     name = name or Path(cmd[0]).name
+    parent = os.getpid() if die_with_parent else None
+    secrets = [s for s in redact if s]
     with open(log_path, "ab") as log:
         log.write(f"[shardrun] {time.strftime('%Y-%m-%d %H:%M:%S')} start {name}: {_show(cmd)}\n".encode())
         log.flush()
+        redactor = None
+        out: int | IO[bytes] = log
         try:
+            if secrets:
+                read_end, out = os.pipe()
+                try:
+                    redactor = subprocess.Popen(
+                        [sys.executable, "-c", _REDACTOR], stdin=read_end, stdout=log, stderr=subprocess.STDOUT,
+                        env={_REDACT_ENV: "\n".join(secrets)}, start_new_session=True,
+                        preexec_fn=_child_setup(parent))
+                finally:
+                    os.close(read_end)
             popen = subprocess.Popen(
-                list(cmd), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                list(cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
-                preexec_fn=_child_setup(os.getpid() if die_with_parent else None),
+                preexec_fn=_child_setup(parent),
             )
         except OSError as e:
+            if redactor is not None:
+                redactor.kill()
             raise ServerFailure(f"cannot start {name} ({cmd[0]}): {e}") from None
-    return Proc(name=name, popen=popen, log_path=log_path)
+        finally:
+            if isinstance(out, int):
+                os.close(out)  # the command (and its children) hold the only write ends now
+    return Proc(name=name, popen=popen, log_path=log_path, redactor=redactor)
+
+
+_REDACT_ENV = "SHARDRUN_REDACT"
+_REDACTOR = """\
+import os, sys
+secrets = [s.encode() for s in os.environ.pop("SHARDRUN_REDACT").split("\\n")]
+out = sys.stdout.buffer
+for line in sys.stdin.buffer:
+    for s in secrets:
+        line = line.replace(s, b"***")
+    out.write(line)
+    out.flush()
+"""
 
 
 def _child_setup(parent: int | None) -> Callable[[], None]:
@@ -205,6 +243,12 @@ def stop(proc: Proc, grace: float = 10.0, sig: int = signal.SIGTERM, straggler_g
     _signal_each(family, sig)
     _wait_gone(family, min(straggler_grace, grace))
     kill_tree(proc, extra=family)
+    if proc.redactor is not None:  # it ends at end of input, once the last writer is gone
+        try:
+            proc.redactor.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            proc.redactor.kill()
+            proc.redactor.wait()
     return proc.popen.poll()
 
 

@@ -9,6 +9,7 @@ inputs, the command's own output, and the command lines of every process a shard
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,12 +54,31 @@ def test_the_key_is_in_no_file_of_a_real_gym_run(gym_reference):
     assert kinds(ref.tmp) >= {"plan.json", ".done", "launch records", "submitit pickles", "logs", "merged outputs"}
     assert {p.name for p in store.logs_dir(ref.run_dir, 0).iterdir()} >= {"shard.log", "ng_run.log", "collector.log"}
     assert files_holding(ref.tmp, ref.key) == []
+    # the refused rollout made Gym's model adapter print its request headers: the key was there, masked
+    assert "'Authorization': 'Bearer ***'" in store.gym_log_path(ref.run_dir, 0).read_text()
     assert not store.env_yaml_path(ref.run_dir, 0).exists()  # deleted at the seal
     # the fake policy did get it, from Gym's model adapter (so the key really travelled, through env.yaml)
     assert all(r["auth_ok"] for r in ref.fake.requests())
     report = faultkit.cli("report", ref.run_dir, "--no-sacct")
     if report.returncode == 0:  # matplotlib present: the report is one more output to search
         assert files_holding(store.merged_dir(ref.run_dir), ref.key) == []
+
+
+def test_a_server_log_never_gets_the_key_even_when_the_server_prints_it(tmp_path: Path, policy_key):
+    """processes.start(redact=...): what the command prints reaches its log with the key masked, whole lines and
+    a 1 MB line alike, from the command and from a child that inherited its output."""
+    from shardrun import processes
+
+    log = tmp_path / "server.log"
+    code = ("import os, subprocess, sys\nk = os.environ['K']\nprint('Authorization: Bearer ' + k, flush=True)\n"
+            "print('x' * 1_000_000 + k + 'y')\nsys.stderr.write('err ' + k + '\\n')\n"
+            "subprocess.run([sys.executable, '-c', 'import os; print(\"child\", os.environ[\"K\"])'])\n")
+    proc = processes.start([sys.executable, "-c", code], log, env={"K": policy_key}, redact=[policy_key])
+    assert proc.popen.wait(timeout=60) == 0
+    processes.stop(proc)
+    text = log.read_text()
+    assert policy_key not in text and text.count("***") == 4, text[-300:]
+    assert proc.redactor is not None and proc.redactor.returncode == 0
 
 
 def test_rendered_sbatch_scripts_hold_the_variable_name_not_the_key(tmp_path: Path, policy_key, monkeypatch):

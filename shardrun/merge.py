@@ -125,7 +125,10 @@ def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partia
     summary.outputs = {k: str(p) for k, p in outputs.items()}
     materialized_sources = [store.materialized_path(run_dir, s.index) for s in plan.shards]
     with contextlib.ExitStack() as stack:
-        out = {k: stack.enter_context(store.atomic_writer(p)) for k, p in outputs.items()}
+        # the summary's writer is entered first, so it is renamed last: a merge_summary.json in place means every
+        # output beside it comes from the same merge (one killed while renaming leaves the earlier summary)
+        out = {k: stack.enter_context(store.atomic_writer(outputs[k]))
+               for k in sorted(outputs, key=lambda k: k != "summary")}
         tick = time.monotonic()
         tasks = _write_materialized(out["materialized_inputs"], table, materialized_sources)
         trim_heap()

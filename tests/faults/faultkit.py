@@ -198,14 +198,17 @@ TIMING_KEYS = {"timings", "run_dir", "outputs", "seal", "marker", "cost", "gpu_h
 
 def summary_essentials(run_dir: Path) -> bytes:
     """merge_summary.json without timings, paths and seals (they hold start/end times)."""
+    return essentials_of(store.merged_summary_path(run_dir).read_bytes())
+
+
+def essentials_of(summary: bytes) -> bytes:
     def strip(x):
         if isinstance(x, dict):
             return {k: strip(v) for k, v in x.items() if k not in TIMING_KEYS}
         if isinstance(x, list):
             return [strip(v) for v in x]
         return x
-    return orjson.dumps(strip(orjson.loads(store.merged_summary_path(run_dir).read_bytes())),
-                        option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
+    return orjson.dumps(strip(orjson.loads(summary)), option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
 
 
 def identities(path: Path) -> list[tuple[int, int]]:

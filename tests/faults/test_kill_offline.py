@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import seal, store
+from shardrun import runtime, seal, store
 from tests.faults import faultkit, synthetic
 
 KILLS = 20  # per stage, at least
@@ -230,3 +230,58 @@ def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path
     assert landed["mid-merge"] >= KILLS and landed["mid-profile"] >= KILLS, landed
     faultkit.counts_line("merge-and-profile", kills=kills, recoveries=recoveries + 1, identities_checked=checked,
                          **{k.replace(" ", "_").replace("-", "_"): v for k, v in landed.items()})
+
+
+def test_merge_killed_while_renaming_its_outputs_never_leaves_a_summary_ahead_of_them(tmp_path: Path, tagged: str):
+    """The outputs are renamed into place one by one; merge_summary.json goes last, so a summary of this merge in
+    place means every output beside it is this merge's too (killed right after the first rename, 10 times)."""
+    run = synthetic.make(tmp_path, tasks=2500, shards=SHARDS, seal=False)
+    run_dir = run.run_dir
+    for i in range(SHARDS - 1):
+        runtime.run_shard(run_dir, i)
+    last = store.rollouts_path(run_dir, SHARDS - 1)
+    full = last.read_bytes()
+    last.write_bytes(full[: full.index(b"\n", len(full) // 2) + 1])  # the last shard half collected
+    assert faultkit.cli("merge-and-profile", run_dir, "--allow-partial").returncode == 0  # the earlier outputs
+    names = faultkit.MERGED_FILES + ("merge_summary.json",)
+    old = {n: (store.merged_dir(run_dir) / n).read_bytes() for n in names}
+    last.write_bytes(full)
+    runtime.run_shard(run_dir, SHARDS - 1)
+    assert faultkit.cli("merge-and-profile", run_dir).returncode == 0
+    new = {n: (store.merged_dir(run_dir) / n).read_bytes() for n in names}
+    assert all(old[n] != new[n] for n in ("rollouts.jsonl", "rollouts_reward_profiling.jsonl", "merge_summary.json"))
+    landed = Counter()
+    for _ in range(10):
+        for n in names:
+            store.atomic_write_bytes(store.merged_dir(run_dir) / n, old[n])
+        inodes = {n: (store.merged_dir(run_dir) / n).stat().st_ino for n in names}
+
+        def renamed() -> bool:
+            for n in names:
+                try:
+                    if (store.merged_dir(run_dir) / n).stat().st_ino != inodes[n]:
+                        return True
+                except FileNotFoundError:
+                    pass
+            return False
+
+        proc = faultkit.fork_cli("merge-and-profile", run_dir, log=tmp_path / "renames.log")
+        faultkit.wait_for(renamed, 120, "the first output renamed", interval=0.0005, proc=proc)
+        if proc.poll() is not None:
+            landed["finished first"] += 1
+            continue
+        faultkit.kill_tree(proc, tag=tagged)
+        now = {n: (store.merged_dir(run_dir) / n).read_bytes() for n in names}
+        if now["merge_summary.json"] != old["merge_summary.json"]:  # new, with this run's timings
+            assert faultkit.essentials_of(now["merge_summary.json"]) == faultkit.essentials_of(new["merge_summary.json"])
+            now["merge_summary.json"] = new["merge_summary.json"]
+        assert all(now[n] in (old[n], new[n]) for n in names)  # each output whole, old or new
+        replaced = sorted(n for n in names if now[n] == new[n] != old[n])
+        landed["killed mid-rename" if len(replaced) < len(names) else "killed after the renames"] += 1
+        if now["merge_summary.json"] == new["merge_summary.json"]:
+            assert all(now[n] == new[n] for n in names), f"the summary is new but not {set(names) - set(replaced)}"
+    res = faultkit.cli("merge-and-profile", run_dir)
+    assert res.returncode == 0 and {n: (store.merged_dir(run_dir) / n).read_bytes()
+                                    for n in faultkit.MERGED_FILES} == {n: new[n] for n in faultkit.MERGED_FILES}
+    assert landed["killed mid-rename"] >= 3, landed
+    faultkit.counts_line("merge renames", **{k.replace(" ", "_"): v for k, v in landed.items()})

@@ -39,7 +39,7 @@ def launches_per_shard(run_dir: Path) -> Counter:
 @pytest.mark.parametrize("pair", [("submit", "submit"), ("resume", "resume"), ("submit", "resume")])
 def test_two_commands_racing_on_one_run_launch_every_shard_once(tmp_path: Path, pair, reference):
     rng = faultkit.seeded(hash(pair) % 1000)
-    rounds = 3
+    rounds = 2
     for r in range(rounds):
         run = synthetic.make(tmp_path / f"r{r}", tasks=600, shards=SHARDS, seal=False)
         cfg = synthetic.write_config_file(run, tmp_path / f"r{r}.yaml")

@@ -197,10 +197,14 @@ def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path
         lock.unlink(missing_ok=True)
         had_outputs = all((store.merged_dir(run_dir) / n).exists() for n in reference_files)
         target = "mid-merge" if landed["mid-merge"] <= landed["mid-profile"] else "mid-profile"
-        delay = rng.uniform(0, profile_at) if target == "mid-merge" else rng.uniform(profile_at, renaming_at)
         proc = faultkit.fork_cli("merge-and-profile", run_dir, log=tmp_path / "chaos.log")
         faultkit.wait_for(lock.exists, 60, "the merge to take its lock", interval=0.001, proc=proc)
-        time.sleep(delay)
+        if target == "mid-merge":
+            time.sleep(rng.uniform(0, profile_at))
+        else:  # from the moment it starts profiling, a random part of how long profiling took
+            faultkit.wait_for(lambda: merge_phase(run_dir) != "mid-merge", 60, "profiling", interval=0.001,
+                              proc=proc)
+            time.sleep(rng.uniform(0, renaming_at - profile_at))
         if proc.poll() is not None:
             assert proc.returncode == 0, (tmp_path / "chaos.log").read_text()[-3000:]
             landed["finished before the kill"] += 1
@@ -217,7 +221,7 @@ def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path
                 assert not path.exists() or path.read_bytes() == data, name
         landed["of which re-merges over complete outputs"] += had_outputs
         assert faultkit.leftovers(tagged, also=run_dir) == []
-        if kills % 3 == 0:  # the normal recovery: merge-and-profile again (a stale lock file and temps are there)
+        if kills % 5 == 0:  # the normal recovery: merge-and-profile again (a stale lock file and temps are there)
             res = faultkit.cli("merge-and-profile", run_dir, timeout=120)
             assert res.returncode == 0, res.stderr
             assert faultkit.merged_outputs(run_dir) == reference

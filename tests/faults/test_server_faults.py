@@ -128,7 +128,7 @@ def test_policy_server_that_accepts_connections_but_never_answers_fails_the_shar
 def test_model_that_never_answers_chat_requests_stalls_and_fails_in_bounded_time(tmp_path: Path, gym_env,
                                                                                 policy_key, tag: str):
     """/v1/models answers (health checks pass) but every chat request hangs: Gym would wait forever."""
-    stall = 25.0
+    stall = 15.0
     with faultkit.fake_policy(tmp_path, "--delay", "0.3", key=policy_key) as fake:
         run_dir = tmp_path / "run"
         cfg = gymkit.write_config(tmp_path / "run.yaml", gymkit.write_input(tmp_path / "input.jsonl"), run_dir,

@@ -90,6 +90,7 @@ def copy_rows(out: IO[bytes], sources: ByteSources, source: np.ndarray, offset: 
         u_size[unit] = len(data)
     u_end = np.cumsum(u_size)
     written = 0
+    buf = bytearray(min(WINDOW_BYTES, int(u_end[-1]) if len(u_end) else 0))  # reused: fresh pages cost faults
     for a, b in _windows(u_end, WINDOW_BYTES):
         base = int(u_end[a - 1]) if a else 0
         size = int(u_end[b - 1]) - base
@@ -98,8 +99,11 @@ def copy_rows(out: IO[bytes], sources: ByteSources, source: np.ndarray, offset: 
             for p in range(lo, lo + size, PIECE_BYTES):
                 out.write(sources.get(i, p, min(lo + size, p + PIECE_BYTES) - p))
         else:
-            out.write(_window(sources, u_source[a:b], u_offset[a:b], u_length[a:b], u_end[a:b] - u_size[a:b] - base,
-                              size, {u - a: d for u, d in replaced.items() if a <= u < b}))
+            if size > len(buf):
+                buf = bytearray(size)
+            _window(memoryview(buf)[:size], sources, u_source[a:b], u_offset[a:b], u_length[a:b],
+                    u_end[a:b] - u_size[a:b] - base, {u - a: d for u, d in replaced.items() if a <= u < b})
+            out.write(memoryview(buf)[:size])
         written += size
     return written
 
@@ -124,11 +128,9 @@ def _windows(end: np.ndarray, limit: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _window(sources: ByteSources, source: np.ndarray, offset: np.ndarray, length: np.ndarray, dest: np.ndarray,
-            size: int, replaced: dict[int, bytes]) -> bytearray:
-    """One window's bytes: units read in file order, in spans, and placed at their `dest`."""
-    buf = bytearray(size)
-    view = memoryview(buf)
+def _window(view: memoryview, sources: ByteSources, source: np.ndarray, offset: np.ndarray, length: np.ndarray,
+            dest: np.ndarray, replaced: dict[int, bytes]) -> None:
+    """Fill one window: units read in file order, in spans, and placed at their `dest` in `view`."""
     order = np.lexsort((offset, source))
     src, off, end = source[order], offset[order], offset[order] + length[order]
     new_span = np.r_[True, (src[1:] != src[:-1]) | (off[1:] > end[:-1] + GAP_BYTES)]
@@ -146,7 +148,6 @@ def _window(sources: ByteSources, source: np.ndarray, offset: np.ndarray, length
                 view[d:d + n] = data[o:o + n]
     for u, data in replaced.items():
         view[int(dest[u]):int(dest[u]) + len(data)] = data
-    return buf
 
 
 def _span_too_long(off: np.ndarray, new_span: np.ndarray) -> np.ndarray:

@@ -182,7 +182,7 @@ def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path
         faultkit.identities(store.merged_rollouts_path(run_dir)))
     phases = phase_starts(run_dir, tmp_path / "watched.log")
     profile_at = phases.get("mid-profile", phases["end"] / 2)
-    renaming_at = phases.get("while renaming outputs", phases["end"])
+    renaming_at = max(phases.get("while renaming outputs", phases["end"]), profile_at + 0.05)
     lock = store.merged_dir(run_dir) / ".merge.lock"
 
     rng = faultkit.seeded(606)

@@ -46,9 +46,9 @@ def after_first_rollout(run_dir: Path, action, timeout: float = 600) -> threadin
 
 def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(tmp_path: Path, gym_env, policy_key,
                                                                             tag: str):
-    faults = ["500:seed=1,match=What is 6 - 3?",  # task 0, rollout 1: HTTP 500 every time
+    faults = ["500:seed=1,match=What is 1 + 9?",  # task 3, rollout 1: HTTP 500 every time
               "garbage:seed=3,match=What is 2 * 6?",  # task 2, rollout 3: 200 with a body that is not JSON
-              "500:nth=3"]  # the third request of the run fails once: Gym's client retries it, the rollout succeeds
+              "500:nth=1"]  # the run's first request (task 0) fails once: Gym's client retries it, it succeeds
     with faultkit.fake_policy(tmp_path, "--delay", "0.2", *[a for f in faults for a in ("--fault", f)],
                               key=policy_key) as fake:
         run_dir = tmp_path / "run"
@@ -61,41 +61,41 @@ def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(tmp
     prompts = gymkit.prompt_and_seed(run_dir)
     failures = {(r["_ng_task_index"], r["_ng_rollout_index"]): r
                 for r in store.iter_jsonl_objects(store.failures_path(run_dir, 0))}
-    assert set(failures) == {(0, 1), (2, 3)}
+    assert set(failures) == {(3, 1), (2, 3)}
     # Gym's model client itself tries a 500 three times (openai_utils MAX_NUM_TRIES) and garbage once, per attempt
-    for key, calls_per_attempt in (((0, 1), 3), ((2, 3), 1)):
+    for key, calls_per_attempt in (((3, 1), 3), ((2, 3), 1)):
         row = failures[key]
         assert row["_ng_failure_terminal"] is True and row["attempts"] == 2 and "reward" not in row
         assert "HTTP 500" in row["reason"], row["reason"]
         asked = [r for r in requests if (r["prompt"], r["seed"]) == prompts[key]]
         # (a call in flight when Gym's collector aborted on another rollout's failure is not an attempt)
         assert 2 * calls_per_attempt <= len(asked) <= 4 * calls_per_attempt, (key, len(asked))
-    assert "VLLMModel___policy_model" in failures[(0, 1)]["reason"]  # where: the adapter of the policy model
+    assert "VLLMModel___policy_model" in failures[(3, 1)]["reason"]  # where: the adapter of the policy model
     assert "JSONDecodeError" in failures[(2, 3)]["reason"]  # what: the model's answer was not JSON
     attempts = faultkit.identities(store.rollout_attempts_path(run_dir, 0))
-    assert sorted(attempts) == [(0, 1), (0, 1), (2, 3), (2, 3)]
-    transient = [r for r in requests if r["fault"] == "500" and (r["prompt"], r["seed"]) != prompts[(0, 1)]]
+    assert sorted(attempts) == [(2, 3), (2, 3), (3, 1), (3, 1)]
+    transient = [r for r in requests if r["fault"] == "500" and (r["prompt"], r["seed"]) != prompts[(3, 1)]]
     keys = faultkit.identities(store.rollouts_path(run_dir, 0))
-    assert sorted(keys) == sorted(set(gymkit.planned_identities(run_dir)) - {(0, 1), (2, 3)})
-    for r in transient:  # a request that failed once was retried and its rollout finished
-        assert any(prompts[k] == (r["prompt"], r["seed"]) for k in keys)
+    assert sorted(keys) == sorted(set(gymkit.planned_identities(run_dir)) - {(3, 1), (2, 3)})
+    assert len(transient) == 1 and transient[0]["n"] == 1  # the first request failed once ...
+    assert any(prompts[k] == (transient[0]["prompt"], transient[0]["seed"]) for k in keys)  # ... and finished
 
     # listed by `shardrun status` (identity and reason) and by the merge summary; no reward 0 anywhere
     st = faultkit.cli("status", run_dir)
     assert st.returncode == 0, st.stderr
-    assert "2 recorded as failed" in st.stdout and "0:1" in st.stdout and "2:3" in st.stdout, st.stdout
+    assert "2 recorded as failed" in st.stdout and "3:1" in st.stdout and "2:3" in st.stdout, st.stdout
     assert "HTTP 500" in st.stdout
     st_json = orjson.loads(faultkit.cli("status", run_dir, "--json").stdout)
-    assert {(f["task"], f["rollout"]) for f in st_json["failed"]} == {(0, 1), (2, 3)}
+    assert {(f["task"], f["rollout"]) for f in st_json["failed"]} == {(3, 1), (2, 3)}
     merged = faultkit.cli("merge-and-profile", run_dir)
     assert merged.returncode == 0, merged.stderr
     assert "failed rollouts (task:rollout, shard, reason):" in merged.stdout
-    assert "0:1" in merged.stdout and "2:3" in merged.stdout
+    assert "3:1" in merged.stdout and "2:3" in merged.stdout
     summary = orjson.loads(store.merged_summary_path(run_dir).read_bytes())
     assert summary["failed_total"] == 2
     profile = {r["_ng_task_index"]: r for r in store.iter_jsonl_objects(store.merged_reward_profiling_path(run_dir))}
-    assert profile[0]["num_rollouts"] == 3 and profile[0]["missing_num_rollouts"] == 1
-    assert {i["_ng_rollout_index"] for i in profile[0]["rollout_infos"]} == {0, 2, 3}
+    assert profile[3]["num_rollouts"] == 3 and profile[3]["missing_num_rollouts"] == 1
+    assert {i["_ng_rollout_index"] for i in profile[3]["rollout_infos"]} == {0, 2, 3}
     assert faultkit.leftovers(tag, also=run_dir) == []
     faultkit.counts_line("500/garbage", seconds=round(took), failed_rows=2, model_requests=len(requests),
                          transient_500s=len(transient))

@@ -19,6 +19,7 @@ import pytest
 from shardrun import runtime, store
 from tests.faults import faultkit, synthetic
 
+pytestmark = pytest.mark.timeout(600)
 SHARDS = 6
 
 

@@ -20,6 +20,7 @@ import pytest
 from shardrun import seal, store
 from tests.faults import faultkit, synthetic
 
+pytestmark = pytest.mark.timeout(600)
 SHARDS = 4
 
 

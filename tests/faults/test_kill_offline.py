@@ -22,6 +22,7 @@ from shardrun import runtime, seal, store
 from tests.faults import faultkit, synthetic
 
 KILLS = 20  # per stage, at least
+pytestmark = pytest.mark.timeout(600)
 SHARDS = 16
 
 

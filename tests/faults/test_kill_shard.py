@@ -30,7 +30,7 @@ from shardrun import seal, store
 from tests.faults import faultkit, gymkit
 from tests.fakes import harness
 
-pytestmark = [pytest.mark.gym, pytest.mark.slow]
+pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 DEFAULT_KILLS = "20,6,3"
 

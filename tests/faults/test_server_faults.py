@@ -20,7 +20,7 @@ import pytest
 from shardrun import store
 from tests.faults import faultkit, gymkit
 
-pytestmark = [pytest.mark.gym, pytest.mark.slow]
+pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def submit(cfg: Path, timeout: float = 600) -> tuple[int, str, float]:

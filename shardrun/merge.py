@@ -10,14 +10,17 @@
 
 Steps: check every shard's `.done` (refuse unsealed shards unless allow_partial); read each shard once
 (shardscan), resolve its rows to planned identities (identity), add it to the sorted table (merged_table);
-then write every output through a temp file, all renamed into place together at the end, so a killed merge
-leaves the previous outputs untouched and a re-run gives the same bytes.
+copy the rows into the merged row files (in a thread beside the profile, for runs up to OVERLAP_MAX_ROWS)
+and compute the profile; every output is written through a temp file, all renamed into place together at
+the end, so a killed merge leaves the previous outputs untouched and a re-run gives the same bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -38,6 +41,9 @@ from shardrun.shardscan import FailureRow
 
 
 RENDER_POOL_MIN = 3  # rendered chunks travel back to this process: worth it only with a CPU left for it
+# the row copies overlap the profile (in a thread) up to this many rollouts: the rows' locations are then held
+# while the profile runs, beside its own memory (about 30 bytes a row, plus the copy's 64 MiB window)
+OVERLAP_MAX_ROWS = 2_000_000
 
 
 def merge_and_profile(run_dir: Path | str, allow_partial: bool = False, answer_field: str | None = None,
@@ -129,30 +135,94 @@ def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partia
         # output beside it comes from the same merge (one killed while renaming leaves the earlier summary)
         out = {k: stack.enter_context(store.atomic_writer(outputs[k]))
                for k in sorted(outputs, key=lambda k: k != "summary")}
-        tick = time.monotonic()
-        tasks = _write_materialized(out["materialized_inputs"], table, materialized_sources)
-        trim_heap()
-        _write_rollouts(out["rollouts"], table, rollout_sources)
-        _write_failures(out["failures"], table, failures, summary)
-        trim_heap()
-        timings["copy_s"] = time.monotonic() - tick
-        tick = time.monotonic()
-        _count_tasks(summary, table, tasks, plan)
-        agents = profile_writer.AgentStats(table, tasks)
-        trim_heap()
-        out["agent_metrics"].write(orjson.dumps(profile_writer.agent_metric_rows(table, agents)))
-        entries = profile_writer.aggregate_entries(table, agents, plan)
-        trim_heap()
-        _summarize_agents(summary, entries)
-        groups = profile_writer.AggregateWriter(out["aggregate_metrics"], entries, agents.codes,
-                                                lambda a: store.merge_scratch(run_dir, f"groups-{a}.json"))
-        profile_writer.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized_sources,
-                                     workers if workers >= RENDER_POOL_MIN else 1)
-        groups.close()
-        timings["profile_s"] = time.monotonic() - tick
+        tasks = TaskInfo(table)
+        # the row copies are mostly kernel time (pread, write, fsync): they run in a thread beside the profile
+        # (OVERLAP_MAX_ROWS), on the locations taken here (the table drops its own references to them)
+        copier = _Copier(out["materialized_inputs"], out["rollouts"], table, materialized_sources,
+                         rollout_sources)
+        table.release_planned()
+        table.release_locations()
+        overlap = workers < RENDER_POOL_MIN and len(table.r_key) <= OVERLAP_MAX_ROWS
+        if overlap:
+            copier.start()
+        else:  # the render pool forks (no thread may be running then), or memory would grow too much
+            copier.run()
+        try:
+            _write_failures(out["failures"], table, failures, summary)
+            tick = time.monotonic()
+            _profile(run_dir, plan, table, tasks, summary, out, materialized_sources, workers)
+            timings["profile_s"] = time.monotonic() - tick
+        finally:
+            if overlap:
+                copier.join()
+        copier.raise_error()
+        timings["copy_s"] = copier.seconds
         timings["total_s"] = time.monotonic() - started
         out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
     return summary
+
+
+def _profile(run_dir: Path, plan: Plan, table: MergedTable, tasks: TaskInfo, summary: MergeSummary,
+             out: dict[str, IO[bytes]], materialized_sources: list[Path], workers: int) -> None:
+    _count_tasks(summary, table, tasks, plan)
+    agents = profile_writer.AgentStats(table, tasks)
+    trim_heap()
+    out["agent_metrics"].write(orjson.dumps(profile_writer.agent_metric_rows(table, agents)))
+    entries = profile_writer.aggregate_entries(table, agents, plan)
+    trim_heap()
+    _summarize_agents(summary, entries)
+    groups = profile_writer.AggregateWriter(out["aggregate_metrics"], entries, agents.codes,
+                                            lambda a: store.merge_scratch(run_dir, f"groups-{a}.json"))
+    profile_writer.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized_sources,
+                                 workers if workers >= RENDER_POOL_MIN else 1)
+    groups.close()
+
+
+class _Copier(threading.Thread):
+    """Writes merged/rollouts_materialized_inputs.jsonl and merged/rollouts.jsonl (flushed and fsynced), raw
+    bytes in (task, rollout) order; an error is kept for raise_error."""
+
+    def __init__(self, materialized: IO[bytes], rollouts: IO[bytes], table: MergedTable,
+                 materialized_sources: list[Path], rollout_sources: list[Path]):
+        super().__init__(name="merge-copy", daemon=True)
+        self.materialized, self.rollouts = materialized, rollouts
+        self.sources = materialized_sources, rollout_sources
+        self.planned = table.p_shard, table.p_offset, table.p_length
+        self.located = table.r_shard, table.r_offset, table.r_length, table.r_renumbered
+        self.r_key, self.rollout_of_key = table.r_key, table.rollout_of_key
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        tick = time.monotonic()
+        try:
+            with ByteSources(self.sources[0]) as src:
+                copy_rows(self.materialized, src, *self.planned)
+            self.planned = None  # type: ignore[assignment]
+            _sync(self.materialized)
+            r_key, rollout_of_key = self.r_key, self.rollout_of_key
+
+            def renumber(position: int, line: bytes) -> bytes:
+                return shardread.with_rollout(line, int(rollout_of_key(r_key[position])))
+
+            shard, offset, length, renumbered = self.located
+            with ByteSources(self.sources[1]) as src:
+                copy_rows(self.rollouts, src, shard, offset, length, renumber, renumbered)
+            self.located = None  # type: ignore[assignment]
+            _sync(self.rollouts)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the merging thread
+            self.error = e
+        self.seconds = time.monotonic() - tick
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _sync(f: IO[bytes]) -> None:
+    """Flush and fsync now, in the copy thread (the writer's own fsync at the end then finds nothing to do)."""
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def trim_heap() -> None:
@@ -164,23 +234,6 @@ def trim_heap() -> None:
 
 
 # ---------------------------------------------------------------- row files
-
-def _write_materialized(out: IO[bytes], table: MergedTable, sources: list[Path]) -> TaskInfo:
-    with ByteSources(sources) as src:
-        copy_rows(out, src, table.p_shard, table.p_offset, table.p_length)
-    tasks = TaskInfo(table)
-    table.release_planned()
-    return tasks
-
-
-def _write_rollouts(out: IO[bytes], table: MergedTable, sources: list[Path]) -> None:
-    def renumber(position: int, line: bytes) -> bytes:
-        return shardread.with_rollout(line, int(table.rollout_of_key(table.r_key[position])))
-
-    with ByteSources(sources) as src:
-        copy_rows(out, src, table.r_shard, table.r_offset, table.r_length, renumber, table.r_renumbered)
-    table.release_locations()
-
 
 def _write_failures(out: IO[bytes], table: MergedTable, failures: list[tuple[int, FailureRow]],
                     summary: MergeSummary) -> None:

@@ -97,6 +97,7 @@ def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(tmp
     assert profile[3]["num_rollouts"] == 3 and profile[3]["missing_num_rollouts"] == 1
     assert {i["_ng_rollout_index"] for i in profile[3]["rollout_infos"]} == {0, 2, 3}
     assert faultkit.leftovers(tag, also=run_dir) == []
+    assert no_key_in(run_dir, policy_key)
     faultkit.counts_line("500/garbage", seconds=round(took), failed_rows=2, model_requests=len(requests),
                          transient_500s=len(transient))
 
@@ -122,6 +123,7 @@ def test_policy_server_that_accepts_connections_but_never_answers_fails_the_shar
     st = faultkit.cli("status", run_dir)
     assert "ServerFailure: policy server" in st.stdout, st.stdout
     assert faultkit.leftovers(tag, also=run_dir) == []
+    assert no_key_in(run_dir, policy_key)
     faultkit.counts_line("policy frozen", seconds_to_fail=round(failed_after))
 
 
@@ -144,7 +146,15 @@ def test_model_that_never_answers_chat_requests_stalls_and_fails_in_bounded_time
     done = store.count_complete_lines(store.rollouts_path(run_dir, 0))
     assert 1 <= done < 16 and not store.done_path(run_dir, 0).exists()
     assert faultkit.leftovers(tag, also=run_dir) == []
+    assert no_key_in(run_dir, policy_key)
     faultkit.counts_line("model hangs", seconds_to_fail=round(failed_after), stall_timeout_s=stall)
+
+
+def no_key_in(run_dir: Path, key: str) -> bool:
+    """No file of the run (logs with Gym's printed request headers, .failed, markers) holds the key's value."""
+    held = [str(p) for p in run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert held == [], held
+    return True
 
 
 def server_pids(tag: str, server_dir: str) -> list[int]:
@@ -186,4 +196,5 @@ def test_gym_server_that_dies_fails_the_shard_in_bounded_time_with_its_name(tmp_
     assert failed_after < 60, f"took {failed_after:.0f} s after the Gym server died"
     assert not store.done_path(run_dir, 0).exists() and not store.env_yaml_path(run_dir, 0).exists()
     assert faultkit.leftovers(tag, also=run_dir) == []
+    assert no_key_in(run_dir, policy_key)
     faultkit.counts_line("Gym server dies", seconds_to_fail=round(failed_after))

@@ -138,7 +138,11 @@ def merged_temps(run_dir: Path) -> dict[str, int]:
     out = {}
     for p in synthetic.temps(store.merged_dir(run_dir)):
         name = p.name[len(store.TMP_PREFIX):]
-        out[name if name.startswith(("groups-", "snapshot-")) else name.rsplit(".", 1)[0]] = p.stat().st_size
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:  # renamed into place (or removed) since it was listed
+            continue
+        out[name if name.startswith(("groups-", "snapshot-")) else name.rsplit(".", 1)[0]] = size
     return out
 
 

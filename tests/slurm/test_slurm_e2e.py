@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import store
+from shardrun import seal, store
 from slurm_helpers import (fake_policy, launches, math_input, planned_identities, sacct_state, scancel_names,
                            shardrun, squeue, status_json, wait_for, write_config)
 from tests.fakes import harness
@@ -112,11 +112,18 @@ def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: 
             wait_for(lambda: sacct_state(merge1) in ("FAILED", "COMPLETED", "CANCELLED"), 500, "first merge job")
             assert sacct_state(merge1) == "FAILED"
             merge_log = store.job_log_path(run_dir, merge1).read_text()
-            assert "2 of 3 shards are not sealed" in merge_log and f"shardrun resume {run_dir}" in merge_log
+            # shard 2 runs beside shard 0 and may seal before the scancel reaches it: the run then has 1 hole
+            plan = store.load_plan(run_dir)
+            holes = [i for i in (1, 2) if not seal.check(run_dir, plan, i).sealed]
+            assert holes[0] == 1, holes
+            assert f"{len(holes)} of 3 shards are not sealed" in merge_log, merge_log[-2000:]
+            assert f"shardrun resume {run_dir}" in merge_log
             st = status_json(run_dir, tmp_path)
             by = {s["index"]: s for s in st["shards"]}
-            assert [by[i]["state"] for i in range(3)] == ["sealed", "failed", "failed"], st
-            assert "cancelled" in by[1]["reason"] and by[2]["log"].endswith(f"{a1}_0_log.out")
+            assert [by[i]["state"] for i in range(3)] == ["sealed", "failed", "failed" if 2 in holes else "sealed"], st
+            assert "cancelled" in by[1]["reason"]
+            if 2 in holes:
+                assert by[2]["log"].endswith(f"{a1}_0_log.out")
             job0_log = store.job_log_path(run_dir, f"{a0}_0").read_text()
             assert "this job is preempted" in job0_log and "Requeued job" in job0_log
             starts = re.findall(r"(\d+) of 4 planned rollouts to run \((\d+) done",
@@ -129,10 +136,11 @@ def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: 
             outs = [p.communicate(timeout=300) for p in procs]
             assert [p.returncode for p in procs] == [0, 0], outs
             texts = [o[0] for o in outs]
-            assert sum("resubmitted 2 shard(s)" in t for t in texts) == 1, texts
-            assert sum("left alone, still queued or running: 1-2" in t for t in texts) == 1, texts
+            left = "1-2" if len(holes) == 2 else "1"
+            assert sum(f"resubmitted {len(holes)} shard(s)" in t for t in texts) == 1, texts
+            assert sum(f"left alone, still queued or running: {left}" in t for t in texts) == 1, texts
             recs = launches(run_dir)
-            assert len(recs) == 2 and sorted(recs[1]["jobs"]) == ["1", "2"]
+            assert len(recs) == 2 and sorted(recs[1]["jobs"]) == [str(i) for i in holes]
 
             # the resumed shards complete; the new merge job merges and profiles the run
             merge2 = recs[1]["merge_job_id"]

@@ -323,9 +323,9 @@ def prepare_run_dir(run_dir: Path) -> None:
     check_run_dir(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / (TMP_PREFIX + "probe")
-        probe.write_bytes(b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX + "probe.", dir=run_dir)  # own name: two submits may probe
+        os.close(fd)
+        os.unlink(probe)
     except PermissionError:
         raise RunDirError(f"run_dir: {run_dir} is not writable (permission denied)") from None
     except OSError as e:

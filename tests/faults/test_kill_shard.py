@@ -74,19 +74,30 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
         if milestone is not None:
             faultkit.wait_for(lambda: milestone in gymkit.log_text(run_dir)[offset:], 600, milestone, proc=proc,
                               interval=0.02)
-        if target == "mid-collection":  # a resumed attempt has only what is left to collect
-            left = 1 - len(done_before) / len(ref.planned)
-            length *= max(left, 0.25)
-        delay = rng.uniform(0.05, 0.9 * length)
+
+        def idle(until) -> None:
+            """Wait for `until()` (or the command's end), checking env.yaml and the command lines meanwhile."""
+            nonlocal env_yaml_seen
+            while proc.poll() is None and not until():
+                time.sleep(0.01)
+                if os.path.exists(store.env_yaml_path(run_dir, 0)):
+                    mode = stat.S_IMODE(os.stat(store.env_yaml_path(run_dir, 0)).st_mode)
+                    assert mode == 0o600, oct(mode)
+                    if not env_yaml_seen % 200:  # and no process of the shard has the key on its command line
+                        assert not [p for p in harness.tagged_processes(tag)
+                                    if ref.key in faultkit.cmdline(p, limit=None)]
+                    env_yaml_seen += 1
+
+        if target == "mid-collection":  # a seeded point of the collection: once k more rollouts landed, k < left
+            left = len(ref.planned) - len(ref.failed) - len(done_before)
+            k = rng.randrange(0, max(left, 1))
+            path = store.rollouts_path(run_dir, 0)
+            idle(lambda: store.count_complete_lines(path) >= len(done_before) + k)
+            delay = rng.uniform(0.0, 0.5)
+        else:
+            delay = rng.uniform(0.05, 0.9 * length)
         t_kill = time.monotonic() + delay
-        while proc.poll() is None and time.monotonic() < t_kill:
-            time.sleep(0.01)
-            if os.path.exists(store.env_yaml_path(run_dir, 0)):
-                mode = stat.S_IMODE(os.stat(store.env_yaml_path(run_dir, 0)).st_mode)
-                assert mode == 0o600, oct(mode)
-                if not env_yaml_seen % 200:  # and no process of the shard has the key on its command line
-                    assert not [p for p in harness.tagged_processes(tag) if ref.key in faultkit.cmdline(p, limit=None)]
-                env_yaml_seen += 1
+        idle(lambda: time.monotonic() >= t_kill)
         # no rollout finished before this attempt was asked of the model again
         again = {(r["prompt"], r["seed"]) for r in ref.fake.requests()[requests_before:]}
         assert not again & {prompts[k] for k in done_before}, "a finished rollout was run again"
@@ -119,10 +130,14 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
     proc = faultkit.start_cli(*command, log=tmp_path / "commands.log")
     faultkit.wait_for(lambda: gymkit.SEALED in gymkit.log_text(run_dir)[offset:], 900, "the seal", proc=proc,
                       interval=0.01)
-    assert proc.poll() is None, (tmp_path / "commands.log").read_text()[-3000:] + gymkit.log_text(run_dir)
-    faultkit.kill_tree(proc, tag=tag)
-    kills += 1
-    landed[gymkit.stage_of(gymkit.log_text(run_dir)[offset:])] += 1
+    if proc.poll() is None:
+        faultkit.kill_tree(proc, tag=tag)
+        kills += 1
+        landed[gymkit.stage_of(gymkit.log_text(run_dir)[offset:])] += 1
+    else:  # the previous kill left every rollout collected: this attempt sealed without starting servers
+        assert proc.returncode == 0, (tmp_path / "commands.log").read_text()[-3000:] + gymkit.log_text(run_dir)
+        assert "sealing without starting servers" in gymkit.log_text(run_dir)[offset:]
+        landed["sealed without servers (no teardown to kill)"] += 1
     again = {(r["prompt"], r["seed"]) for r in ref.fake.requests()[requests_before:]}
     assert not again & {prompts[k] for k in done_before}, "a finished rollout was run again"
     assert not store.env_yaml_path(run_dir, 0).exists(), "a sealed shard's env.yaml (it holds the key) outlived it"

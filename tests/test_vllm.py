@@ -17,22 +17,14 @@ import pytest
 from shardrun import config, processes, store, vllm
 from shardrun.config import VllmConfig
 from shardrun.errors import BadInput, ServerFailure
+from tests.ports import free_port_in
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "vllm_cli.py"
 
 
 def free_port() -> int:
     """A free port in 22000-22999 (this project's range on shared machines)."""
-    start = random.randrange(22000, 23000)
-    for i in range(1000):
-        port = 22000 + (start - 22000 + i) % 1000
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 22000-22999")
+    return free_port_in(22000, 23000, random.randrange(1000))
 
 
 def family(server: vllm.VllmServer) -> set[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import urllib.request
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ import yaml
 
 from shardrun import config as config_mod
 from shardrun import processes
+from tests.ports import free_port_in
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).resolve().parent / "policy_server.py"
@@ -32,16 +32,7 @@ API_KEY = "test-key-not-a-secret"
 
 def test_port(offset: int) -> int:
     """A free port in 21000-21999 (the range these tests may use), spread by pid so parallel sessions differ."""
-    base = 21000 + (os.getpid() * 7 + offset * 97) % 1000
-    for k in range(1000):
-        port = 21000 + (base - 21000 + k) % 1000
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 21000-21999")
+    return free_port_in(21000, 22000, (os.getpid() * 7 + offset * 97) % 1000)
 
 
 class FakePolicy:

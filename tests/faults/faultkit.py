@@ -13,7 +13,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 
 from shardrun import processes, store
 from tests.fakes import harness
+from tests.ports import free_port_in
 
 SHARDRUN = [sys.executable, "-m", "shardrun.cli"]
 NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
@@ -37,15 +37,7 @@ GYM_RANDOM = re.compile(rb'"(id|created_at)":("(resp|msg|rs|fc|call)_[0-9a-f]{32
 def free_port() -> int:
     """A free port in 24000-24999 (this suite's range), spread by pid so parallel sessions differ."""
     start = (os.getpid() * 7919 + int(time.monotonic() * 1000)) % len(PORTS)
-    for k in range(len(PORTS)):
-        port = PORTS[(start + k) % len(PORTS)]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 24000-24999")
+    return free_port_in(PORTS.start, PORTS.stop, start)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import yaml
 
 from shardrun import processes, store
 from tests.fakes import harness
+from tests.ports import free_port_in
 
 GYM_CONFIG_PATHS = [
     "resources_servers/math_with_judge/configs/math_with_judge.yaml",
@@ -27,16 +27,7 @@ GYM_CONFIG_PATHS = [
 
 def free_port(offset: int = 0) -> int:
     """A free port in 23000-23999 (the range these tests use), spread by pid."""
-    base = (os.getpid() * 13 + offset * 101) % 1000
-    for k in range(1000):
-        port = 23000 + (base + k) % 1000
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 23000-23999")
+    return free_port_in(23000, 24000, (os.getpid() * 13 + offset * 101) % 1000)
 
 
 @contextmanager

@@ -306,16 +306,7 @@ def _promote_known(override: str) -> str:
 
 
 def _known_path(parts: list[str]) -> bool:
-    model: type[BaseModel] = RunConfig
-    for part in parts:
-        field = model.model_fields.get(part)
-        if field is None:
-            return False
-        sub = _model_in(field.annotation)
-        if sub is None:
-            return True  # inside a free-form value (dict, list, scalar)
-        model = sub
-    return True
+    return _walk(parts) is not None
 
 
 def _parse_scalars(data: Any) -> Any:
@@ -364,14 +355,24 @@ def _describe(err: dict[str, Any], data: dict[str, Any]) -> str:
 
 
 def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    found = _walk(loc)
+    return found if isinstance(found, type) else None
+
+
+_FREE_FORM = "free-form"
+
+
+def _walk(parts: list[str]) -> type[BaseModel] | str | None:
+    """Follow a dotted key through the config models: the model it lands on, _FREE_FORM once it enters a
+    dict/list/scalar field (anything below is the user's), or None for an unknown key."""
     model: type[BaseModel] = RunConfig
-    for part in loc:
+    for part in parts:
         field = model.model_fields.get(part)
         if field is None:
             return None
         sub = _model_in(field.annotation)
         if sub is None:
-            return None
+            return _FREE_FORM
         model = sub
     return model
 

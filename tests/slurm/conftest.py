@@ -82,18 +82,6 @@ def slurm_cluster():
                            timeout=300)
 
 
-def wait_for(check, timeout: float, what: str, interval: float = 1.0):
-    """Poll `check()` until it returns something truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
-
-
 def squeue_names(*names: str) -> list[str]:
     out = subprocess.run(["squeue", "--noheader", "--array", f"--name={','.join(names)}", "--format=%i|%T|%r"],
                          capture_output=True, text=True, timeout=60, check=True).stdout

@@ -14,6 +14,7 @@ from typing import IO, Callable, Sequence
 
 import numpy as np
 
+from shardrun import linescan
 from shardrun.errors import RunDirError
 
 WINDOW_BYTES = 64 << 20
@@ -138,16 +139,26 @@ def _window(view: memoryview, sources: ByteSources, source: np.ndarray, offset: 
     starts = np.flatnonzero(new_span)
     stops = np.r_[starts[1:], len(order)]
     highs = np.maximum.reduceat(end, starts) if len(starts) else end
+    skip = np.zeros(len(source), bool)
+    skip[list(replaced)] = True
     for s0, s1, hi in zip(starts.tolist(), stops.tolist(), highs.tolist()):
         lo = int(off[s0])
-        data = memoryview(sources.get(int(src[s0]), lo, hi - lo))
+        data = sources.get(int(src[s0]), lo, hi - lo)
         units = order[s0:s1]
-        for u, o, n, d in zip(units.tolist(), (off[s0:s1] - lo).tolist(), length[units].tolist(),
-                              dest[units].tolist()):
-            if u not in replaced:
-                view[d:d + n] = data[o:o + n]
+        units = units[~skip[units]]
+        _place(view, data, off[s0:s1][~skip[order[s0:s1]]] - lo, length[units], dest[units])
     for u, data in replaced.items():
         view[int(dest[u]):int(dest[u]) + len(data)] = data
+
+
+def _place(view: memoryview, data: bytes, at: np.ndarray, length: np.ndarray, dest: np.ndarray) -> None:
+    """view[dest[i]:dest[i] + length[i]] = data[at[i]:at[i] + length[i]] for every i (in C when built)."""
+    if linescan.AVAILABLE:
+        linescan.scatter(view, data, at, length, dest)
+        return
+    data = memoryview(data)
+    for o, n, d in zip(at.tolist(), length.tolist(), dest.tolist()):
+        view[d:d + n] = data[o:o + n]
 
 
 def _span_too_long(off: np.ndarray, new_span: np.ndarray) -> np.ndarray:

@@ -87,6 +87,18 @@ class RowShape:
     sid: int | None  # their schema; None: irregular rows (slow path)
     numbers: Callable[[list], tuple]  # the numeric values (top level, then usage) from values + usage values
     check_big: bool  # has integer fields (which must stay below 2**53 to be exact in float64)
+    positions: tuple[int, ...] = ()  # where `numbers` takes its values from
+
+
+@dataclass(frozen=True)
+class ScannedShape:
+    """How the C scanner's rows of one signature enter the table (see linescan): their schema (-1: the rows
+    have no identity) and which of the scanner's numbers are the schema's columns, the task and the rollout."""
+
+    sid: int
+    cols: tuple[int, ...] = ()
+    task: int = 0
+    rollout: int = 0
 
 
 def _getter(positions: list[int]) -> Callable[[list], tuple]:
@@ -165,7 +177,47 @@ class RowTable:
 
         return add
 
-    def _new_shape(self, row: dict[str, Any], usage: dict[str, Any] | None, key: tuple) -> RowShape:
+    def scanned_shape(self, row: dict[str, Any]) -> ScannedShape | None:
+        """What rows shaped like `row` mean, in terms of the C scanner's numbers (the numeric and bool values
+        of the row, then of its response.usage); None when they must be added one by one (irregular rows)."""
+        response = row.get("response")
+        usage = response.get("usage") if type(response) is dict else None
+        usage = usage if type(usage) is dict else None
+        shape = self._new_shape(row, usage, None)
+        if shape.task_at is None:
+            return ScannedShape(-1)
+        if shape.sid is None:
+            return None
+        values = [*row.values(), *(usage or {}).values()]
+        number = {p: j for j, p in enumerate(i for i, v in enumerate(values) if type(v) in KIND)}
+        return ScannedShape(shape.sid, tuple(number[p] for p in shape.positions), number[shape.task_at],
+                            number[shape.rollout_at])  # type: ignore[index]
+
+    def add_scanned(self, shapes: "ScannedShapes", block: Any, rows: np.ndarray) -> np.ndarray:
+        """Add the block's lines `rows` (in file order, each of a learned shape); returns the lines added (the
+        others have no identity). The vectorised twin of `add`, for linescan.Block."""
+        sid, task_col, rollout_col, cols = shapes.arrays()
+        shape = block.shape[rows]
+        known = sid[shape] >= 0
+        rows, shape = rows[known], shape[known]
+        vstart = block.vstart[rows]
+        task, rollout = block.values[vstart + task_col[shape]], block.values[vstart + rollout_col[shape]]
+        ok = (task >= 0) & (rollout >= 0)  # integers of at most 15 digits: exact, and below INT64_MAX
+        rows, shape, vstart, task, rollout = rows[ok], shape[ok], vstart[ok], task[ok], rollout[ok]
+        schema = sid[shape]
+        self.task.frombytes(task.astype(np.int64).tobytes())
+        self.rollout.frombytes(rollout.astype(np.int64).tobytes())
+        self.schema_of.frombytes(schema.astype(np.int32).tobytes())
+        for s in np.unique(schema).tolist():
+            mine = schema == s
+            width = len(self.schemas[s].names)
+            where = vstart[mine][:, None] + cols[shape[mine], :width]
+            self.values[s].frombytes(block.values[where].tobytes())
+        if self.answer_key is not None:
+            self.answers.frombytes(block.key_code[rows].astype(np.int64).tobytes())
+        return rows
+
+    def _new_shape(self, row: dict[str, Any], usage: dict[str, Any] | None, key: tuple | None) -> RowShape:
         keys = list(row)
         ident = [keys.index(k) if type(row.get(k)) is int else None for k in (TASK_KEY, ROLLOUT_KEY)]
         if None in ident:
@@ -183,8 +235,9 @@ class RowTable:
             sid = self._index.get(skey)
             if sid is None:
                 sid = self._new(skey, regular_schema(names, kinds[:len(names)], unames, kinds[len(names):]))
-        shape = RowShape(ident[0], ident[1], sid, _getter(top + [len(keys) + i for i in low]), "i" in kinds)
-        if len(self._shapes) < MAX_SHAPES:
+        positions = top + [len(keys) + i for i in low]
+        shape = RowShape(ident[0], ident[1], sid, _getter(positions), "i" in kinds, tuple(positions))
+        if key is not None and len(self._shapes) < MAX_SHAPES:
             self._shapes[key] = shape
         return shape
 
@@ -223,6 +276,7 @@ class RowTable:
     def finish(self) -> None:
         """Number each row within its schema, and keep each schema's values column by column in the narrowest
         exact dtype; frees the row buffers."""
+        self._renumber_schemas()
         schema = self.schema_array()
         order = np.argsort(schema, kind="stable")
         self.counts = np.bincount(schema, minlength=len(self.schemas)).tolist()
@@ -236,6 +290,23 @@ class RowTable:
             self.columns.append([narrow(matrix[:, j]) for j in range(width)])
         self.values = []
         self._shapes = {}  # getters are not picklable, and no more rows come
+
+    def _renumber_schemas(self) -> None:
+        """Schemas numbered by their first row in file order, those without rows dropped: the same table
+        whichever path added the rows (the C scanner's path learns shapes a block ahead)."""
+        schema = self.schema_array()
+        used, first = np.unique(schema, return_index=True)
+        keep = used[np.argsort(first)]
+        if np.array_equal(keep, np.arange(len(self.schemas))):
+            return
+        new_of = np.zeros(len(self.schemas), np.int32)
+        new_of[keep] = np.arange(len(keep), dtype=np.int32)
+        self.schema_of = array("i", new_of[schema].tobytes()) if len(schema) else array("i")
+        order = keep.tolist()
+        self.schemas = [self.schemas[i] for i in order]
+        self.values = [self.values[i] for i in order]
+        self.irregular_infos = [self.irregular_infos[i] for i in order]
+        self._index = {}  # no more rows come
 
     def schema_array(self) -> np.ndarray:
         return np.frombuffer(self.schema_of, dtype=np.int32) if len(self) else np.zeros(0, np.int32)
@@ -256,6 +327,36 @@ class RowTable:
         return np.frombuffer(self.answers, dtype=np.int64) if len(self) else np.zeros(0, np.int64)
 
 
+class ScannedShapes:
+    """The ScannedShape of every signature a linescan.Scanner learned for one table, and their arrays."""
+
+    def __init__(self, table: RowTable):
+        self.table = table
+        self.shapes: list[ScannedShape] = []
+        self._arrays: tuple[np.ndarray, ...] | None = None
+
+    def learn(self, row: dict[str, Any]) -> int:
+        """The index of the row's shape (linescan's `learn`); -1 for rows that must be added one by one."""
+        shape = self.table.scanned_shape(row)
+        if shape is None:
+            return -1
+        self.shapes.append(shape)
+        self._arrays = None
+        return len(self.shapes) - 1
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """(schema id, task column, rollout column, schema columns padded to the widest) per shape."""
+        if self._arrays is None:
+            width = max((len(s.cols) for s in self.shapes), default=0)
+            cols = np.zeros((len(self.shapes), max(width, 1)), np.int64)
+            for i, s in enumerate(self.shapes):
+                cols[i, :len(s.cols)] = s.cols
+            self._arrays = (np.array([s.sid for s in self.shapes], np.int64),
+                            np.array([s.task for s in self.shapes], np.int64),
+                            np.array([s.rollout for s in self.shapes], np.int64), cols)
+        return self._arrays
+
+
 def irregular_info(row: dict[str, Any], usage: dict[str, Any]) -> dict[str, Any]:
     """A rollout_infos entry after its identity, exactly as Gym builds it (reward raw, bools as ints)."""
     info: dict[str, Any] = {}
@@ -272,7 +373,8 @@ def narrow(column: np.ndarray) -> np.ndarray:
     if len(column) and (column >= 0).all() and (column <= 255).all() and (column == np.floor(column)).all() \
             and not np.signbit(column).any():
         return column.astype(np.uint8)
-    as32 = column.astype(np.float32)
+    with np.errstate(over="ignore"):  # values beyond float32 become inf, and fail the test below
+        as32 = column.astype(np.float32)
     if (as32 == column).all() and (np.signbit(as32) == np.signbit(column)).all():
         return as32
     return column.copy()

@@ -19,9 +19,10 @@ from typing import IO, Iterator
 import numpy as np
 import orjson
 
+from shardrun import linescan
 from shardrun.errors import PlanMismatch
 from shardrun.planner import AGENT_KEY, ROLLOUT_KEY, TASK_KEY
-from shardrun.rowtable import RowTable
+from shardrun.rowtable import NO_ANSWER, RowTable, ScannedShapes, answer_code
 
 INT64_MAX = 2 ** 63 - 1
 BLOCK = 8 << 20
@@ -86,7 +87,8 @@ class CompleteLines:
         self.f, self.limit, self.hasher, self.copy_to = f, limit, hasher, copy_to
         self.torn = 0
 
-    def blocks(self) -> Iterator[tuple[int, list[bytes]]]:
+    def chunks(self) -> Iterator[tuple[int, bytes, int]]:
+        """(offset of the block, block, end of its last complete line): the lines are block[:end]."""
         offset, carry, remaining = 0, b"", self.limit
         while remaining is None or remaining > 0:
             data = self.f.read(BLOCK if remaining is None else min(BLOCK, remaining))
@@ -97,15 +99,19 @@ class CompleteLines:
             if self.hasher is not None:
                 self.hasher.update(data)
             data = carry + data if carry else data
-            lines = data.split(b"\n")
-            carry = lines.pop()  # what follows the last newline (b"" when the block ends with one)
-            if lines:
-                cut = len(data) - len(carry)
+            cut = data.rfind(b"\n") + 1
+            carry = data[cut:]  # what follows the last newline (b"" when the block ends with one)
+            if cut:
                 if self.copy_to is not None:
                     self.copy_to.write(memoryview(data)[:cut])
-                yield offset, lines
+                yield offset, data, cut
                 offset += cut
         self.torn = len(carry)
+
+    def blocks(self) -> Iterator[tuple[int, list[bytes]]]:
+        """(offset of the first line, lines without their newline), block by block."""
+        for offset, data, cut in self.chunks():
+            yield offset, data[:cut - 1].split(b"\n")
 
 
 def _open_planned(path: Path) -> IO[bytes]:
@@ -117,34 +123,106 @@ def _open_planned(path: Path) -> IO[bytes]:
 
 def scan_planned(path: Path) -> Planned:
     """Parse a shard's materialized inputs (written by the planner: every line must be a planned row)."""
-    task, rollout, offset, length, agent = array("q"), array("q"), array("q"), array("q"), array("i")
-    codes: dict[str, int] = {}
-    loads, n = orjson.loads, 0
+    rows = _PlannedRows(path)
     with _open_planned(path) as f:
-        for off, lines in CompleteLines(f).blocks():
-            for line in lines:
-                n += 1
-                size = len(line) + 1
-                try:
-                    row = loads(line)
-                    t, r, name = row[TASK_KEY], row[ROLLOUT_KEY], row[AGENT_KEY]["name"]
-                except (orjson.JSONDecodeError, KeyError, TypeError):
-                    if line.strip():
-                        raise PlanMismatch(f"{path}:{n}: not a planned row (no identity or agent_ref); the run "
-                                           f"directory is damaged") from None
-                    off += size
-                    continue
-                if type(t) is not int or type(r) is not int or t < 0 or r < 0 or t > INT64_MAX or r > INT64_MAX:
-                    raise PlanMismatch(f"{path}:{n}: identity ({t!r}, {r!r}) is not a pair of non-negative integers")
-                task.append(t)
-                rollout.append(r)
-                offset.append(off)
-                length.append(size)
-                code = codes.get(name)
-                agent.append(code if code is not None else codes.setdefault(name, len(codes)))
-                off += size
-    return Planned(path, _np(task, np.int64), _np(rollout, np.int64), _np(offset, np.int64),
-                   _np(length, np.int64), _np(agent, np.int32), list(codes))
+        reader = CompleteLines(f)
+        if linescan.AVAILABLE:
+            rows.read_scanned(reader)
+        else:
+            for off, lines in reader.blocks():
+                for line in lines:
+                    rows.add_line(line, off)
+                    off += len(line) + 1
+    return rows.planned()
+
+
+class _PlannedRows:
+    """A shard's planned rows as they are read: identity, where each line is, and its agent (coded)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.task, self.rollout, self.offset, self.length = array("q"), array("q"), array("q"), array("q")
+        self.agent = array("i")
+        self.codes: dict[str, int] = {}
+        self.n = 0  # lines read
+
+    def add_line(self, line: bytes, off: int) -> None:
+        """One line (without its newline) at byte `off`: a planned row, or blank; anything else is an error."""
+        self.n += 1
+        try:
+            row = orjson.loads(line)
+            t, r, name = row[TASK_KEY], row[ROLLOUT_KEY], row[AGENT_KEY]["name"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            if line.strip():
+                raise PlanMismatch(f"{self.path}:{self.n}: not a planned row (no identity or agent_ref); the run "
+                                   f"directory is damaged") from None
+            return
+        if type(t) is not int or type(r) is not int or t < 0 or r < 0 or t > INT64_MAX or r > INT64_MAX:
+            raise PlanMismatch(f"{self.path}:{self.n}: identity ({t!r}, {r!r}) is not a pair of non-negative "
+                               f"integers")
+        self.task.append(t)
+        self.rollout.append(r)
+        self.offset.append(off)
+        self.length.append(len(line) + 1)
+        self.agent.append(self.code(name))
+
+    def code(self, name: str) -> int:
+        return self.codes.setdefault(name, len(self.codes))
+
+    def read_scanned(self, reader: CompleteLines) -> None:
+        """Every line through the C scanner; lines it leaves (or without an agent name) go through add_line."""
+        identity: list[tuple[int, int]] = []
+        scanner = linescan.Scanner(lambda row: _planned_shape(row, identity), AGENT_KEY.encode(),
+                                   self._agent_code, missing=-1)
+        for off, data, end in reader.chunks():
+            block = scanner.scan(data, end)
+            cols = np.array(identity, np.int64).reshape(-1, 2)
+            known = block.shape != linescan.SLOW
+            task = np.full(block.lines, -1.0)
+            rollout = np.full(block.lines, -1.0)
+            vstart, shape = block.vstart[known], block.shape[known]
+            task[known] = block.values[vstart + cols[shape, 0]]
+            rollout[known] = block.values[vstart + cols[shape, 1]]
+            good = known & (block.key_code >= 0) & (task >= 0) & (rollout >= 0)
+            for a, b in _runs_between(np.flatnonzero(~good), block.lines):
+                mine = np.arange(a, b)
+                self.task.frombytes(task[mine].astype(np.int64).tobytes())
+                self.rollout.frombytes(rollout[mine].astype(np.int64).tobytes())
+                self.offset.frombytes((off + block.starts[mine]).tobytes())
+                self.length.frombytes(block.lengths[mine].tobytes())
+                self.agent.frombytes(block.key_code[mine].astype(np.int32).tobytes())
+                self.n += b - a
+                if b < block.lines:  # the line after the run: parse it here
+                    start = int(block.starts[b])
+                    self.add_line(data[start:start + int(block.lengths[b]) - 1], off + start)
+
+    def _agent_code(self, raw: bytes) -> int:
+        """The code of the agent named in an agent_ref's raw JSON; -1 when it names none."""
+        ref = orjson.loads(raw)
+        name = ref.get("name") if type(ref) is dict else None
+        return self.code(name) if isinstance(name, str) else -1
+
+    def planned(self) -> Planned:
+        return Planned(self.path, _np(self.task, np.int64), _np(self.rollout, np.int64), _np(self.offset, np.int64),
+                       _np(self.length, np.int64), _np(self.agent, np.int32), list(self.codes))
+
+
+def _planned_shape(row: dict, identity: list[tuple[int, int]]) -> int:
+    """linescan's `learn` for planned rows: where the identity is among the scanner's numbers."""
+    t, r = row.get(TASK_KEY), row.get(ROLLOUT_KEY)
+    if type(t) is not int or type(r) is not int:
+        return linescan.SLOW
+    numbers = [k for k, v in row.items() if type(v) in (int, float, bool)]
+    identity.append((numbers.index(TASK_KEY), numbers.index(ROLLOUT_KEY)))
+    return len(identity) - 1
+
+
+def _runs_between(breaks: np.ndarray, lines: int) -> list[tuple[int, int]]:
+    """The runs of lines between the break lines: (start, stop) pairs; a run's stop is the next break (or
+    `lines` for the last run), so every break line follows exactly one run (possibly empty)."""
+    stops = [*breaks.tolist(), lines]
+    starts = [0, *(b + 1 for b in breaks.tolist())]
+    return list(zip(starts, stops))
 
 
 def scan_rollouts(path: Path, *, limit: int | None, snapshot: Path | None, answer_key: str | None,
@@ -163,7 +241,12 @@ def scan_rollouts(path: Path, *, limit: int | None, snapshot: Path | None, answe
             f = None
         if f is not None:
             reader = CompleteLines(f, limit, hasher, copy_to)
-            _parse_rollouts(reader, table, offset, length, stats)
+            sink = _RolloutRows(table, offset, length)
+            if linescan.AVAILABLE and (answer_key is None or linescan.plain_key(answer_key) is not None):
+                sink.read_scanned(reader)
+            else:
+                sink.read(reader)
+            stats.lines, stats.unreadable, stats.no_identity = sink.lines, sink.unreadable, sink.no_identity
             stats.torn_bytes = reader.torn
     if table.needs_exact_ints():  # rare: integers beyond 2**53; read again (from the snapshot if any)
         again = scan_rollouts(snapshot or path, limit=limit, snapshot=None, answer_key=answer_key, exact_ints=True)
@@ -176,28 +259,61 @@ def scan_rollouts(path: Path, *, limit: int | None, snapshot: Path | None, answe
     return stats
 
 
-def _parse_rollouts(reader: CompleteLines, table: RowTable, offset: array, length: array, stats: Rollouts) -> None:
-    """The hot loop: parse each line once; the table keeps identity and numbers, we keep where the line is."""
-    add, loads, at, size_of = table.adder(), orjson.loads, offset.append, length.append
-    lines = unreadable = no_identity = 0
-    for off, block in reader.blocks():
-        lines += len(block)
-        for line in block:
-            size = len(line) + 1
-            try:
-                row = loads(line)
-            except orjson.JSONDecodeError:
-                if line.strip():
-                    unreadable += 1
-                off += size
+class _RolloutRows:
+    """Rollout lines into the table (identity and numbers) and the offsets (where each line is), with counts."""
+
+    def __init__(self, table: RowTable, offset: array, length: array):
+        self.table, self.offset, self.length = table, offset, length
+        self.add = table.adder()
+        self.lines = self.unreadable = self.no_identity = 0
+
+    def line(self, line: bytes, off: int) -> None:
+        """One line without its newline, at byte `off` (lines are counted by the caller)."""
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            if line.strip():
+                self.unreadable += 1
+            return
+        if type(row) is dict and self.add(row):
+            self.offset.append(off)
+            self.length.append(len(line) + 1)
+        else:
+            self.no_identity += 1
+
+    def read(self, reader: CompleteLines) -> None:
+        """The pure-Python path: every line parsed by orjson."""
+        for off, block in reader.blocks():
+            self.lines += len(block)
+            for line in block:
+                self.line(line, off)
+                off += len(line) + 1
+
+    def read_scanned(self, reader: CompleteLines) -> None:
+        """The C scanner's path: runs of lines of learned shapes are added as arrays, other lines one by one
+        (in file order, so the table is the same as `read` gives)."""
+        table, key = self.table, self.table.answer_key
+        shapes = ScannedShapes(table)
+        scanner = linescan.Scanner(shapes.learn, linescan.plain_key(key) if key else None,
+                                   lambda raw: answer_code(orjson.loads(raw)), NO_ANSWER)
+        for off, data, end in reader.chunks():
+            block = scanner.scan(data, end)
+            self.lines += block.lines
+            slow = np.flatnonzero(block.shape == linescan.SLOW)
+            if len(slow) * 8 > block.lines:  # mostly odd lines: not worth the arrays
+                for i in range(block.lines):
+                    start = int(block.starts[i])
+                    self.line(data[start:start + int(block.lengths[i]) - 1], off + start)
                 continue
-            if type(row) is dict and add(row):
-                at(off)
-                size_of(size)
-            else:
-                no_identity += 1
-            off += size
-    stats.lines, stats.unreadable, stats.no_identity = lines, unreadable, no_identity
+            for a, b in _runs_between(slow, block.lines):
+                if b > a:
+                    added = table.add_scanned(shapes, block, np.arange(a, b))
+                    self.no_identity += b - a - len(added)
+                    self.offset.frombytes((off + block.starts[added]).tobytes())
+                    self.length.frombytes(block.lengths[added].tobytes())
+                if b < block.lines:
+                    start = int(block.starts[b])
+                    self.line(data[start:start + int(block.lengths[b]) - 1], off + start)
 
 
 def scan_failures(path: Path) -> Failures:

@@ -50,3 +50,16 @@ def tiny_model(vllm_venv: Path) -> Path:
     subprocess.run([str(REPO / "scripts" / "setup-models.sh"), "tiny"], check=True, timeout=600,
                    env={**os.environ, "SHARDRUN_VLLM_VENV": str(vllm_venv), "SHARDRUN_MODELS": str(models)})
     return models / "tiny-chatml"
+
+
+@pytest.fixture(params=["c-scanner", "pure-python"])
+def scan_path(request, monkeypatch) -> str:
+    """Run a merge test on both read paths: the C line scanner (shardrun._jsonlscan) and the pure-Python one
+    that stands in where no C compiler was found at install time; they must give the same results."""
+    from shardrun import linescan
+
+    if request.param == "c-scanner":
+        assert linescan.AVAILABLE, "shardrun._jsonlscan is not built; run ./scripts/setup.sh"
+    else:
+        monkeypatch.setattr(linescan, "AVAILABLE", False)
+    return request.param

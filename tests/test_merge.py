@@ -164,6 +164,7 @@ def build(tmp_path: Path, scenario: str) -> tuple[Run, list[ShardWrite]]:
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.usefixtures("scan_path")
 def test_merged_files_and_profile_equal_plain_computation(tmp_path: Path, scenario: str) -> None:
     run, writes = build(tmp_path, scenario)
     summary = merge.merge_and_profile(run.run_dir, answer_field="extracted_answer",
@@ -357,6 +358,7 @@ def test_renumbered_shard_is_mapped_back_to_planned_identities(tmp_path: Path) -
         assert read_jsonl(store.merged_dir(plain.run_dir) / name) == read_jsonl(store.merged_dir(renum.run_dir) / name)
 
 
+@pytest.mark.usefixtures("scan_path")
 def test_rows_without_identity_or_unreadable_are_rejected(tmp_path: Path) -> None:
     run = make_run(tmp_path, input_rows(3), num_repeats=2, num_shards=1)
     planned = run.materialized(0)
@@ -442,6 +444,7 @@ def corner_row(m: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+@pytest.mark.usefixtures("scan_path")
 def test_corner_case_rows_equal_plain_computation(tmp_path: Path) -> None:
     run = make_run(tmp_path, input_rows(8, agents=("a", "b")), num_repeats={"a": 3, "_default": 1}, num_shards=2,
                    slicing="round_robin")

@@ -29,6 +29,7 @@ import numpy as np
 import orjson
 
 from shardrun import profile_writer, seal, shardread, store
+from shardrun.directio import DirectWriter
 from shardrun.errors import IncompleteRun
 from shardrun.merge_summary import (MAX_LISTED_FAILED, AgentResult, FailedRollout, MergeSummary,
                                     ShardResult)
@@ -36,11 +37,12 @@ from shardrun.merged_table import MergedTable, TableBuilder
 from shardrun.profile_writer import TaskInfo
 from shardrun.planner import Plan
 from shardrun.rowcopy import ByteSources, copy_rows
+from shardrun.shardcopy import ShardStreamer
 from shardrun.shardscan import FailureRow
 
 
 
-RENDER_POOL_MIN = 3  # rendered chunks travel back to this process: worth it only with a CPU left for it
+RENDER_POOL_MIN = 3  # with fewer CPUs the copy thread (when the rows are copied after reading) gets one
 # the row copies overlap the profile (in a thread) up to this many rollouts: the rows' locations are then held
 # while the profile runs, beside its own memory (about 30 bytes a row, plus the copy's 64 MiB window)
 OVERLAP_MAX_ROWS = 2_000_000
@@ -75,7 +77,7 @@ def refuse_unsealed(run_dir: Path, states: list[seal.SealState], allow_partial: 
 
 
 def _read_shards(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partial: bool,
-                 answer_field: str | None, workers: int
+                 answer_field: str | None, workers: int, streamer: ShardStreamer
                  ) -> tuple[MergedTable, list[ShardResult], list[tuple[int, FailureRow]], list[Path]]:
     jobs = [shardread.ShardJob(run_dir, spec.index, spec.num_rollouts, state, allow_partial, answer_field)
             for spec, state in zip(plan.shards, states)]
@@ -83,6 +85,7 @@ def _read_shards(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_
     results, failures, sources = [], [], []
     for scan in shardread.scan_shards(jobs, workers):
         builder.add(scan.index, scan.planned, scan.rollouts, scan.resolution)
+        streamer.add(scan)
         failures += [(scan.index, f) for f in scan.failures]
         r, res, state = scan.rollouts, scan.resolution, scan.state
         results.append(ShardResult(
@@ -112,13 +115,6 @@ def shard_warnings(shards: list[ShardResult]) -> list[str]:
 def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partial: bool,
            answer_field: str | None, workers: int, started: float) -> MergeSummary:
     timings: dict[str, float] = {}
-    tick = time.monotonic()
-    table, shards, failures, rollout_sources = _read_shards(run_dir, plan, states, allow_partial, answer_field,
-                                                            workers)
-    timings["read_s"] = time.monotonic() - tick
-    trim_heap()
-    summary = MergeSummary(str(run_dir), plan.fingerprint, allow_partial, shards=shards, timings=timings,
-                           warnings=shard_warnings(shards))
     outputs = {
         "rollouts": store.merged_rollouts_path(run_dir),
         "materialized_inputs": store.merged_materialized_path(run_dir),
@@ -128,35 +124,62 @@ def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partia
         "aggregate_metrics": store.merged_aggregate_metrics_path(run_dir),
         "summary": store.merged_summary_path(run_dir),
     }
-    summary.outputs = {k: str(p) for k, p in outputs.items()}
     materialized_sources = [store.materialized_path(run_dir, s.index) for s in plan.shards]
     with contextlib.ExitStack() as stack:
         # the summary's writer is entered first, so it is renamed last: a merge_summary.json in place means every
         # output beside it comes from the same merge (one killed while renaming leaves the earlier summary)
-        out = {k: stack.enter_context(store.atomic_writer(outputs[k]))
-               for k in sorted(outputs, key=lambda k: k != "summary")}
+        out: dict[str, Any] = {k: stack.enter_context(store.atomic_writer(outputs[k]))
+                               for k in sorted(outputs, key=lambda k: k != "summary")}
+        for k in ("reward_profiling", "aggregate_metrics"):  # large: written past the page cache (directio)
+            out[k] = stack.enter_context(DirectWriter(out[k].fileno()))
+        tick = time.monotonic()
+        # forked now, before any thread or pool: copies the shards' rows while they are read and profiled
+        streamer = ShardStreamer(out["materialized_inputs"], out["rollouts"],
+                                 lambda name: store.merge_scratch(run_dir, name))
+        try:
+            table, shards, failures, rollout_sources = _read_shards(run_dir, plan, states, allow_partial,
+                                                                    answer_field, workers, streamer)
+            streamed = streamer.end_of_shards()
+        except BaseException:
+            streamer.abandon()
+            raise
+        timings["read_s"] = time.monotonic() - tick
+        trim_heap()
+        summary = MergeSummary(str(run_dir), plan.fingerprint, allow_partial, shards=shards, timings=timings,
+                               warnings=shard_warnings(shards))
+        summary.outputs = {k: str(p) for k, p in outputs.items()}
         tasks = TaskInfo(table)
-        # the row copies are mostly kernel time (pread, write, fsync): they run in a thread beside the profile
-        # (OVERLAP_MAX_ROWS), on the locations taken here (the table drops its own references to them)
-        copier = _Copier(out["materialized_inputs"], out["rollouts"], table, materialized_sources,
-                         rollout_sources)
+        # shards out of identity order: the row copies are made from the sorted table, mostly kernel time
+        # (pread, write, fsync), in a thread beside the profile (OVERLAP_MAX_ROWS), on the locations taken here
+        # (the table drops its own references to them)
+        copier = None if streamed else _Copier(out["materialized_inputs"], out["rollouts"], table,
+                                               materialized_sources, rollout_sources)
         table.release_planned()
         table.release_locations()
-        overlap = workers < RENDER_POOL_MIN and len(table.r_key) <= OVERLAP_MAX_ROWS
+        overlap = copier is not None and workers < RENDER_POOL_MIN and len(table.r_key) <= OVERLAP_MAX_ROWS
         if overlap:
             copier.start()
-        else:  # the render pool forks (no thread may be running then), or memory would grow too much
+        elif copier is not None:  # the render pool forks (no thread may be running then), or memory would grow
             copier.run()
         try:
             _write_failures(out["failures"], table, failures, summary)
             tick = time.monotonic()
-            _profile(run_dir, plan, table, tasks, summary, out, materialized_sources, workers)
+            # chunks are rendered by a pool of forked workers unless the copy thread runs (no fork beside it)
+            _profile(run_dir, plan, table, tasks, summary, out, materialized_sources, 1 if overlap else workers)
             timings["profile_s"] = time.monotonic() - tick
+            if streamed:
+                tick = time.monotonic()
+                streamer.wait()
+                timings["copy_wait_s"] = time.monotonic() - tick
+        except BaseException:
+            streamer.abandon()
+            raise
         finally:
             if overlap:
                 copier.join()
-        copier.raise_error()
-        timings["copy_s"] = copier.seconds
+        if copier is not None:
+            copier.raise_error()
+        timings["copy_s"] = streamer.seconds + (copier.seconds if copier is not None else 0.0)
         timings["total_s"] = time.monotonic() - started
         out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
     return summary
@@ -174,7 +197,7 @@ def _profile(run_dir: Path, plan: Plan, table: MergedTable, tasks: TaskInfo, sum
     groups = profile_writer.AggregateWriter(out["aggregate_metrics"], entries, agents.codes,
                                             lambda a: store.merge_scratch(run_dir, f"groups-{a}.json"))
     profile_writer.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized_sources,
-                                 workers if workers >= RENDER_POOL_MIN else 1)
+                                 workers)
     groups.close()
 
 

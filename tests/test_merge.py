@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from shardrun import cli, merge, merge_summary, profile_writer, shardread, store
-from shardrun.errors import IncompleteRun
+from shardrun.errors import IncompleteRun, RunDirError
 from tests.builders import Run, ShardWrite, input_rows, make_run, rollout_row, seal_shard, write_shard
 
 IDS = ("_ng_task_index", "_ng_rollout_index")
@@ -406,6 +406,25 @@ def test_a_failing_merge_leaves_the_previous_outputs(tmp_path: Path, monkeypatch
     assert not list(store.merged_dir(run.run_dir).glob(".tmp-*"))
 
 
+def test_a_failing_row_copy_fails_the_merge_and_leaves_the_previous_outputs(tmp_path: Path, monkeypatch) -> None:
+    """The copy process's error (here: a disk that fills up) comes back as the merge's error, nothing replaced."""
+    from shardrun import shardcopy
+
+    run, _ = build(tmp_path, "contiguous-int")
+    merge.merge_and_profile(run.run_dir)
+    before = merged_bytes(run.run_dir)
+    write_shard(run, 0, seed=99)
+
+    def full(*a: Any, **k: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shardcopy, "copy_rows", full)  # the forked copy process inherits it
+    with pytest.raises(RunDirError, match="No space left on device"):
+        merge.merge_and_profile(run.run_dir)
+    assert merged_bytes(run.run_dir) == before
+    assert not list(store.merged_dir(run.run_dir).glob(".tmp-*"))
+
+
 @pytest.mark.slow
 def test_sigkill_at_any_point_then_rerun_gives_the_clean_result(tmp_path: Path) -> None:
     run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
@@ -530,3 +549,21 @@ def test_marker_disagreeing_with_its_file_is_pointed_out(tmp_path: Path) -> None
                                 "its rollouts.jsonl"]
     assert "warning: shard 00001: its marker counts 4" in merge_summary.render(summary)
     assert summary.rollouts == 6 and summary.tasks_partial + summary.tasks_missing >= 1
+
+
+@pytest.mark.parametrize("slicing, streamed", [("contiguous", True), ("round_robin", False)])
+def test_rows_are_copied_while_read_when_shards_come_in_identity_order(tmp_path: Path, monkeypatch, slicing: str,
+                                                                       streamed: bool) -> None:
+    """Contiguous shards are copied shard by shard as they are read; round-robin ones from the sorted table."""
+    from shardrun import shardcopy
+
+    seen = []
+    real_end = shardcopy.ShardStreamer.end_of_shards
+    monkeypatch.setattr(shardcopy.ShardStreamer, "end_of_shards", lambda self: seen.append(real_end(self)) or seen[-1])
+    run = make_run(tmp_path, input_rows(12), num_repeats=3, num_shards=3, slicing=slicing)
+    for i in range(3):
+        write_shard(run, i, duplicates=1, seed=i)
+    merge.merge_and_profile(run.run_dir)
+    assert seen == [streamed]
+    rollouts = read_jsonl(store.merged_rollouts_path(run.run_dir))
+    assert [KEY(r) for r in rollouts] == sorted((t, r) for t in range(12) for r in range(3))

@@ -227,18 +227,39 @@ typedef int (*MemberFn)(Cursor *c, Row *row, const unsigned char *k, Py_ssize_t 
 
 static int parse_value(Cursor *c, char *type, double *num);
 
-/* An object (c->p at its '{'), fn called for every member. */
-static int walk_object(Cursor *c, Row *row, MemberFn fn) {
+/* Into a container (c->p at its opening bracket): *more = 0 if it is empty (and then already left). */
+static int open_container(Cursor *c, unsigned char close, int *more) {
     if (++c->depth > MAX_DEPTH) return SLOW;
     c->p++;
     skip_ws(c);
-    if (c->p < c->end && *c->p == '}') {
+    *more = !(c->p < c->end && *c->p == close);
+    if (!*more) {
         c->p++;
         c->depth--;
-        return OK;
     }
-    for (;;) {
-        int rc, escaped;
+    return OK;
+}
+
+/* After a member or element: a comma (*more = 1) or the closing bracket, which is left (*more = 0). */
+static int after_item(Cursor *c, unsigned char close, int *more) {
+    skip_ws(c);
+    if (c->p >= c->end) return SLOW;
+    if (*c->p != ',' && *c->p != close) return SLOW;
+    *more = *c->p == ',';
+    c->p++;
+    if (*more)
+        skip_ws(c);
+    else
+        c->depth--;
+    return OK;
+}
+
+/* An object (c->p at its '{'), fn called for every member. */
+static int walk_object(Cursor *c, Row *row, MemberFn fn) {
+    int rc, more;
+    if ((rc = open_container(c, '}', &more))) return rc;
+    while (more) {
+        int escaped;
         if (c->p >= c->end || *c->p != '"') return SLOW;
         const unsigned char *k = ++c->p;
         if ((rc = parse_string(c, &escaped))) return rc;
@@ -247,21 +268,9 @@ static int walk_object(Cursor *c, Row *row, MemberFn fn) {
         if (c->p >= c->end || *c->p != ':') return SLOW;
         c->p++;
         skip_ws(c);
-        if ((rc = fn(c, row, k, kn, escaped))) return rc;
-        skip_ws(c);
-        if (c->p >= c->end) return SLOW;
-        if (*c->p == ',') {
-            c->p++;
-            skip_ws(c);
-            continue;
-        }
-        if (*c->p == '}') {
-            c->p++;
-            c->depth--;
-            return OK;
-        }
-        return SLOW;
+        if ((rc = fn(c, row, k, kn, escaped)) || (rc = after_item(c, '}', &more))) return rc;
     }
+    return OK;
 }
 
 static int any_member(Cursor *c, Row *row, const unsigned char *k, Py_ssize_t kn, int escaped) {
@@ -271,33 +280,14 @@ static int any_member(Cursor *c, Row *row, const unsigned char *k, Py_ssize_t kn
 }
 
 static int parse_array(Cursor *c) {
-    if (++c->depth > MAX_DEPTH) return SLOW;
-    c->p++;
-    skip_ws(c);
-    if (c->p < c->end && *c->p == ']') {
-        c->p++;
-        c->depth--;
-        return OK;
-    }
-    for (;;) {
+    int rc, more;
+    if ((rc = open_container(c, ']', &more))) return rc;
+    while (more) {
         char type;
         double num;
-        int rc = parse_value(c, &type, &num);
-        if (rc) return rc;
-        skip_ws(c);
-        if (c->p >= c->end) return SLOW;
-        if (*c->p == ',') {
-            c->p++;
-            skip_ws(c);
-            continue;
-        }
-        if (*c->p == ']') {
-            c->p++;
-            c->depth--;
-            return OK;
-        }
-        return SLOW;
+        if ((rc = parse_value(c, &type, &num)) || (rc = after_item(c, ']', &more))) return rc;
     }
+    return OK;
 }
 
 static int literal(Cursor *c, const char *word, Py_ssize_t n) {

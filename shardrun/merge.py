@@ -9,10 +9,12 @@
     merged/merge_summary.json                    what the merge saw and did (the only file with timings)
 
 Steps: check every shard's `.done` (refuse unsealed shards unless allow_partial); read each shard once
-(shardscan), resolve its rows to planned identities (identity), add it to the sorted table (merged_table);
-copy the rows into the merged row files (in a thread beside the profile, for runs up to OVERLAP_MAX_ROWS)
-and compute the profile; every output is written through a temp file, all renamed into place together at
-the end, so a killed merge leaves the previous outputs untouched and a re-run gives the same bytes.
+(shardscan, through the C line scanner where it is built), resolve its rows to planned identities (identity),
+add it to the sorted table (merged_table); a forked copy process writes the merged row files shard by shard
+while the shards are read and profiled (shardcopy; shards out of identity order are copied from the sorted
+table afterwards, rowcopy), and the profile is computed. Every output is written through a temp file, all
+renamed into place together at the end, so a killed merge leaves the previous outputs untouched and a re-run
+gives the same bytes.
 """
 
 from __future__ import annotations

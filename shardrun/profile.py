@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+import orjson
 
 STATS = ("mean", "max", "min", "median", "std")
 COUNT, MEAN, MAX, MIN, MEDIAN, STD = range(6)
@@ -135,6 +136,18 @@ def task_profile_row(task_index: int, items: dict[str, Any], sample: dict[str, A
     row["reward_profile_completion_pct"] = 100.0 if expected == 0 else 100.0 * num_rollouts / expected
     row["rollout_infos"] = list(infos)
     return row
+
+
+def task_profile_row_json(task_index: int, items_json: bytes, sample_json: bytes, num_rollouts: int, expected: int,
+                          infos_json: bytes) -> bytes:
+    """orjson.dumps(task_profile_row(...)) from its parts already serialised (items as one JSON object, sample,
+    rollout_infos as a JSON list): the same bytes, without building and walking the dict again."""
+    pct = 100.0 if expected == 0 else 100.0 * num_rollouts / expected
+    items = b"," + items_json[1:-1] if len(items_json) > 2 else b""
+    tail = b',"num_rollouts":%d,"expected_num_rollouts":%d,"missing_num_rollouts":%d,"reward_profile_completion_pct":' \
+        % (num_rollouts, expected, expected - num_rollouts)
+    return b"".join((b'{"_ng_task_index":%d' % task_index, items, b',"sample":', sample_json, tail, orjson.dumps(pct),
+                     b',"rollout_infos":', infos_json, b"}"))
 
 
 def sample_of(materialized_row: dict[str, Any]) -> dict[str, Any]:

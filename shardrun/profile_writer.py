@@ -29,7 +29,7 @@ CHUNK_ROWS = 1 << 15  # rollouts per chunk of tasks
 PLACEHOLDER = b'"@@shardrun-group-level-metrics@@"'
 ROW_INDENT = b"\n      "
 LIST_END = b"\n    ]"
-STUB_SAMPLE = {"agent_ref": {"name": "agent"}}
+STUB_SAMPLE = b'{"agent_ref":{"name":"agent"}}'  # Gym's stub `sample` of group rows, as JSON
 
 
 class TaskInfo:
@@ -181,22 +181,14 @@ def render_chunk(bounds: tuple[int, int]) -> tuple[bytes, dict[int, list[bytes]]
     for j, (code, start, n, where) in enumerate(zip(codes, starts.tolist(), sizes.tolist(), samples)):
         task_index, agent = int(table.tasks[code]), int(tasks.agent[code])
         infos_json = b"[" + b",".join(infos[start:start + n]) + b"]"
-        items = all_items[j]
-        sample = profile.sample_of(orjson.loads(_sources.get(*where)))
-        head = profile.task_profile_row(task_index, items, sample, n, int(tasks.expected[code]), ())
-        lines.append(_with_infos(head, infos_json))
+        items_json = orjson.dumps(all_items[j])
+        sample = orjson.dumps(profile.sample_of(orjson.loads(_sources.get(*where))))
+        lines.append(profile.task_profile_row_json(task_index, items_json, sample, n, int(tasks.expected[code]),
+                                                   infos_json))
         if not same[agent]:
-            items = profile.stat_items(stats.layouts[agent], group, j)
-        by_agent[agent].append(_with_infos(profile.task_profile_row(task_index, items, STUB_SAMPLE, n, n, ()),
-                                           infos_json))
+            items_json = orjson.dumps(profile.stat_items(stats.layouts[agent], group, j))
+        by_agent[agent].append(profile.task_profile_row_json(task_index, items_json, STUB_SAMPLE, n, n, infos_json))
     return b"\n".join(lines) + b"\n", by_agent
-
-
-def _with_infos(head: dict[str, Any], infos_json: bytes) -> bytes:
-    """The row serialised once with an empty rollout_infos list, the task's serialised infos spliced in."""
-    data = orjson.dumps(head)
-    assert data.endswith(b'"rollout_infos":[]}')
-    return data[:-3] + infos_json + b"}"
 
 
 def chunks(sizes: np.ndarray) -> list[tuple[int, int]]:

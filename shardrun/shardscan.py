@@ -87,31 +87,41 @@ class CompleteLines:
         self.f, self.limit, self.hasher, self.copy_to = f, limit, hasher, copy_to
         self.torn = 0
 
-    def chunks(self) -> Iterator[tuple[int, bytes, int]]:
-        """(offset of the block, block, end of its last complete line): the lines are block[:end]."""
-        offset, carry, remaining = 0, b"", self.limit
+    def chunks(self) -> Iterator[tuple[int, bytearray, int]]:
+        """(offset of the block, block, end of its last complete line): the lines are block[:end]. The block is
+        one buffer, reused: use it before asking for the next (what follows the last newline moves to its front,
+        so no block is copied whole)."""
+        buf = bytearray(BLOCK)
+        offset, carry, remaining = 0, 0, self.limit
         while remaining is None or remaining > 0:
-            data = self.f.read(BLOCK if remaining is None else min(BLOCK, remaining))
-            if not data:
-                break
-            if remaining is not None:
-                remaining -= len(data)
-            if self.hasher is not None:
-                self.hasher.update(data)
-            data = carry + data if carry else data
-            cut = data.rfind(b"\n") + 1
-            carry = data[cut:]  # what follows the last newline (b"" when the block ends with one)
+            want = BLOCK if remaining is None else min(BLOCK, remaining)
+            if carry + want > len(buf):  # a line longer than a block: a buffer twice as big
+                buf = buf[:carry] + bytearray(max(want, carry))
+            with memoryview(buf) as view:
+                got = self.f.readinto(view[carry:carry + want])
+                if not got:
+                    break
+                if remaining is not None:
+                    remaining -= got
+                if self.hasher is not None:
+                    self.hasher.update(view[carry:carry + got])
+            end = carry + got
+            cut = buf.rfind(b"\n", 0, end) + 1
             if cut:
                 if self.copy_to is not None:
-                    self.copy_to.write(memoryview(data)[:cut])
-                yield offset, data, cut
+                    with memoryview(buf) as view:
+                        self.copy_to.write(view[:cut])
+                yield offset, buf, cut
                 offset += cut
-        self.torn = len(carry)
+            carry = end - cut  # the start of an incomplete line, moved to the front
+            if cut:
+                buf[:carry] = buf[cut:end]
+        self.torn = carry
 
     def blocks(self) -> Iterator[tuple[int, list[bytes]]]:
         """(offset of the first line, lines without their newline), block by block."""
         for offset, data, cut in self.chunks():
-            yield offset, data[:cut - 1].split(b"\n")
+            yield offset, bytes(data[:cut - 1]).split(b"\n")
 
 
 def _open_planned(path: Path) -> IO[bytes]:

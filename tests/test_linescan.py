@@ -223,3 +223,15 @@ def test_a_damaged_planned_row_is_named_by_line_on_both_paths(tmp_path: Path, ba
             shardscan.scan_planned(path)
         messages.append(str(e.value))
     assert messages[0] == messages[1] and f"{path}:4:" in messages[0]
+
+
+def test_lines_longer_than_a_block_and_a_torn_tail_read_the_same(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(shardscan, "BLOCK", 64)
+    rows = [orjson.dumps({"_ng_task_index": i, "_ng_rollout_index": 0, "reward": 1.0, "text": "x" * (i * 97)})
+            for i in range(12)]
+    path = tmp_path / "rollouts.jsonl"
+    torn = b'{"_ng_task_index": 99, "text": "' + b"y" * 300
+    path.write_bytes(b"\n".join(rows) + b"\n" + torn)
+    fast, slow = both_paths(path, None)
+    assert fast == slow
+    assert fast["counts"][:4] == (12, 0, 0, len(torn))

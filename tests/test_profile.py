@@ -6,6 +6,7 @@ import math
 import statistics
 
 import numpy as np
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -109,3 +110,13 @@ def test_task_profile_row_shape() -> None:
                          "missing_num_rollouts", "reward_profile_completion_pct", "rollout_infos"]
     assert row["missing_num_rollouts"] == 1 and row["reward_profile_completion_pct"] == 75.0
     assert profile.sample_of({"a": 1, "_ng_task_index": 7, "_ng_rollout_index": 0, "b": 2}) == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize("items, n, expected", [({"mean/reward": 0.5, "max/x": 3}, 3, 4), ({}, 0, 0),
+                                                ({"std/é": float("1e-7"), "min/r": True}, 7, 3)])
+def test_task_profile_row_json_is_the_rows_orjson_bytes(items: dict, n: int, expected: int) -> None:
+    infos = [{"rollout_id": "7:0", "_ng_task_index": 7, "reward": 1.0}]
+    sample = {"q": "ü", "agent_ref": {"name": "a"}}
+    want = orjson.dumps(profile.task_profile_row(7, items, sample, n, expected, infos))
+    got = profile.task_profile_row_json(7, orjson.dumps(items), orjson.dumps(sample), n, expected, orjson.dumps(infos))
+    assert got == want

@@ -11,6 +11,7 @@ flags are left as they were; fsync stays the caller's (it covers the file, which
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -69,7 +70,13 @@ class DirectWriter:
         """Write the first `size` buffered bytes (a multiple of ALIGN while direct) and keep the rest."""
         done = 0
         while done < size:
-            wrote = os.write(self.fd, self._view[done:size])
+            try:
+                wrote = os.write(self.fd, self._view[done:size])
+            except OSError as e:  # O_DIRECT taken at open but not for this write (alignment): write normally
+                if not (self.direct and e.errno == errno.EINVAL):
+                    raise
+                self._plain()
+                continue
             done += wrote
             if self.direct and done % ALIGN:  # a short, unaligned write: go on without O_DIRECT
                 self._plain()

@@ -53,3 +53,19 @@ def test_the_callers_file_object_keeps_its_own_offset_and_flags(tmp_path: Path) 
         assert fcntl.fcntl(f.fileno(), fcntl.F_GETFL) == flags
         f.write(b"tail")  # appended after: the file object's own offset is still 0, so it overwrites the start
     assert path.read_bytes() == b"tail" + b"x" * (ALIGN - 1)
+
+
+def test_a_direct_write_refused_after_the_open_goes_on_through_the_page_cache(tmp_path: Path, monkeypatch) -> None:
+    """Some file systems take O_DIRECT at open and refuse the writes (other alignment): nothing is lost."""
+    real_write = os.write
+
+    def picky(fd: int, data) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(directio.os, "write", picky)
+    pieces = [bytes([i]) * (ALIGN + i) for i in range(20)]
+    path = tmp_path / "out.bin"
+    write_pieces(path, pieces, buffer_bytes=2 * ALIGN)
+    assert path.read_bytes() == b"".join(pieces)

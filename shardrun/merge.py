@@ -117,15 +117,7 @@ def shard_warnings(shards: list[ShardResult]) -> list[str]:
 def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partial: bool,
            answer_field: str | None, workers: int, started: float) -> MergeSummary:
     timings: dict[str, float] = {}
-    outputs = {
-        "rollouts": store.merged_rollouts_path(run_dir),
-        "materialized_inputs": store.merged_materialized_path(run_dir),
-        "failures": store.merged_failures_path(run_dir),
-        "reward_profiling": store.merged_reward_profiling_path(run_dir),
-        "agent_metrics": store.merged_agent_metrics_path(run_dir),
-        "aggregate_metrics": store.merged_aggregate_metrics_path(run_dir),
-        "summary": store.merged_summary_path(run_dir),
-    }
+    outputs = _output_paths(run_dir)
     materialized_sources = [store.materialized_path(run_dir, s.index) for s in plan.shards]
     with contextlib.ExitStack() as stack:
         # the summary's writer is entered first, so it is renamed last: a merge_summary.json in place means every
@@ -136,55 +128,63 @@ def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partia
             out[k] = stack.enter_context(DirectWriter(out[k].fileno()))
         tick = time.monotonic()
         # forked now, before any thread or pool: copies the shards' rows while they are read and profiled
-        streamer = ShardStreamer(out["materialized_inputs"], out["rollouts"],
-                                 lambda name: store.merge_scratch(run_dir, name))
-        try:
-            table, shards, failures, rollout_sources = _read_shards(run_dir, plan, states, allow_partial,
-                                                                    answer_field, workers, streamer)
-            streamed = streamer.end_of_shards()
-        except BaseException:
-            streamer.abandon()
-            raise
+        streamer = stack.enter_context(ShardStreamer(out["materialized_inputs"], out["rollouts"],
+                                                     lambda name: store.merge_scratch(run_dir, name)))
+        table, shards, failures, rollout_sources = _read_shards(run_dir, plan, states, allow_partial, answer_field,
+                                                                workers, streamer)
+        streamed = streamer.end_of_shards()
         timings["read_s"] = time.monotonic() - tick
         trim_heap()
         summary = MergeSummary(str(run_dir), plan.fingerprint, allow_partial, shards=shards, timings=timings,
                                warnings=shard_warnings(shards))
         summary.outputs = {k: str(p) for k, p in outputs.items()}
         tasks = TaskInfo(table)
-        # shards out of identity order: the row copies are made from the sorted table, mostly kernel time
-        # (pread, write, fsync), in a thread beside the profile (OVERLAP_MAX_ROWS), on the locations taken here
-        # (the table drops its own references to them)
-        copier = None if streamed else _Copier(out["materialized_inputs"], out["rollouts"], table,
-                                               materialized_sources, rollout_sources)
+        copier = None if streamed else _start_copier(out, table, materialized_sources, rollout_sources, workers)
         table.release_planned()
         table.release_locations()
-        overlap = copier is not None and workers < RENDER_POOL_MIN and len(table.r_key) <= OVERLAP_MAX_ROWS
-        if overlap:
-            copier.start()
-        elif copier is not None:  # the render pool forks (no thread may be running then), or memory would grow
-            copier.run()
         try:
             _write_failures(out["failures"], table, failures, summary)
             tick = time.monotonic()
-            # chunks are rendered by a pool of forked workers unless the copy thread runs (no fork beside it)
-            _profile(run_dir, plan, table, tasks, summary, out, materialized_sources, 1 if overlap else workers)
+            # chunks are rendered by a pool of forked workers, unless the copy thread runs (no fork beside it)
+            _profile(run_dir, plan, table, tasks, summary, out, materialized_sources,
+                     1 if copier is not None and copier.is_alive() else workers)
             timings["profile_s"] = time.monotonic() - tick
-            if streamed:
-                tick = time.monotonic()
-                streamer.wait()
-                timings["copy_wait_s"] = time.monotonic() - tick
-        except BaseException:
-            streamer.abandon()
-            raise
         finally:
-            if overlap:
+            if copier is not None and copier.is_alive():
                 copier.join()
         if copier is not None:
             copier.raise_error()
+        streamer.wait()
         timings["copy_s"] = streamer.seconds + (copier.seconds if copier is not None else 0.0)
         timings["total_s"] = time.monotonic() - started
         out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
     return summary
+
+
+def _output_paths(run_dir: Path) -> dict[str, Path]:
+    return {
+        "rollouts": store.merged_rollouts_path(run_dir),
+        "materialized_inputs": store.merged_materialized_path(run_dir),
+        "failures": store.merged_failures_path(run_dir),
+        "reward_profiling": store.merged_reward_profiling_path(run_dir),
+        "agent_metrics": store.merged_agent_metrics_path(run_dir),
+        "aggregate_metrics": store.merged_aggregate_metrics_path(run_dir),
+        "summary": store.merged_summary_path(run_dir),
+    }
+
+
+def _start_copier(out: dict[str, Any], table: MergedTable, materialized_sources: list[Path],
+                  rollout_sources: list[Path], workers: int) -> "_Copier":
+    """Shards out of identity order: the row copies are made from the sorted table, on the locations taken here
+    (the caller then lets the table drop its own references). Mostly kernel time (pread, write, fsync), so they run in a thread
+    beside the profile (up to OVERLAP_MAX_ROWS, and only where the profile renders without a pool, which forks);
+    otherwise they are made now."""
+    copier = _Copier(out["materialized_inputs"], out["rollouts"], table, materialized_sources, rollout_sources)
+    if workers < RENDER_POOL_MIN and len(table.r_key) <= OVERLAP_MAX_ROWS:
+        copier.start()
+    else:
+        copier.run()
+    return copier
 
 
 def _profile(run_dir: Path, plan: Plan, table: MergedTable, tasks: TaskInfo, summary: MergeSummary,

@@ -61,6 +61,13 @@ class ShardStreamer:
         os.close(jobs_r)
         os.close(result_w)
 
+    def __enter__(self) -> "ShardStreamer":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self.abandon()  # the outputs are thrown away: stop copying into them at once
+
     def add(self, scan: ShardScan) -> None:
         """Queue the shard's rows, or stop streaming for good if they are not after the previous shards'."""
         if not self.in_order:
@@ -94,7 +101,8 @@ class ShardStreamer:
         return False
 
     def wait(self) -> None:
-        """Wait for the copies to be written and fsynced; RunDirError (or the copy's OSError) if they failed."""
+        """Wait for the copies to be written and fsynced (if the shards were streamed); RunDirError if they
+        failed."""
         self._wait()
 
     def abandon(self) -> None:

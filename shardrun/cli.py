@@ -218,6 +218,9 @@ def merge_and_profile_cmd(
                                        help="Also merge what unsealed shards hold; report completion per task."),
     answer_field: Optional[str] = typer.Option(None, "--answer-field",
                                                help="Rollout field with the extracted answer (enables majority@k)."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1,
+                                          help="Processes that read shards and render the profile (default: the "
+                                               "CPUs this process may use, at most 8; one for small runs)."),
     json_out: bool = typer.Option(False, "--json", help="Print the merge summary as JSON."),
 ) -> None:
     """Merge sealed shards into merged/ (sorted rollouts and inputs, failures) and write Gym's reward profile,
@@ -226,7 +229,7 @@ def merge_and_profile_cmd(
 
     from shardrun import merge, merge_summary
 
-    result = run(merge.merge_and_profile, run_dir, allow_partial, answer_field)
+    result = run(merge.merge_and_profile, run_dir, allow_partial, answer_field, workers)
     typer.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode() if json_out
                else merge_summary.render(result))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass
@@ -109,3 +110,12 @@ def gym_reference(tmp_path_factory, shared_policy, policy_key, gym_env) -> GymRe
     faultkit.assert_exactly_once(run_dir, planned, failed)
     return GymReference(tmp, policy_key, shared_policy, input_jsonl, run_dir,
                         faultkit.merged_outputs(run_dir, gym=True), planned, failed, ms.at, out)
+
+
+@pytest.fixture
+def mounts() -> Iterator[list[Path]]:
+    """tmpfs mounts a test made (faultkit.mount_tmpfs appends to it), lazily unmounted afterwards."""
+    mounted: list[Path] = []
+    yield mounted
+    for m in reversed(mounted):
+        subprocess.run(["umount", "-l", str(m)], capture_output=True)

@@ -221,6 +221,16 @@ def tree_bytes(root: Path, skip: Callable[[Path], bool] = lambda p: False) -> di
             if p.is_file() and not skip(p)}
 
 
+def sealed_and_merged(tmp: Path, tasks: int, shards: int):
+    """A synthetic run sealed by `shardrun resume` and merged, never faulted: a fault test's reference."""
+    from tests.faults import synthetic
+
+    run = synthetic.make(tmp, tasks=tasks, shards=shards, seal=False)
+    assert cli("resume", run.run_dir).returncode == 0
+    assert cli("merge-and-profile", run.run_dir).returncode == 0
+    return run
+
+
 # ---------------------------------------------------------------- file systems
 
 def mount_tmpfs(path: Path, options: str, mounted: list[Path]) -> Path:

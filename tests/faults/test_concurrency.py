@@ -25,10 +25,7 @@ SHARDS = 6
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("race-reference")
-    run = synthetic.make(tmp, tasks=600, shards=SHARDS, seal=False)
-    assert faultkit.cli("resume", run.run_dir).returncode == 0
-    assert faultkit.cli("merge-and-profile", run.run_dir).returncode == 0
+    run = faultkit.sealed_and_merged(tmp_path_factory.mktemp("race-reference"), tasks=600, shards=SHARDS)
     return {"shards": synthetic.shard_files(run.run_dir, SHARDS), "merged": faultkit.merged_outputs(run.run_dir),
             "files": {n: (store.merged_dir(run.run_dir) / n).read_bytes() for n in faultkit.MERGED_FILES}}
 

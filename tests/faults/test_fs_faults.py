@@ -24,14 +24,6 @@ pytestmark = pytest.mark.timeout(600)
 SHARDS = 4
 
 
-@pytest.fixture
-def mounts():
-    mounted: list[Path] = []
-    yield mounted
-    for m in reversed(mounted):
-        subprocess.run(["umount", "-l", str(m)], capture_output=True)
-
-
 def sealed(run_dir: Path) -> set[int]:
     plan = store.load_plan(run_dir)
     return {i for i in range(len(plan.shards)) if seal.check(run_dir, plan, i, deep=True).sealed}
@@ -49,10 +41,7 @@ def clear_error(res: subprocess.CompletedProcess, code: int, *needles: str) -> s
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """The same run, never faulted: sealed by `resume`, merged."""
-    tmp = tmp_path_factory.mktemp("fs-reference")
-    run = synthetic.make(tmp, tasks=300, shards=SHARDS, seal=False)
-    assert faultkit.cli("resume", run.run_dir).returncode == 0
-    assert faultkit.cli("merge-and-profile", run.run_dir).returncode == 0
+    run = faultkit.sealed_and_merged(tmp_path_factory.mktemp("fs-reference"), tasks=300, shards=SHARDS)
     return {"shards": synthetic.shard_files(run.run_dir, SHARDS), "merged": faultkit.merged_outputs(run.run_dir)}
 
 

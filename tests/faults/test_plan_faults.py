@@ -18,6 +18,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from tests.faults import faultkit
 from tests.planning_helpers import row
 
 SHARDRUN = [sys.executable, "-m", "shardrun.cli"]
@@ -68,25 +69,9 @@ def test_sigkill_anywhere_in_plan_write_then_rerun_gives_identical_run_dir(tmp_p
     assert outcomes["killed"] >= KILLS // 2, outcomes  # most kills really landed mid-run
 
 
-def _mount_tmpfs(path: Path, options: str) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needed to simulate the fault): {res.stderr.decode().strip()}")
-
-
-@pytest.fixture
-def mounts():
-    mounted: list[Path] = []
-    yield mounted
-    for m in reversed(mounted):
-        subprocess.run(["umount", "-l", str(m)], capture_output=True)
-
-
 def test_disk_full_while_writing_is_a_clear_error_and_rerun_recovers(tmp_path, mounts):
     small = tmp_path / "small"
-    _mount_tmpfs(small, "size=256k")
-    mounts.append(small)
+    faultkit.mount_tmpfs(small, "size=256k", mounts)
     cfg = setup(tmp_path, tasks=2000, run_dir=small / "run")
     res = plan_write(cfg)
     assert res.returncode == 2
@@ -102,8 +87,7 @@ def test_disk_full_while_writing_is_a_clear_error_and_rerun_recovers(tmp_path, m
 
 def test_read_only_run_dir_is_a_clear_error(tmp_path, mounts):
     ro = tmp_path / "ro"
-    _mount_tmpfs(ro, "ro,size=1m")
-    mounts.append(ro)
+    faultkit.mount_tmpfs(ro, "ro,size=1m", mounts)
     res = plan_write(setup(tmp_path, tasks=10, run_dir=ro / "run"))
     assert res.returncode == 2 and "read-only" in res.stderr and "Traceback" not in res.stderr
 

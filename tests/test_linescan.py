@@ -132,9 +132,16 @@ def test_rows_of_many_shapes_across_blocks_match(tmp_path: Path, monkeypatch) ->
         out.append(line + b"\n")
     path = tmp_path / "rollouts.jsonl"
     path.write_bytes(b"".join(out))
-    fast, slow = both_paths(path, "ans")
+    by_python = []
+    real_line = shardscan._RolloutRows.line
+    monkeypatch.setattr(shardscan._RolloutRows, "line", lambda self, *a: by_python.append(1) or real_line(self, *a))
+    fast = snapshot(shardscan.scan_rollouts(path, limit=None, snapshot=None, answer_key="ans"))
+    taken_by_python = len(by_python)
+    with pure_python():
+        slow = snapshot(shardscan.scan_rollouts(path, limit=None, snapshot=None, answer_key="ans"))
     assert fast == slow
     assert fast["counts"][:3] == (3000, 10, 0)
+    assert taken_by_python == 60 + 10 - 1  # the escaped-key and broken lines only (one is both)
 
 
 # ---------------------------------------------------------------- the scanner itself
@@ -195,12 +202,17 @@ def test_scatter_copies_ranges_and_refuses_ranges_outside_a_buffer() -> None:
 
 # ---------------------------------------------------------------- planned rows
 
-def test_planned_rows_read_the_same_on_both_paths(tmp_path: Path) -> None:
+def test_planned_rows_read_the_same_on_both_paths(tmp_path: Path, monkeypatch) -> None:
     run = make_run(tmp_path, input_rows(40, agents=("a", "b", "c")), num_repeats={"a": 3, "_default": 2},
                    num_shards=3, slicing="round_robin")
     for i in range(3):
         path = store.materialized_path(run.run_dir, i)
-        fast = shardscan.scan_planned(path)
+        by_python = []
+        with monkeypatch.context() as m:
+            real = shardscan._PlannedRows.add_line
+            m.setattr(shardscan._PlannedRows, "add_line", lambda self, *a: by_python.append(1) or real(self, *a))
+            fast = shardscan.scan_planned(path)
+        assert by_python == []  # the scanner took every planned row
         with pure_python():
             slow = shardscan.scan_planned(path)
         got = [fast.task, fast.rollout, fast.offset, fast.length]

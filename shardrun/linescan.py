@@ -28,6 +28,7 @@ except ImportError:  # built without a C compiler
 AVAILABLE = _jsonlscan is not None
 SLOW = -1  # a line the caller parses itself
 MAX_SIGNATURES = 10_000  # remembered per scanner; past that they are forgotten and learned again
+MAX_KEY_VALUES = 1_000_000  # distinct `key` values remembered per scanner, likewise
 TYPE_CODE = {type(None): "n", bool: "b", int: "i", float: "f", str: "s", list: "a", dict: "o"}
 
 
@@ -43,6 +44,11 @@ class Block:
     vstart: np.ndarray
     values: np.ndarray
     key_code: np.ndarray | None
+
+    def line(self, data: bytes | bytearray, i: int) -> tuple[bytes | bytearray, int]:
+        """Line i of the block `data` it was scanned from, without its newline, and where it starts."""
+        start = int(self.starts[i])
+        return data[start:start + int(self.lengths[i]) - 1], start
 
 
 def scatter(dst: memoryview, src: bytes, at: np.ndarray, length: np.ndarray, dest: np.ndarray) -> None:
@@ -75,7 +81,7 @@ class Scanner:
         if len(self._sigs) > MAX_SIGNATURES:
             self._sigs.clear()
             self._shape_of_sig = np.full(1, SLOW, np.int64)
-        if len(self._interned) > MAX_SIGNATURES * 100:
+        if len(self._interned) > MAX_KEY_VALUES:
             self._interned.clear()
             self._codes.clear()
         new: list[tuple[int, int]] = []

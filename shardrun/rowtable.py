@@ -19,12 +19,15 @@ import hashlib
 from array import array
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import orjson
 
 from shardrun.planner import ROLLOUT_KEY, TASK_KEY
+
+if TYPE_CHECKING:
+    from shardrun.linescan import Block
 
 KIND = {int: "i", float: "f", bool: "b"}
 IDENTITY = frozenset((TASK_KEY, ROLLOUT_KEY))
@@ -137,12 +140,9 @@ class RowTable:
     def __len__(self) -> int:
         return len(self.schema_of)
 
-    def add(self, row: dict[str, Any]) -> bool:
-        """Add a parsed rollout row; False (nothing added) when it has no valid identity."""
-        return self.adder()(row)
-
     def adder(self) -> Callable[[dict[str, Any]], bool]:
-        """`add` as a closure over the table's buffers (the hot loop of a merge calls it once per row)."""
+        """add(row): add a parsed rollout row, False (nothing added) when it has no valid identity; a closure
+        over the table's buffers (the hot loop of a merge calls it once per row)."""
         shapes, buffers, schema_of = self._shapes, self.values, self.schema_of
         task, rollout, answers, answer_key = self.task.append, self.rollout.append, self.answers, self.answer_key
         new_shape, irregular, exact = self._new_shape, self._add_irregular, self.exact_ints
@@ -193,9 +193,9 @@ class RowTable:
         return ScannedShape(shape.sid, tuple(number[p] for p in shape.positions), number[shape.task_at],
                             number[shape.rollout_at])  # type: ignore[index]
 
-    def add_scanned(self, shapes: "ScannedShapes", block: Any, rows: np.ndarray) -> np.ndarray:
+    def add_scanned(self, shapes: "ScannedShapes", block: "Block", rows: np.ndarray) -> np.ndarray:
         """Add the block's lines `rows` (in file order, each of a learned shape); returns the lines added (the
-        others have no identity). The vectorised twin of `add`, for linescan.Block."""
+        others have no identity). The vectorised twin of `adder`'s add."""
         sid, task_col, rollout_col, cols = shapes.arrays()
         shape = block.shape[rows]
         known = sid[shape] >= 0

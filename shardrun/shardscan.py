@@ -203,8 +203,8 @@ class _PlannedRows:
                 self.agent.frombytes(block.key_code[mine].astype(np.int32).tobytes())
                 self.n += b - a
                 if b < block.lines:  # the line after the run: parse it here
-                    start = int(block.starts[b])
-                    self.add_line(data[start:start + int(block.lengths[b]) - 1], off + start)
+                    line, start = block.line(data, b)
+                    self.add_line(line, off + start)
 
     def _agent_code(self, raw: bytes) -> int:
         """The code of the agent named in an agent_ref's raw JSON; -1 when it names none."""
@@ -312,8 +312,8 @@ class _RolloutRows:
             slow = np.flatnonzero(block.shape == linescan.SLOW)
             if len(slow) * 8 > block.lines:  # mostly odd lines: not worth the arrays
                 for i in range(block.lines):
-                    start = int(block.starts[i])
-                    self.line(data[start:start + int(block.lengths[i]) - 1], off + start)
+                    line, start = block.line(data, i)
+                    self.line(line, off + start)
                 continue
             for a, b in _runs_between(slow, block.lines):
                 if b > a:
@@ -322,8 +322,8 @@ class _RolloutRows:
                     self.offset.frombytes((off + block.starts[added]).tobytes())
                     self.length.frombytes(block.lengths[added].tobytes())
                 if b < block.lines:
-                    start = int(block.starts[b])
-                    self.line(data[start:start + int(block.lengths[b]) - 1], off + start)
+                    line, start = block.line(data, b)
+                    self.line(line, off + start)
 
 
 def scan_failures(path: Path) -> Failures:

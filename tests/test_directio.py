@@ -24,6 +24,14 @@ def write_pieces(path: Path, pieces: list[bytes], buffer_bytes: int) -> bool:
     return direct
 
 
+def takes_direct(directory: Path) -> bool:
+    try:
+        os.close(os.open(directory / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("refused", [False, True])
 def test_bytes_written_in_any_pieces_land_whole_and_in_order(tmp_path: Path, monkeypatch, refused: bool) -> None:
     if refused:  # a file system that refuses O_DIRECT (EINVAL), as some network file systems do
@@ -42,6 +50,8 @@ def test_bytes_written_in_any_pieces_land_whole_and_in_order(tmp_path: Path, mon
     assert path.read_bytes() == b"".join(pieces)
     if refused:
         assert not direct  # the same writer, through the page cache
+    else:
+        assert direct == takes_direct(tmp_path)  # it did bypass the page cache where the file system allows
 
 
 def test_the_callers_file_object_keeps_its_own_offset_and_flags(tmp_path: Path) -> None:

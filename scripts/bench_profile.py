@@ -30,7 +30,10 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from shardrun import config, planner, seal, store  # noqa: E402
+from shardrun.core import config
+from shardrun.plan import planner
+from shardrun.rundir import seal
+from shardrun.rundir import store
 
 GYM_VENV = Path(os.environ.get("SHARDRUN_GYM_VENV", Path.home() / ".cache" / "shardrun" / "gym-venv"))
 TEXT = ("Let me work through this step by step. First we restate the problem, then we compute each part and "

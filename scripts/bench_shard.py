@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shardrun import config as config_mod  # noqa: E402
-from shardrun import store  # noqa: E402
+from shardrun.core import config as config_mod
+from shardrun.rundir import store
 from tests.fakes import harness  # noqa: E402
 
 TEARDOWN = re.compile(r"servers stopped in ([0-9.]+) s")

@@ -38,7 +38,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from builders import input_rows, make_run, write_shard  # noqa: E402
 
-from shardrun import status, store  # noqa: E402
+from shardrun.launch import status
+from shardrun.rundir import store
 
 
 def slurm_available() -> bool:
@@ -103,7 +104,7 @@ def bench_status(shards: int, repeats: int) -> None:
         startup = []
         for _ in range(repeats):
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "import shardrun.cli, shardrun.status"], check=True, timeout=120)
+            subprocess.run([sys.executable, "-c", "import shardrun.cli, shardrun.launch.status"], check=True, timeout=120)
             startup.append(time.perf_counter() - t)
         print(f"status: {shards:,} shards x 16 rollouts ({st.counts}), {live}; run built in {built:.1f} s; "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

@@ -33,10 +33,10 @@ find_python() {  # find_python 3.12 -> path of a working interpreter of that ver
 project_stale() {  # no venv yet, its build files changed, or the C line scanner is not built where it can be
   [ -x "$ROOT/.venv/bin/shardrun" ] || return 0
   local f
-  for f in pyproject.toml setup.py shardrun/_jsonlscan.c; do
+  for f in pyproject.toml setup.py shardrun/merge/_jsonlscan.c; do
     [ "$ROOT/$f" -nt "$ROOT/.venv/.shardrun-ok" ] && return 0
   done
-  command -v cc >/dev/null && ! compgen -G "$ROOT/shardrun/_jsonlscan.*.so" >/dev/null && return 0
+  command -v cc >/dev/null && ! compgen -G "$ROOT/shardrun/merge/_jsonlscan.*.so" >/dev/null && return 0
   return 1
 }
 

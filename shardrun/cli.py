@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from shardrun import config as config_mod
-from shardrun.errors import ShardrunError
+from shardrun.core import config as config_mod
+from shardrun.core.errors import ShardrunError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Plan, launch, resume and profile sharded NeMo Gym rollout collection.")
@@ -34,7 +34,7 @@ def run(fn, *args, **kwargs):
         if _state["debug"]:
             raise
         if isinstance(e, OSError):
-            from shardrun.store import os_error
+            from shardrun.rundir.store import os_error
 
             e = os_error(e)
         typer.echo(f"error: {e}", err=True)
@@ -49,7 +49,8 @@ def plan(
     json_out: bool = typer.Option(False, "--json", help="Print the plan summary as JSON."),
 ) -> None:
     """Validate the input and print the shard plan; with --write, materialize the run directory."""
-    from shardrun import store, summary
+    from shardrun.rundir import store
+    from shardrun.plan import render
 
     cfg = run(config_mod.load, config, overrides or [])
     the_plan = run(store.scan_input, cfg)
@@ -57,7 +58,7 @@ def plan(
     if write:
         the_plan, written = run(store.write_plan, cfg, the_plan)
     max_array = cfg.cluster_or_default.max_array_size or config_mod.DEFAULT_MAX_ARRAY_SIZE
-    typer.echo(summary.plan_json(the_plan, max_array) if json_out else summary.plan_table(the_plan, max_array))
+    typer.echo(render.plan_json(the_plan, max_array) if json_out else render.plan_table(the_plan, max_array))
     for w in the_plan.warnings:
         typer.echo(f"warning: {w}", err=True)
     if write:
@@ -87,15 +88,16 @@ def select_cmd(
     """Write a curriculum subset of the original input rows, chosen by per-task reward statistics."""
     import orjson
 
-    from shardrun import select, summary
+    from shardrun.analysis import selection
+    from shardrun.plan import render
 
-    rules = select.Rules(metric=metric, agents=tuple(agent or ()), min_mean=min_mean, max_mean=max_mean,
+    rules = selection.Rules(metric=metric, agents=tuple(agent or ()), min_mean=min_mean, max_mean=max_mean,
                          min_std=min_std, drop_unsolved=drop_unsolved, drop_solved=drop_solved,
                          solved_threshold=solved_threshold, top_k_hardest=top_k_hardest)
     key = stats_key or ("shardrun_stats" if attach_stats else None)
-    result = run(select.select_run, run_dir, output, rules, key, input_path)
-    typer.echo(orjson.dumps(select.summary_json(result), option=orjson.OPT_INDENT_2).decode() if json_out
-               else summary.table(select.summary_rows(result)))
+    result = run(selection.select_run, run_dir, output, rules, key, input_path)
+    typer.echo(orjson.dumps(selection.summary_json(result), option=orjson.OPT_INDENT_2).decode() if json_out
+               else render.table(selection.summary_rows(result)))
 
 
 @app.command()
@@ -105,11 +107,11 @@ def report(
     sacct: bool = typer.Option(True, "--sacct/--no-sacct", help="On Slurm runs, add sacct GPU-hours."),
 ) -> None:
     """Write merged/report.html and its figures (PNG) for a merged run."""
-    from shardrun import report as report_mod
-    from shardrun import summary
+    from shardrun.analysis import report as report_mod
+    from shardrun.plan import render
 
     result = run(report_mod.build_report, run_dir, embed, sacct)
-    typer.echo(summary.table(report_mod.summary_rows(result)))
+    typer.echo(render.table(report_mod.summary_rows(result)))
 
 
 @app.command()
@@ -121,7 +123,7 @@ def status(
     show_all: bool = typer.Option(False, "--all", help="List every shard that is not sealed."),
 ) -> None:
     """Per shard: sealed, running, pending, failed (reason, log) or never started; rollouts, throughput, ETA."""
-    from shardrun import status as status_mod
+    from shardrun.launch import status as status_mod
 
     if watch:
         run(status_mod.watch, run_dir, interval, typer.echo)
@@ -142,10 +144,10 @@ def submit(
 ) -> None:
     """Plan the run (refusing a different existing plan), launch every unsealed shard, print the run directory,
     the job ids and, when waiting, each shard's outcome."""
-    from shardrun import launch
+    from shardrun.launch import submission
 
     cfg = run(config_mod.load, config, overrides or [])
-    result = run(launch.submit, cfg, wait_for_jobs=False if no_wait else None, echo=typer.echo,
+    result = run(submission.submit, cfg, wait_for_jobs=False if no_wait else None, echo=typer.echo,
                  merge_job=not no_merge_job, dry_run=dry_run)
     if result.dry_run is not None:
         typer.echo(result.dry_run)
@@ -182,7 +184,7 @@ def resume(
     """Resubmit the shards that are not sealed and not queued or running (each resumes from its last complete
     rollout); refuses if the input or config no longer give the run's plan; gives up on a shard after
     cluster.max_attempts launches and says why."""
-    from shardrun import resume as resume_mod
+    from shardrun.launch import resume as resume_mod
 
     result = run(resume_mod.resume, run_dir, config, overrides or [], merge_job=not no_merge_job, dry_run=dry_run,
                  wait_for_jobs=False if no_wait else None, echo=typer.echo)
@@ -194,7 +196,7 @@ def resume(
 @app.command()
 def cancel(run_dir: Path = typer.Argument(..., help="Run directory.")) -> None:
     """Cancel the run's queued and running jobs (shards and merge job); their progress is kept for resume."""
-    from shardrun import resume as resume_mod
+    from shardrun.launch import resume as resume_mod
 
     typer.echo(resume_mod.render_cancel(run(resume_mod.cancel, run_dir)))
 
@@ -205,7 +207,7 @@ def run_shard_cmd(
     index: int = typer.Argument(..., help="Shard index."),
 ) -> None:
     """Run one shard here, in this process (what a shard job does): servers, collection, seal, teardown."""
-    from shardrun import runtime
+    from shardrun.shard import runtime
 
     result = run(runtime.run_shard, run_dir, index)
     typer.echo(f"shard {index:05d}: {result.state}")
@@ -227,11 +229,12 @@ def merge_and_profile_cmd(
     agent metrics and pass@k aggregate metrics."""
     import orjson
 
-    from shardrun import merge, merge_summary
+    from shardrun.merge import driver
+    from shardrun.merge import outcome
 
-    result = run(merge.merge_and_profile, run_dir, allow_partial, answer_field, workers)
+    result = run(driver.merge_and_profile, run_dir, allow_partial, answer_field, workers)
     typer.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode() if json_out
-               else merge_summary.render(result))
+               else outcome.render(result))
 
 
 def main() -> None:

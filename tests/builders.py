@@ -9,7 +9,7 @@
 A rollout row is what `ng_collect_rollouts` writes: the resources server's verify response (`responses_create_params`,
 `response` with `output` text and `usage`, `reward`, server fields such as `library_reward`/`extracted_answer`)
 plus `_ng_task_index`, `_ng_rollout_index` and `agent_ref`. Values are a pure function of the identity, so tests can
-recompute them. `seal_shard` writes a valid `.done` marker via shardrun.seal.
+recompute them. `seal_shard` writes a valid `.done` marker via shardrun.rundir.seal.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from typing import Any, Callable, Iterable
 
 import orjson
 
-from shardrun import config, planner, seal, store
+from shardrun.core import config
+from shardrun.plan import planner
+from shardrun.rundir import seal
+from shardrun.rundir import store
 
 LOREM = ("the answer follows from the given facts so we compute each step carefully and check the result "
          "against the constraints before writing it in a box ")

@@ -54,12 +54,12 @@ def tiny_model(vllm_venv: Path) -> Path:
 
 @pytest.fixture(params=["c-scanner", "pure-python"])
 def scan_path(request, monkeypatch) -> str:
-    """Run a merge test on both read paths: the C line scanner (shardrun._jsonlscan) and the pure-Python one
+    """Run a merge test on both read paths: the C line scanner (shardrun.merge._jsonlscan) and the pure-Python one
     that stands in where no C compiler was found at install time; they must give the same results."""
-    from shardrun import linescan
+    from shardrun.merge import linescan
 
     if request.param == "c-scanner":
-        assert linescan.AVAILABLE, "shardrun._jsonlscan is not built; run ./scripts/setup.sh"
+        assert linescan.AVAILABLE, "shardrun.merge._jsonlscan is not built; run ./scripts/setup.sh"
     else:
         monkeypatch.setattr(linescan, "AVAILABLE", False)
     return request.param

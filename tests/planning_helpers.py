@@ -6,7 +6,8 @@ from typing import Any
 
 import orjson
 
-from shardrun import config, planner
+from shardrun.core import config
+from shardrun.plan import planner
 
 
 def row(i: int, agent: str | None = "agent_a", **extra: Any) -> dict[str, Any]:

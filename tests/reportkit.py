@@ -16,7 +16,9 @@ import orjson
 import yaml
 
 import builders
-from shardrun import config, seal, store
+from shardrun.core import config
+from shardrun.rundir import seal
+from shardrun.rundir import store
 
 Reward = Callable[[int, int], float]
 
@@ -99,6 +101,6 @@ def seal_shards(run_dir: Path, reward: Reward, *, failed: set[tuple[int, int]] =
 
 def merge_run(run_dir: Path, allow_partial: bool = False):
     """merged/ written by shardrun's own merge-and-profile (Gym's formats)."""
-    from shardrun import merge
+    from shardrun.merge import driver
 
-    return merge.merge_and_profile(run_dir, allow_partial)
+    return driver.merge_and_profile(run_dir, allow_partial)

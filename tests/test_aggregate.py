@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from shardrun import aggregate
-from shardrun.rowtable import NO_ANSWER, answer_code
+from shardrun.profile import aggregate
+from shardrun.merge.rowtable import NO_ANSWER, answer_code
 
 NAN = float("nan")
 

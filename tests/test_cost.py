@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reportkit import input_row, planned_run, seal_shards
-from shardrun import cost, seal, store
+from shardrun.rundir import cost
+from shardrun.rundir import seal
+from shardrun.rundir import store
 
 
 def marker(i: int, start: float, wall: float, gpus: int = 8, rollouts: int = 100, **kw) -> dict:
@@ -22,7 +24,7 @@ def marker(i: int, start: float, wall: float, gpus: int = 8, rollouts: int = 100
 
 
 def test_shard_cost_from_a_real_marker():
-    from shardrun.planner import InputInfo, Plan, ShardSpec
+    from shardrun.plan.planner import InputInfo, Plan, ShardSpec
     plan = Plan("1", InputInfo("x", "0" * 64, 1), {}, {}, 1, 40, {}, (ShardSpec(0, 40, "range", 0, 40),), (), "f")
     m = seal.make_marker(plan, 0, num_rollouts=38, num_failed=2, rollouts_sha256="0", rollouts_bytes=1,
                          started_at=1000.0, finished_at=1000.0 + 5400, host="h", job_id="12_0", attempt=2,
@@ -117,7 +119,7 @@ def test_costs_from_a_sealed_run_directory(tmp_path):
 
 
 def test_status_shows_the_sealed_cost(tmp_path):
-    from shardrun import status
+    from shardrun.launch import status
 
     run_dir, _ = planned_run(tmp_path, [input_row(i) for i in range(6)], num_repeats=2, num_shards=3)
     markers = seal_shards(run_dir, lambda t, r: 1.0, gpus=2)
@@ -132,14 +134,14 @@ def test_status_shows_the_sealed_cost(tmp_path):
 
 def test_merge_summary_shows_the_cost(tmp_path):
     from reportkit import merge_run
-    from shardrun import merge_summary
+    from shardrun.merge import outcome
 
     run_dir, _ = planned_run(tmp_path, [input_row(i) for i in range(6)], num_repeats=2, num_shards=3)
     markers = seal_shards(run_dir, lambda t, r: 1.0, gpus=4)
     summary = merge_run(run_dir)
     run = cost.run_costs(cost.shard_costs(markers))
     assert summary.to_json()["cost"] == cost.run_row(run)
-    rows = dict(ln.split("  ", 1) for ln in merge_summary.render(summary).splitlines()[:14] if "  " in ln)
+    rows = dict(ln.split("  ", 1) for ln in outcome.render(summary).splitlines()[:14] if "  " in ln)
     assert rows["rollouts per GPU-hour"].strip() == f"{run.rollouts_per_gpu_hour:,.1f}"
     assert rows["output tokens per second"].strip() == f"{run.output_tokens_per_s:,.1f}"
     assert rows["wall time"].strip() == cost.hours(run.wall_s)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import directio
-from shardrun.directio import ALIGN, DirectWriter
+from shardrun.merge import directio
+from shardrun.merge.directio import ALIGN, DirectWriter
 
 
 def write_pieces(path: Path, pieces: list[bytes], buffer_bytes: int) -> bool:

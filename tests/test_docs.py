@@ -35,7 +35,9 @@ import pytest
 from typer.testing import CliRunner
 
 from reportkit import merge_run, seal_shards
-from shardrun import config, docs_gen, store
+from shardrun.core import config
+from shardrun.core import config_docs
+from shardrun.rundir import store
 from shardrun.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
@@ -266,12 +268,12 @@ def test_harness_catches_a_wrong_command(workspace):
 # ---------------------------------------------------------------- reference, links, index
 
 def test_config_reference_is_generated_from_the_models():
-    assert (DOCS / "config-reference.md").read_text() == docs_gen.reference(), \
-        "docs/config-reference.md is stale: run `python -m shardrun.docs_gen`"
+    assert (DOCS / "config-reference.md").read_text() == config_docs.reference(), \
+        "docs/config-reference.md is stale: run `python -m shardrun.core.config_docs`"
 
 
 def test_config_reference_lists_every_key():
-    text = docs_gen.reference()
+    text = config_docs.reference()
     for prefix, model in [("", config.RunConfig), ("sharding.", config.ShardingConfig), ("gym.", config.GymConfig),
                           ("policy.", config.PolicyConfig), ("policy.vllm.", config.VllmConfig),
                           ("cluster.", config.ClusterConfig)]:

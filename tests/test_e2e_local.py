@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import gym_stack, runtime, store
+from shardrun.shard import gym_stack
+from shardrun.shard import runtime
+from shardrun.rundir import store
 from tests.fakes import harness
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -125,9 +127,9 @@ def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv: P
     assert planned == (reference / "rollouts_materialized_inputs.jsonl").read_bytes()
 
     # the merged profile equals ng_reward_profile of the unsharded run
-    from shardrun import merge
+    from shardrun.merge import driver
 
-    merge.merge_and_profile(run_dir)
+    driver.merge_and_profile(run_dir)
     merged = store.merged_dir(run_dir)
     assert profile_rows(merged / "rollouts_reward_profiling.jsonl") == \
         profile_rows(reference / "rollouts_reward_profiling.jsonl")

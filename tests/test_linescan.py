@@ -1,4 +1,4 @@
-"""The C line scanner (shardrun._jsonlscan via linescan) against the pure-Python read path it accelerates.
+"""The C line scanner (shardrun.merge._jsonlscan via linescan) against the pure-Python read path it accelerates.
 
 Both paths must build the same table from the same bytes: identity, numbers, schemas, offsets, answer codes and
 counts of unreadable / identity-less lines. Hypothesis writes files of odd rows (escapes, non-ASCII, big and
@@ -19,8 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardrun import linescan, shardscan, store
-from shardrun.errors import PlanMismatch
+from shardrun.merge import linescan
+from shardrun.merge import shardscan
+from shardrun.rundir import store
+from shardrun.core.errors import PlanMismatch
 from tests.builders import input_rows, make_run
 
 pytestmark = pytest.mark.skipif(not linescan.AVAILABLE and shutil.which("cc") is None,
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.skipif(not linescan.AVAILABLE and shutil.which("cc") is
 
 
 def test_the_scanner_is_built_where_a_compiler_is() -> None:
-    assert linescan.AVAILABLE, "shardrun._jsonlscan is missing though a C compiler is installed: run ./scripts/setup.sh"
+    assert linescan.AVAILABLE, "shardrun.merge._jsonlscan is missing though a C compiler is installed: run ./scripts/setup.sh"
 
 
 @contextlib.contextmanager

@@ -22,8 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from shardrun import cli, merge, merge_summary, profile_writer, shardread, store
-from shardrun.errors import IncompleteRun, RunDirError
+from shardrun import cli
+from shardrun.merge import driver
+from shardrun.merge import outcome
+from shardrun.profile import writers
+from shardrun.merge import shardread
+from shardrun.rundir import store
+from shardrun.core.errors import IncompleteRun, RunDirError
 from tests.builders import Run, ShardWrite, input_rows, make_run, rollout_row, seal_shard, write_shard
 
 IDS = ("_ng_task_index", "_ng_rollout_index")
@@ -167,7 +172,7 @@ def build(tmp_path: Path, scenario: str) -> tuple[Run, list[ShardWrite]]:
 @pytest.mark.usefixtures("scan_path")
 def test_merged_files_and_profile_equal_plain_computation(tmp_path: Path, scenario: str) -> None:
     run, writes = build(tmp_path, scenario)
-    summary = merge.merge_and_profile(run.run_dir, answer_field="extracted_answer",
+    summary = driver.merge_and_profile(run.run_dir, answer_field="extracted_answer",
                                       workers=SCENARIOS[scenario]["workers"])
     merged = store.merged_dir(run.run_dir)
 
@@ -212,7 +217,7 @@ def test_merged_files_and_profile_equal_plain_computation(tmp_path: Path, scenar
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_aggregate_metrics_equal_plain_pass_at_k(tmp_path: Path, scenario: str) -> None:
     run, _ = build(tmp_path, scenario)
-    merge.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    driver.merge_and_profile(run.run_dir, answer_field="extracted_answer")
     data = store.merged_aggregate_metrics_path(run.run_dir).read_bytes()
     entries = orjson.loads(data)
     heads = orjson.dumps([{k: v for k, v in e.items() if k != "group_level_metrics"} for e in entries],
@@ -262,7 +267,7 @@ def test_unsealed_shards_are_refused_with_resume_hint(tmp_path: Path) -> None:
     write_shard(run, 0)
     write_shard(run, 1, seal_it=False)
     with pytest.raises(IncompleteRun, match="shardrun resume") as err:
-        merge.merge_and_profile(run.run_dir)
+        driver.merge_and_profile(run.run_dir)
     assert "shard 00001: no marker" in str(err.value) and "shard 00002" in str(err.value)
     assert not any(store.merged_dir(run.run_dir).glob("rollouts*"))
     result = CliRunner().invoke(cli.app, ["merge-and-profile", str(run.run_dir)])
@@ -273,7 +278,7 @@ def test_allow_partial_merges_unsealed_shards_and_reports_completion(tmp_path: P
     run = make_run(tmp_path, input_rows(6), num_repeats=4, num_shards=3)
     write_shard(run, 0)
     w1 = write_shard(run, 1, missing=3, torn=True, seal_it=False)
-    summary = merge.merge_and_profile(run.run_dir, allow_partial=True)
+    summary = driver.merge_and_profile(run.run_dir, allow_partial=True)
     assert [s.sealed for s in summary.shards] == [True, False, False]
     assert summary.shards[1].reason == "no marker" and summary.shards[1].torn_bytes > 0
     merged = store.merged_dir(run.run_dir)
@@ -302,13 +307,13 @@ def test_rollouts_changed_after_sealing_count_as_unsealed(tmp_path: Path) -> Non
     data[data.index(b'"reward":') + 9] ^= 1  # same size, other content: only the hash can tell
     path.write_bytes(bytes(data))
     with pytest.raises(IncompleteRun, match="sha256 differs"):
-        merge.merge_and_profile(run.run_dir)
-    summary = merge.merge_and_profile(run.run_dir, allow_partial=True)
+        driver.merge_and_profile(run.run_dir)
+    summary = driver.merge_and_profile(run.run_dir, allow_partial=True)
     assert not summary.shards[1].sealed and "sha256" in summary.shards[1].reason
     with open(path, "ab") as f:  # appended after sealing: the size no longer matches
         f.write(b"\n")
     with pytest.raises(IncompleteRun, match="changed after sealing"):
-        merge.merge_and_profile(run.run_dir)
+        driver.merge_and_profile(run.run_dir)
 
 
 def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: Path, monkeypatch) -> None:
@@ -324,7 +329,7 @@ def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: 
         return real_scan(path, **kw)
 
     monkeypatch.setattr(shardread, "scan_rollouts", racing_scan)
-    summary = merge.merge_and_profile(run.run_dir, allow_partial=True)
+    summary = driver.merge_and_profile(run.run_dir, allow_partial=True)
     assert [s.sealed for s in summary.shards] == [True, False]  # as checked: never half
     assert summary.shards[1].marker is None and summary.rollouts == 7
 
@@ -338,7 +343,7 @@ def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: 
 
     monkeypatch.setattr(shardread, "scan_rollouts", rewriting_scan)
     with pytest.raises(IncompleteRun, match="sha256 differs"):
-        merge.merge_and_profile(run.run_dir)
+        driver.merge_and_profile(run.run_dir)
 
 
 # ---------------------------------------------------------------- identity
@@ -351,8 +356,8 @@ def test_renumbered_shard_is_mapped_back_to_planned_identities(tmp_path: Path) -
     for i in range(3):
         write_shard(plain, i, failed=1 if i == 1 else 0)
         write_shard(renum, i, renumber=i == 1, failed=1 if i == 1 else 0)
-    a = merge.merge_and_profile(plain.run_dir)
-    b = merge.merge_and_profile(renum.run_dir)
+    a = driver.merge_and_profile(plain.run_dir)
+    b = driver.merge_and_profile(renum.run_dir)
     assert b.shards[1].renumbered and not a.shards[1].renumbered
     for name in ("rollouts.jsonl", "rollouts_reward_profiling.jsonl", "rollouts_failures.jsonl"):
         assert read_jsonl(store.merged_dir(plain.run_dir) / name) == read_jsonl(store.merged_dir(renum.run_dir) / name)
@@ -369,7 +374,7 @@ def test_rows_without_identity_or_unreadable_are_rejected(tmp_path: Path) -> Non
     lines.insert(1, b"")
     store.rollouts_path(run.run_dir, 0).write_bytes(b"\n".join(lines) + b"\n")
     seal_shard(run, 0)
-    s = merge.merge_and_profile(run.run_dir)
+    s = driver.merge_and_profile(run.run_dir)
     assert s.rejected == {"not planned for its shard": 0, "no identity": 2, "unreadable line": 1}
     assert s.rollouts == 6 and s.tasks_complete == 3
 
@@ -383,35 +388,35 @@ def merged_bytes(run_dir: Path) -> dict[str, bytes]:
 
 def test_rerun_gives_identical_bytes(tmp_path: Path) -> None:
     run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
-    merge.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    driver.merge_and_profile(run.run_dir, answer_field="extracted_answer")
     first = merged_bytes(run.run_dir)
     (store.merged_dir(run.run_dir) / ".tmp-rollouts.jsonl.killed").write_bytes(b"half a file")
-    merge.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    driver.merge_and_profile(run.run_dir, answer_field="extracted_answer")
     assert merged_bytes(run.run_dir) == first and len(first) == 6
 
 
 def test_a_failing_merge_leaves_the_previous_outputs(tmp_path: Path, monkeypatch) -> None:
     run, _ = build(tmp_path, "contiguous-int")
-    merge.merge_and_profile(run.run_dir)
+    driver.merge_and_profile(run.run_dir)
     before = merged_bytes(run.run_dir)
     write_shard(run, 0, seed=99)  # new content, so a completed merge would change the outputs
 
     def boom(*a: Any, **k: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(profile_writer, "write_profile", boom)
+    monkeypatch.setattr(writers, "write_profile", boom)
     with pytest.raises(KeyboardInterrupt):
-        merge.merge_and_profile(run.run_dir)
+        driver.merge_and_profile(run.run_dir)
     assert merged_bytes(run.run_dir) == before
     assert not list(store.merged_dir(run.run_dir).glob(".tmp-*"))
 
 
 def test_a_failing_row_copy_fails_the_merge_and_leaves_the_previous_outputs(tmp_path: Path, monkeypatch) -> None:
     """The copy process's error (here: a disk that fills up) comes back as the merge's error, nothing replaced."""
-    from shardrun import shardcopy
+    from shardrun.merge import shardcopy
 
     run, _ = build(tmp_path, "contiguous-int")
-    merge.merge_and_profile(run.run_dir)
+    driver.merge_and_profile(run.run_dir)
     before = merged_bytes(run.run_dir)
     write_shard(run, 0, seed=99)
 
@@ -420,7 +425,7 @@ def test_a_failing_row_copy_fails_the_merge_and_leaves_the_previous_outputs(tmp_
 
     monkeypatch.setattr(shardcopy, "copy_rows", full)  # the forked copy process inherits it
     with pytest.raises(RunDirError, match="No space left on device"):
-        merge.merge_and_profile(run.run_dir)
+        driver.merge_and_profile(run.run_dir)
     assert merged_bytes(run.run_dir) == before
     assert not list(store.merged_dir(run.run_dir).glob(".tmp-*"))
 
@@ -428,10 +433,10 @@ def test_a_failing_row_copy_fails_the_merge_and_leaves_the_previous_outputs(tmp_
 @pytest.mark.slow
 def test_sigkill_at_any_point_then_rerun_gives_the_clean_result(tmp_path: Path) -> None:
     run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
-    merge.merge_and_profile(run.run_dir)
+    driver.merge_and_profile(run.run_dir)
     clean = merged_bytes(run.run_dir)
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); " \
-           f"from shardrun import merge; merge.merge_and_profile({str(run.run_dir)!r})"
+           f"from shardrun.merge import driver; driver.merge_and_profile({str(run.run_dir)!r})"
     for attempt, delay in enumerate((0.05, 0.15, 0.3, 0.45, 0.6, 0.8)):
         for p in store.merged_dir(run.run_dir).iterdir():
             p.unlink() if attempt % 2 else None  # every other kill starts from an empty merged/
@@ -442,7 +447,7 @@ def test_sigkill_at_any_point_then_rerun_gives_the_clean_result(tmp_path: Path) 
         leftovers = merged_bytes(run.run_dir)
         for name, data in leftovers.items():  # whatever is there is complete (old or new), never half
             assert name.startswith(".tmp-") or data == clean[name]
-        merge.merge_and_profile(run.run_dir)
+        driver.merge_and_profile(run.run_dir)
         assert merged_bytes(run.run_dir) == clean
 
 
@@ -469,7 +474,7 @@ def test_corner_case_rows_equal_plain_computation(tmp_path: Path) -> None:
                    slicing="round_robin")
     for i in range(2):
         write_shard(run, i, make_row=corner_row, seed=i)
-    merge.merge_and_profile(run.run_dir)
+    driver.merge_and_profile(run.run_dir)
     merged = store.merged_dir(run.run_dir)
     planned = read_jsonl(merged / "rollouts_materialized_inputs.jsonl")
     rollouts = read_jsonl(merged / "rollouts.jsonl")
@@ -505,7 +510,7 @@ def test_cli_prints_the_summary_and_json(tmp_path: Path) -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_copy_rows_gives_the_rows_in_order_whatever_the_window(tmp_path_factory, data) -> None:
-    from shardrun import rowcopy
+    from shardrun.merge import rowcopy
 
     tmp = tmp_path_factory.mktemp("copy")
     files = []
@@ -544,10 +549,10 @@ def test_marker_disagreeing_with_its_file_is_pointed_out(tmp_path: Path) -> None
     write_shard(run, 0)
     write_shard(run, 1, missing=2, seal_it=False)
     seal_shard(run, 1, num_failed=0)  # claims all 4 rollouts; the file holds 2
-    summary = merge.merge_and_profile(run.run_dir)
+    summary = driver.merge_and_profile(run.run_dir)
     assert summary.warnings == ["shard 00001: its marker counts 4 rollouts, 2 planned identities were found in "
                                 "its rollouts.jsonl"]
-    assert "warning: shard 00001: its marker counts 4" in merge_summary.render(summary)
+    assert "warning: shard 00001: its marker counts 4" in outcome.render(summary)
     assert summary.rollouts == 6 and summary.tasks_partial + summary.tasks_missing >= 1
 
 
@@ -555,7 +560,7 @@ def test_marker_disagreeing_with_its_file_is_pointed_out(tmp_path: Path) -> None
 def test_rows_are_copied_while_read_when_shards_come_in_identity_order(tmp_path: Path, monkeypatch, slicing: str,
                                                                        streamed: bool) -> None:
     """Contiguous shards are copied shard by shard as they are read; round-robin ones from the sorted table."""
-    from shardrun import shardcopy
+    from shardrun.merge import shardcopy
 
     seen = []
     real_end = shardcopy.ShardStreamer.end_of_shards
@@ -563,7 +568,7 @@ def test_rows_are_copied_while_read_when_shards_come_in_identity_order(tmp_path:
     run = make_run(tmp_path, input_rows(12), num_repeats=3, num_shards=3, slicing=slicing)
     for i in range(3):
         write_shard(run, i, duplicates=1, seed=i)
-    merge.merge_and_profile(run.run_dir)
+    driver.merge_and_profile(run.run_dir)
     assert seen == [streamed]
     rollouts = read_jsonl(store.merged_rollouts_path(run.run_dir))
     assert [KEY(r) for r in rollouts] == sorted((t, r) for t in range(12) for r in range(3))

@@ -12,7 +12,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import config, store
+from shardrun.core import config
+from shardrun.rundir import store
 from tests.planning_helpers import row
 
 pytestmark = pytest.mark.gym

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardrun import planner
+from shardrun.plan import planner
 from tests.planning_helpers import plan_rows, row
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import processes
-from shardrun.errors import ServerFailure
+from shardrun.shard import processes
+from shardrun.core.errors import ServerFailure
 
 PY = sys.executable
 
@@ -122,7 +122,7 @@ def test_child_dies_with_its_parent(tmp_path: Path) -> None:
     script = f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-from shardrun import processes
+from shardrun.shard import processes
 p = processes.start(["sleep", "60"], {str(tmp_path / 'c.log')!r})
 open({str(pidfile)!r}, "w").write(str(p.pid))
 time.sleep(60)

@@ -16,7 +16,10 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from reportkit import input_row, merge_run, planned_run, seal_shards, tokens_of
-from shardrun import cost, report, store, taskstats
+from shardrun.rundir import cost
+from shardrun.analysis import report
+from shardrun.rundir import store
+from shardrun.profile import taskstats
 from shardrun.cli import app
 
 REPEATS = 4
@@ -158,10 +161,10 @@ def test_slurm_run_adds_sacct_gpu_hours(tmp_path, monkeypatch):
 def test_without_matplotlib_the_error_says_how_to_install_it(run, monkeypatch):
     import sys
 
-    import shardrun
+    import shardrun.analysis
 
-    monkeypatch.setitem(sys.modules, "shardrun.figures", None)  # as if matplotlib were not installed
-    monkeypatch.delattr(shardrun, "figures", raising=False)
+    monkeypatch.setitem(sys.modules, "shardrun.analysis.figures", None)  # as if matplotlib were not installed
+    monkeypatch.delattr(shardrun.analysis, "figures", raising=False)
     res = CliRunner().invoke(app, ["report", str(run)])
     assert res.exit_code == 1 and "pip install 'shardrun[report]'" in res.output
 

@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import gym_stack, processes, runtime, store
-from shardrun.errors import ServerFailure
+from shardrun.shard import gym_stack
+from shardrun.shard import processes
+from shardrun.shard import runtime
+from shardrun.rundir import store
+from shardrun.core.errors import ServerFailure
 from tests.fakes import harness
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import processes, store
+from shardrun.shard import processes
+from shardrun.rundir import store
 from tests.fakes import harness
 
 pytestmark = pytest.mark.timeout(300)

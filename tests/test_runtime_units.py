@@ -14,9 +14,18 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import collector, gym_stack, launch, ledger, policy, processes, runtime, seal, store, watchdog
-from shardrun.config import GymConfig, PolicyConfig, RunConfig
-from shardrun.errors import BadInput, ServerFailure, ShardFailed
+from shardrun.shard import collector
+from shardrun.shard import gym_stack
+from shardrun.launch import submission
+from shardrun.rundir import ledger
+from shardrun.shard import policy
+from shardrun.shard import processes
+from shardrun.shard import runtime
+from shardrun.rundir import seal
+from shardrun.rundir import store
+from shardrun.shard import watchdog
+from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
+from shardrun.core.errors import BadInput, ServerFailure, ShardFailed
 from tests.fakes import harness
 
 # ---------------------------------------------------------------- ledger
@@ -206,9 +215,9 @@ def test_prehosted_policy_checks(tmp_path: Path) -> None:
 
 
 def test_local_groups_cap_concurrency() -> None:
-    assert launch.local_groups([0, 1, 2, 3, 4], 2) == [[0, 2, 4], [1, 3]]
-    assert launch.local_groups([5, 6], 64) == [[5], [6]]
-    assert launch.local_groups([3], 1) == [[3]]
+    assert submission.local_groups([0, 1, 2, 3, 4], 2) == [[0, 2, 4], [1, 3]]
+    assert submission.local_groups([5, 6], 64) == [[5], [6]]
+    assert submission.local_groups([3], 1) == [[3]]
 
 
 def plan_run(tmp_path: Path, with_gym: bool = True, shards: int = 2) -> RunConfig:
@@ -227,17 +236,17 @@ def plan_run(tmp_path: Path, with_gym: bool = True, shards: int = 2) -> RunConfi
 
 def test_executor_is_local_and_slurm_is_refused(tmp_path: Path) -> None:
     cfg = plan_run(tmp_path)
-    ex = launch.make_executor(cfg, cfg.run_dir)
+    ex = submission.make_executor(cfg, cfg.run_dir)
     assert type(ex).__name__ == "LocalExecutor" and Path(ex.folder) == store.jobs_dir(cfg.run_dir).resolve()
     slurm_cfg = cfg.model_copy(update={"cluster": cfg.cluster_or_default.model_copy(update={"executor": "slurm"})})
     with pytest.raises(BadInput, match="local executor"):
-        launch.make_executor(slurm_cfg, cfg.run_dir)
+        submission.make_executor(slurm_cfg, cfg.run_dir)
 
 
 def test_shard_worker_runs_every_shard_and_reports_each_failure(tmp_path: Path) -> None:
     cfg = plan_run(tmp_path, with_gym=False)
     with pytest.raises(ShardFailed, match="2 of 2 shard\\(s\\) failed: shard 0: BadInput.*shard 1: BadInput"):
-        launch.shard_worker(str(cfg.run_dir), [0, 1])
+        submission.shard_worker(str(cfg.run_dir), [0, 1])
 
 
 # ---------------------------------------------------------------- run_shard without servers
@@ -303,7 +312,7 @@ def test_missing_api_key_fails_before_any_server(tmp_path: Path, monkeypatch) ->
 
 
 def test_bundled_example_config_is_a_full_run_config(gym_venv: Path) -> None:
-    from shardrun import config as config_mod
+    from shardrun.core import config as config_mod
 
     cfg = config_mod.load(harness.REPO / "examples/arith/config.yaml", ["policy.model_name=m"])
     cfg.require("gym", "policy")

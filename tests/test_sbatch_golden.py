@@ -12,7 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from shardrun import config, launch
+from shardrun.core import config
+from shardrun.launch import submission
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "sbatch_slurm_example.txt"
 RUN_DIR = Path("/lustre/runs/example")
@@ -30,9 +31,9 @@ def render(tmp_path: Path, monkeypatch) -> str:
         "policy": {"base_url": "http://inference.internal:8000/v1", "model_name": "m", "api_key_env": "MY_KEY"},
         "cluster": "slurm-example"}))
     cfg = config.load(tmp_path / "run.yaml")
-    sp = launch.slurm_plan(cfg, RUN_DIR, FINGERPRINT, range(2500), max_array_size=1001, merge_job=True,
+    sp = submission.slurm_plan(cfg, RUN_DIR, FINGERPRINT, range(2500), max_array_size=1001, merge_job=True,
                            after=["<array 0 job id>", "<array 1 job id>", "<array 2 job id>"])
-    return "".join(f"# ==== {title}\n{script}" for title, script in launch.slurm_scripts(sp, RUN_DIR, python=PYTHON))
+    return "".join(f"# ==== {title}\n{script}" for title, script in submission.slurm_scripts(sp, RUN_DIR, python=PYTHON))
 
 
 def test_sbatch_scripts_for_the_example_cluster_config(tmp_path, monkeypatch):

@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from reportkit import input_row, merge_run, planned_run, seal_shards
-from shardrun import select, store, taskstats
+from shardrun.analysis import selection
+from shardrun.rundir import store
+from shardrun.profile import taskstats
 from shardrun.cli import app
-from shardrun.errors import BadInput, PlanMismatch, RunDirError
-from shardrun.select import Rules
-from shardrun.taskstats import TaskStat
+from shardrun.core.errors import BadInput, PlanMismatch, RunDirError
+from shardrun.analysis.selection import Rules
+from shardrun.profile.taskstats import TaskStat
 
 
 def reward(t: int, r: int) -> float:
@@ -75,7 +77,7 @@ TASKS = [ts(0, [0, 0, 0, 0]), ts(1, [1, 0, 0, 0]), ts(2, [1, 1, 0, 0], "b"), ts(
 
 
 def kept(rules: Rules, tasks=TASKS) -> list[int]:
-    return [t.task_index for t in select.choose(tasks, rules).kept]
+    return [t.task_index for t in selection.choose(tasks, rules).kept]
 
 
 def test_each_rule_keeps_what_it_says():
@@ -103,7 +105,7 @@ def test_top_k_hardest_takes_lowest_means_ties_by_higher_std_then_index_and_keep
 
 
 def test_steps_count_what_each_rule_saw_and_kept():
-    sel = select.choose(TASKS, Rules(agents=("b",), drop_unsolved=True, max_mean=0.6, top_k_hardest=1),
+    sel = selection.choose(TASKS, Rules(agents=("b",), drop_unsolved=True, max_mean=0.6, top_k_hardest=1),
                         planned_tasks=9)
     assert [(s.before, s.kept) for s in sel.steps] == [(9, 6), (6, 3), (3, 2), (2, 2), (2, 1)]
     assert [s.rule.split()[0] for s in sel.steps] == ["profiled", "--agent", "--max-mean", "--drop-unsolved",
@@ -118,7 +120,7 @@ def test_steps_count_what_each_rule_saw_and_kept():
 ])
 def test_contradictory_or_unknown_rules_are_refused(rules, message):
     with pytest.raises(BadInput, match=message):
-        select.choose(TASKS, rules)
+        selection.choose(TASKS, rules)
 
 
 # ---------------------------------------------------------------- rows
@@ -133,7 +135,7 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(m
 def test_attach_keeps_every_original_byte_and_adds_only_the_key(row, spaced):
     row.pop("shardrun_stats", None)
     raw = json.dumps(row, indent=None if not spaced else 1).replace("\n", " ").encode()
-    out = select.attach(raw, "shardrun_stats", {"mean/reward": 0.5})
+    out = selection.attach(raw, "shardrun_stats", {"mean/reward": 0.5})
     assert orjson.loads(out) == {**row, "shardrun_stats": {"mean/reward": 0.5}}
     assert out.startswith(raw.rstrip()[:-1])
 
@@ -141,13 +143,13 @@ def test_attach_keeps_every_original_byte_and_adds_only_the_key(row, spaced):
 def test_subset_lines_uses_the_planners_task_index_and_keeps_bytes_and_terminators():
     lines = [b'{"a": 1}\n', b"   \n", b'{"b":2,  "_ng_task_index": 10}\r\n', b'{"c": 3}\n', b'{"d":4}']
     chosen = {0: ts(0, [1]), 10: ts(10, [0]), 3: ts(3, [1])}
-    out = list(select.subset_lines(lines, chosen, None))
+    out = list(selection.subset_lines(lines, chosen, None))
     assert out == [(0, b'{"a": 1}\n'), (10, b'{"b":2,  "_ng_task_index": 10}\r\n'), (3, b'{"d":4}\n')]
-    with_stats = dict(select.subset_lines(lines, chosen, "st"))
+    with_stats = dict(selection.subset_lines(lines, chosen, "st"))
     assert with_stats[10].startswith(b'{"b":2,  "_ng_task_index": 10,"st":{') and with_stats[10].endswith(b"}\r\n")
     assert orjson.loads(with_stats[10])["st"]["mean/reward"] == 0.0
     with pytest.raises(BadInput, match="already has a field 'a'"):
-        list(select.subset_lines(lines, chosen, "a"))
+        list(selection.subset_lines(lines, chosen, "a"))
 
 
 # ---------------------------------------------------------------- the command on a run directory
@@ -169,7 +171,7 @@ def run(tmp_path):
 def test_select_writes_the_original_rows_byte_identical(run, tmp_path):
     run_dir, cfg, profile, by_index = run
     out = tmp_path / "sub" / "curriculum.jsonl"
-    res = select.select_run(run_dir, out, Rules(drop_unsolved=True, drop_solved=True))
+    res = selection.select_run(run_dir, out, Rules(drop_unsolved=True, drop_solved=True))
     expect = sorted(i for i in by_index if reward(i, 0) == 1.0 and reward(i, 3) == 0.0)  # mixed tasks
     assert [t.task_index for t in res.selection.kept] == expect
     assert out.read_bytes() == b"".join(ln for i, ln in by_index.items() if i in expect)
@@ -179,7 +181,7 @@ def test_select_writes_the_original_rows_byte_identical(run, tmp_path):
 def test_select_attaches_stats_under_the_key(run, tmp_path):
     run_dir, cfg, profile, by_index = run
     out = tmp_path / "c.jsonl"
-    select.select_run(run_dir, out, Rules(agents=("agent_b",), top_k_hardest=2), stats_key="difficulty")
+    selection.select_run(run_dir, out, Rules(agents=("agent_b",), top_k_hardest=2), stats_key="difficulty")
     rows = [orjson.loads(ln) for ln in out.read_bytes().splitlines()]
     prof = {p["_ng_task_index"]: p for p in profile}
     b_tasks = sorted((p["mean/reward"], -p["std/reward"], i) for i, p in prof.items()
@@ -198,7 +200,7 @@ def test_select_refuses_a_changed_input_and_writes_nothing(run, tmp_path):
     cfg.input_jsonl.write_bytes(cfg.input_jsonl.read_bytes().replace(b"What is 1 + 1", b"What is 1 + 2"))
     out = tmp_path / "c.jsonl"
     with pytest.raises(PlanMismatch, match="input changed since it was planned"):
-        select.select_run(run_dir, out, Rules())
+        selection.select_run(run_dir, out, Rules())
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))
 
 
@@ -207,11 +209,11 @@ def test_select_needs_the_profile_and_the_input(run, tmp_path):
     moved = tmp_path / "moved.jsonl"
     cfg.input_jsonl.rename(moved)
     with pytest.raises(BadInput, match="pass --input"):
-        select.select_run(run_dir, tmp_path / "c.jsonl", Rules())
-    assert select.select_run(run_dir, tmp_path / "c.jsonl", Rules(), input_path=moved).rows_written == 10
+        selection.select_run(run_dir, tmp_path / "c.jsonl", Rules())
+    assert selection.select_run(run_dir, tmp_path / "c.jsonl", Rules(), input_path=moved).rows_written == 10
     store.merged_reward_profiling_path(run_dir).unlink()
     with pytest.raises(RunDirError, match="merge-and-profile"):
-        select.select_run(run_dir, tmp_path / "c.jsonl", Rules())
+        selection.select_run(run_dir, tmp_path / "c.jsonl", Rules())
 
 
 def test_cli_select_prints_each_rule_and_writes_the_file(run, tmp_path):

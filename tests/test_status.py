@@ -15,7 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardrun import config, seal, slurm, status, store
+from shardrun.core import config
+from shardrun.rundir import seal
+from shardrun.launch import slurm
+from shardrun.launch import status
+from shardrun.rundir import store
 
 
 def make_run(tmp_path: Path, num_tasks: int = 12, repeats: int = 2, shards: int = 6) -> tuple[Path, object]:

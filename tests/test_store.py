@@ -10,8 +10,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import config, store
-from shardrun.errors import PlanMismatch, RunDirError
+from shardrun.core import config
+from shardrun.rundir import store
+from shardrun.core.errors import PlanMismatch, RunDirError
 from tests.planning_helpers import row
 
 

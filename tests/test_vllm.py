@@ -1,4 +1,4 @@
-"""shardrun/vllm.py: the pure command/environment builder, start-up/readiness/stop against a stand-in that takes
+"""shardrun/shard/vllm.py: the pure command/environment builder, start-up/readiness/stop against a stand-in that takes
 vLLM's command line (tests/fakes/vllm_cli.py), and the real vLLM CPU build serving the tiny model (marked vllm)."""
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import config, processes, store, vllm
-from shardrun.config import VllmConfig
-from shardrun.errors import BadInput, ServerFailure
+from shardrun.core import config
+from shardrun.shard import processes
+from shardrun.rundir import store
+from shardrun.shard import vllm
+from shardrun.core.config import VllmConfig
+from shardrun.core.errors import BadInput, ServerFailure
 from tests.ports import free_port_in
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "vllm_cli.py"

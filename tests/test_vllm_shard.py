@@ -1,5 +1,5 @@
 """One shard end to end with a self-hosted policy: shardrun starts the real vLLM CPU build itself (policy.vllm,
-the tiny random model), then real `ng_run` and `ng_collect_rollouts` through shardrun.runtime, and seals.
+the tiny random model), then real `ng_run` and `ng_collect_rollouts` through shardrun.shard.runtime, and seals.
 
 The tiny model's answers are gibberish (math rewards 0; the tool-call agent's verify rewards 1.0 whatever the
 model says), which is fine: this test is about the plumbing, the identities and the teardown.
@@ -15,7 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardrun import config, gym_stack, runtime, seal, store
+from shardrun.core import config
+from shardrun.shard import gym_stack
+from shardrun.shard import runtime
+from shardrun.rundir import seal
+from shardrun.rundir import store
 from tests.fakes import harness
 from tests.test_vllm import free_port
 

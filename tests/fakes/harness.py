@@ -14,8 +14,8 @@ from typing import Iterator
 
 import yaml
 
-from shardrun import config as config_mod
-from shardrun import processes
+from shardrun.core import config as config_mod
+from shardrun.shard import processes
 from tests.ports import free_port_in
 
 REPO = Path(__file__).resolve().parents[2]

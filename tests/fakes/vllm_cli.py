@@ -1,4 +1,4 @@
-"""A stand-in that takes vLLM's OpenAI server command line, for the fast tests of shardrun/vllm.py's start-up,
+"""A stand-in that takes vLLM's OpenAI server command line, for the fast tests of shardrun/shard/vllm.py's start-up,
 readiness and stop logic (the real engine is exercised by the tests marked `vllm`).
 
     python tests/fakes/vllm_cli.py --model M --served-model-name NAME --host H --port P [any other vLLM flags]

@@ -14,7 +14,8 @@ from typing import Iterator
 
 import pytest
 
-from shardrun import gym_stack, store
+from shardrun.shard import gym_stack
+from shardrun.rundir import store
 from tests.faults import faultkit, gymkit
 from tests.fakes import harness
 

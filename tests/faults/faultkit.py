@@ -22,7 +22,8 @@ from typing import Callable, Iterator
 import orjson
 import pytest
 
-from shardrun import processes, store
+from shardrun.shard import processes
+from shardrun.rundir import store
 from tests.fakes import harness
 from tests.ports import free_port_in
 
@@ -298,7 +299,7 @@ def fork_cli(*args: object, log: Path) -> Forked:
     commands use are imported here first, once, so that no child spends its time importing."""
     import importlib
 
-    for module in ("shardrun.cli", "shardrun.merge", "shardrun.resume", "shardrun.launch", "shardrun.status"):
+    for module in ("shardrun.cli", "shardrun.merge.driver", "shardrun.launch.resume", "shardrun.launch.submission", "shardrun.launch.status"):
         importlib.import_module(module)
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from shardrun import store
+from shardrun.rundir import store
 from tests.fakes import harness
 
 CONFIG_PATHS = ["resources_servers/math_with_judge/configs/math_with_judge.yaml",

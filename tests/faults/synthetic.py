@@ -11,7 +11,9 @@ from pathlib import Path
 
 import orjson
 
-from shardrun import config, ledger, store
+from shardrun.core import config
+from shardrun.rundir import ledger
+from shardrun.rundir import store
 from tests import builders
 
 MAX_ROLLOUT_ATTEMPTS = 2

@@ -13,9 +13,11 @@ import orjson
 import pytest
 from typer.testing import CliRunner
 
-from shardrun import config, planner, store
+from shardrun.core import config
+from shardrun.plan import planner
+from shardrun.rundir import store
 from shardrun.cli import app
-from shardrun.errors import BadInput
+from shardrun.core.errors import BadInput
 from tests.planning_helpers import row
 
 runner = CliRunner()

@@ -16,7 +16,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import runtime, store
+from shardrun.shard import runtime
+from shardrun.rundir import store
 from tests.faults import faultkit, synthetic
 
 pytestmark = pytest.mark.timeout(600)

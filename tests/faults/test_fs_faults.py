@@ -17,7 +17,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import seal, store
+from shardrun.rundir import seal
+from shardrun.rundir import store
 from tests.faults import faultkit, synthetic
 
 pytestmark = pytest.mark.timeout(600)

@@ -18,7 +18,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import runtime, seal, store
+from shardrun.shard import runtime
+from shardrun.rundir import seal
+from shardrun.rundir import store
 from tests.faults import faultkit, synthetic
 
 KILLS = 20  # per stage, at least

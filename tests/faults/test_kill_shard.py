@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import seal, store
+from shardrun.rundir import seal
+from shardrun.rundir import store
 from tests.faults import faultkit, gymkit
 from tests.fakes import harness
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import store
+from shardrun.rundir import store
 from tests.faults import faultkit, gymkit, synthetic
 from tests.slurm.conftest import slurm_cluster  # noqa: F401  (the real local Slurm, started once per session)
 
@@ -67,7 +67,7 @@ def test_the_key_is_in_no_file_of_a_real_gym_run(gym_reference):
 def test_a_server_log_never_gets_the_key_even_when_the_server_prints_it(tmp_path: Path, policy_key):
     """processes.start(redact=...): what the command prints reaches its log with the key masked, whole lines and
     a 1 MB line alike, from the command and from a child that inherited its output."""
-    from shardrun import processes
+    from shardrun.shard import processes
 
     log = tmp_path / "server.log"
     code = ("import os, subprocess, sys\nk = os.environ['K']\nprint('Authorization: Bearer ' + k, flush=True)\n"
@@ -112,7 +112,7 @@ def test_a_real_slurm_submission_writes_the_key_nowhere(tmp_path: Path, slurm_cl
         return store.merged_summary_path(run_dir).exists()
 
     faultkit.wait_for(merged, 300, "the shards and the merge job", interval=1.0)
-    from shardrun import seal
+    from shardrun.rundir import seal
 
     assert all(seal.check(run_dir, plan, i, deep=True).sealed for i in range(2))
     assert kinds(run_dir) >= {"plan.json", ".done", "launch records", "submitit pickles", "logs", "merged outputs",

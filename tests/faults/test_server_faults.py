@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import store
+from shardrun.rundir import store
 from tests.faults import faultkit, gymkit
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(600)]

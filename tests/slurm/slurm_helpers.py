@@ -15,7 +15,8 @@ from typing import Iterator
 import pytest
 import yaml
 
-from shardrun import processes, store
+from shardrun.shard import processes
+from shardrun.rundir import store
 from tests.fakes import harness
 from tests.ports import free_port_in
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from shardrun import cost
+from shardrun.rundir import cost
 
 pytestmark = pytest.mark.slurm
 

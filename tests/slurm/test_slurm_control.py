@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardrun import store
+from shardrun.rundir import store
 from slurm_helpers import launches, math_input, shardrun, squeue, status_json, wait_for, write_config
 from tests.fakes import harness
 

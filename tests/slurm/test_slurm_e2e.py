@@ -19,7 +19,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun import seal, store
+from shardrun.rundir import seal
+from shardrun.rundir import store
 from slurm_helpers import (fake_policy, launches, math_input, planned_identities, sacct_state, scancel_names,
                            shardrun, squeue, status_json, wait_for, write_config)
 from tests.fakes import harness
@@ -29,7 +30,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.
 
 @pytest.fixture
 def env(slurm_cluster, gym_venv, monkeypatch):
-    from shardrun import gym_stack
+    from shardrun.shard import gym_stack
 
     monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
     monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardrun import slurm
-from shardrun.config import ClusterConfig
-from shardrun.errors import BadInput
+from shardrun.launch import slurm
+from shardrun.core.config import ClusterConfig
+from shardrun.core.errors import BadInput
 
 
 def test_layout_splits_by_max_array_size():

@@ -1,0 +1,251 @@
+"""Curriculum selection: choose tasks by their reward statistics and write their ORIGINAL input rows.
+
+The rules are pure functions over TaskStats and are applied in a fixed order, each to what the previous one
+kept: profiled (has stats) -> agent -> min mean -> max mean -> min std -> drop unsolved -> drop solved ->
+top-k hardest. A task is *solved* by a rollout whose metric reaches `solved_threshold` (1.0 by default):
+`drop_unsolved` drops tasks no rollout solved (max < threshold), `drop_solved` drops tasks every rollout solved
+(min >= threshold). `top_k_hardest` keeps the k tasks with the lowest mean (ties: higher std, then lower task
+index).
+
+Output rows are the input lines of the plan's input file, byte for byte, in input order; with a stats key the
+stats object is spliced in before the row's closing brace, leaving every original byte in place. The input's
+sha256 must equal the plan's, else nothing is written.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import orjson
+
+from shardrun.rundir import store
+from shardrun.profile import taskstats
+from shardrun.core.errors import BadInput, PlanMismatch
+from shardrun.profile.taskstats import TaskStat
+
+
+@dataclass(frozen=True)
+class Rules:
+    metric: str = "reward"
+    agents: tuple[str, ...] = ()
+    min_mean: float | None = None
+    max_mean: float | None = None
+    min_std: float | None = None
+    drop_unsolved: bool = False
+    drop_solved: bool = False
+    solved_threshold: float = 1.0
+    top_k_hardest: int | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    rule: str
+    before: int
+    kept: int
+
+
+@dataclass(frozen=True)
+class Selection:
+    kept: tuple[TaskStat, ...]
+    steps: tuple[Step, ...]
+
+
+# ---------------------------------------------------------------- rules (pure)
+
+def check_rules(rules: Rules, tasks: Sequence[TaskStat]) -> None:
+    """BadInput for contradictory or unknown settings, with 'did you mean' hints."""
+    if rules.min_mean is not None and rules.max_mean is not None and rules.min_mean > rules.max_mean:
+        raise BadInput(f"--min-mean {rules.min_mean} is above --max-mean {rules.max_mean}: no task can match")
+    if rules.top_k_hardest is not None and rules.top_k_hardest < 1:
+        raise BadInput(f"--top-k-hardest must be at least 1, got {rules.top_k_hardest}")
+    if rules.min_std is not None and rules.min_std < 0:
+        raise BadInput(f"--min-std must be >= 0, got {rules.min_std}")
+    known = taskstats.agents(tasks)
+    for a in rules.agents:
+        if a not in known:
+            hint = difflib.get_close_matches(a, known, n=1)
+            raise BadInput(f"--agent {a!r}: no task in the profile belongs to it"
+                           + (f" (did you mean {hint[0]!r}?)" if hint else f" (agents: {', '.join(known)})"))
+    taskstats.require_metric(tasks, rules.metric)
+
+
+def _std(t: TaskStat, metric: str) -> float:
+    """A task's std; a missing one (a single rollout) counts as 0, as in Gym's profile."""
+    s = t.stat("std", metric)
+    return 0.0 if s is None else s
+
+
+def _filters(rules: Rules) -> list[tuple[str, Any]]:
+    m = rules.metric
+    th = rules.solved_threshold
+    steps: list[tuple[str, Any]] = [(f"profiled (has mean/{m})", lambda t: t.stat("mean", m) is not None)]
+    if rules.agents:
+        steps.append((f"--agent {','.join(rules.agents)}", lambda t: t.agent in rules.agents))
+    if rules.min_mean is not None:
+        steps.append((f"--min-mean {rules.min_mean:g}", lambda t: t.stat("mean", m) >= rules.min_mean))
+    if rules.max_mean is not None:
+        steps.append((f"--max-mean {rules.max_mean:g}", lambda t: t.stat("mean", m) <= rules.max_mean))
+    if rules.min_std is not None:
+        steps.append((f"--min-std {rules.min_std:g}", lambda t: _std(t, m) >= rules.min_std))
+    if rules.drop_unsolved:
+        steps.append((f"--drop-unsolved (max/{m} < {th:g})", lambda t: _max(t, m) >= th))
+    if rules.drop_solved:
+        steps.append((f"--drop-solved (min/{m} >= {th:g})", lambda t: _min(t, m) < th))
+    return steps
+
+
+def _max(t: TaskStat, metric: str) -> float:
+    v = t.stat("max", metric)
+    return t.stat("mean", metric) if v is None else v
+
+
+def _min(t: TaskStat, metric: str) -> float:
+    v = t.stat("min", metric)
+    return t.stat("mean", metric) if v is None else v
+
+
+def hardest(tasks: Sequence[TaskStat], k: int, metric: str = "reward") -> list[TaskStat]:
+    """The k tasks with the lowest mean (ties: higher std first, then lower task index), in task order."""
+    ranked = sorted(tasks, key=lambda t: (t.stat("mean", metric), -_std(t, metric), t.task_index))
+    return sorted(ranked[:k], key=lambda t: t.task_index)
+
+
+def choose(tasks: Sequence[TaskStat], rules: Rules, planned_tasks: int | None = None) -> Selection:
+    """Apply the rules in order; each Step says how many tasks the rule saw and kept."""
+    check_rules(rules, tasks)
+    current = list(tasks)
+    steps = []
+    for i, (name, keep) in enumerate(_filters(rules)):
+        before = planned_tasks if i == 0 and planned_tasks is not None else len(current)
+        current = [t for t in current if keep(t)]
+        steps.append(Step(name, before, len(current)))
+    if rules.top_k_hardest is not None:
+        before = len(current)
+        current = hardest(current, rules.top_k_hardest, rules.metric)
+        steps.append(Step(f"--top-k-hardest {rules.top_k_hardest}", before, len(current)))
+    return Selection(tuple(current), tuple(steps))
+
+
+# ---------------------------------------------------------------- rows (pure)
+
+def stats_payload(t: TaskStat) -> dict[str, Any]:
+    return {"task_index": t.task_index, "agent": t.agent, "num_rollouts": t.num_rollouts,
+            "expected_num_rollouts": t.expected_num_rollouts, **dict(sorted(t.stats.items()))}
+
+
+def split_terminator(raw: bytes) -> tuple[bytes, bytes]:
+    """(content, line terminator); a last line without one gets b'\\n' so the output stays JSONL."""
+    for term in (b"\r\n", b"\n"):
+        if raw.endswith(term):
+            return raw[:-len(term)], term
+    return raw, b"\n"
+
+
+def attach(content: bytes, key: str, payload: Mapping[str, Any]) -> bytes:
+    """Splice `"key": payload` before the object's closing brace; every original byte stays where it was."""
+    body = content.rstrip()
+    if not body.endswith(b"}"):
+        raise BadInput("cannot attach stats: the row does not end with '}'")
+    inner = body[:-1]
+    sep = b"" if inner.rstrip().endswith(b"{") else b","
+    return inner + sep + orjson.dumps(key) + b":" + orjson.dumps(payload, option=orjson.OPT_SORT_KEYS) + b"}"
+
+
+def subset_lines(lines: Iterable[bytes], chosen: Mapping[int, TaskStat], stats_key: str | None,
+                 source: str = "input") -> Iterator[tuple[int, bytes]]:
+    """Yield (task index, output line) for the input lines whose task is chosen, in input order.
+
+    The task index is the planner's: an explicit `_ng_task_index`, else the position among non-blank lines.
+    """
+    position = 0
+    for line_no, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        content, term = split_terminator(raw)
+        row = _parse(content, f"{source}:{line_no}")
+        index = row.get(taskstats.TASK_KEY, position)
+        position += 1
+        if index not in chosen:
+            continue
+        if stats_key is None:
+            yield index, content + term
+            continue
+        if stats_key in row:
+            raise BadInput(f"{source}:{line_no}: the row already has a field {stats_key!r}; pick another "
+                           f"--stats-key")
+        yield index, attach(content, stats_key, stats_payload(chosen[index])) + term
+
+
+def _parse(content: bytes, where: str) -> dict[str, Any]:
+    try:
+        row = orjson.loads(content)
+    except orjson.JSONDecodeError as e:
+        raise BadInput(f"{where}: not valid JSON: {e}") from None
+    if not isinstance(row, dict):
+        raise BadInput(f"{where}: a row must be a JSON object")
+    return row
+
+
+# ---------------------------------------------------------------- the command (edge)
+
+@dataclass(frozen=True)
+class SelectResult:
+    selection: Selection
+    output: Path
+    rows_written: int
+    input_path: Path
+
+
+def _hashed_lines(path: Path, hasher: "hashlib._Hash") -> Iterator[bytes]:
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise BadInput(f"input file not found: {path} (the plan's input; pass --input if it moved)") from None
+    with f:
+        for raw in f:
+            hasher.update(raw)
+            yield raw
+
+
+def select_run(run_dir: Path, output: Path, rules: Rules, stats_key: str | None = None,
+               input_path: Path | None = None) -> SelectResult:
+    """Choose tasks from RUN_DIR's profile and write their original input rows to `output` (atomically)."""
+    plan = store.load_plan(run_dir)
+    selection = choose(taskstats.load_profile(run_dir), rules, plan.num_tasks)
+    source = Path(input_path or plan.input.path)
+    output = Path(output)
+    if output.exists() and source.exists() and output.resolve() == source.resolve():
+        raise BadInput(f"--output {output} is the input file itself; write the subset somewhere else")
+    chosen = {t.task_index: t for t in selection.kept}
+    hasher = hashlib.sha256()
+    found: set[int] = set()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with store.atomic_writer(output) as f:
+        for index, line in subset_lines(_hashed_lines(source, hasher), chosen, stats_key, str(source)):
+            found.add(index)
+            f.write(line)
+        if hasher.hexdigest() != plan.input.sha256:
+            raise PlanMismatch(f"{source}: the input changed since it was planned (sha256 "
+                               f"{hasher.hexdigest()[:12]}…, plan {plan.input.sha256[:12]}…); select needs the "
+                               f"exact input the run was planned from. Nothing was written")
+        missing = sorted(set(chosen) - found)
+        if missing:
+            raise PlanMismatch(f"{source}: task(s) {missing[:10]} of the profile are not in the input; the "
+                               f"profile belongs to another input. Nothing was written")
+    return SelectResult(selection, output, len(found), source)
+
+
+def summary_rows(result: SelectResult) -> list[tuple[str, str]]:
+    rows = [(s.rule, f"kept {s.kept:,} of {s.before:,}") for s in result.selection.steps]
+    rows.append(("output", f"{result.rows_written:,} rows -> {result.output}"))
+    return rows
+
+
+def summary_json(result: SelectResult) -> dict[str, Any]:
+    return {"steps": [{"rule": s.rule, "before": s.before, "kept": s.kept} for s in result.selection.steps],
+            "rows_written": result.rows_written, "output": str(result.output),
+            "task_indices": [t.task_index for t in result.selection.kept]}

@@ -1,0 +1,399 @@
+"""Run configuration: a YAML file plus Hydra-syntax overrides, composed with hydra-core, validated by pydantic.
+
+Only the planning keys (input_jsonl, run_dir, num_repeats, agent_name, seed_offset, sharding) are needed to plan;
+`gym`, `policy` and `cluster` are validated when present and required by the commands that launch work.
+Secrets are never values here: the config names the environment variables that hold them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shardrun.core.errors import BadInput
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MAX_ARRAY_SIZE = 1001
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardingConfig(StrictModel):
+    num_shards: int | None = Field(None, ge=1, description="Number of shards (exclusive with rollouts_per_shard).")
+    rollouts_per_shard: int | None = Field(None, ge=1, description="Target rollouts per shard.")
+    slicing: Literal["contiguous", "round_robin"] = Field(
+        "contiguous",
+        description="contiguous keeps a task's rollouts together where sizes allow; round_robin deals rollout i "
+        "to shard i mod N so slow tasks spread over all shards.",
+    )
+
+    @model_validator(mode="after")
+    def _one_size(self) -> "ShardingConfig":
+        if self.num_shards is not None and self.rollouts_per_shard is not None:
+            raise ValueError("give either sharding.num_shards or sharding.rollouts_per_shard, not both")
+        return self
+
+
+class GymConfig(StrictModel):
+    config_paths: list[str] = Field(default_factory=list, description="NeMo Gym config_paths for ng_run.")
+    venv: str | None = Field(None, description="Python environment (venv dir) that has nemo-gym and uv.")
+    num_samples_in_parallel: int | None = Field(None, ge=1, description="Collector concurrency per shard.")
+    responses_create_params: dict[str, Any] = Field(
+        default_factory=dict, description="Shallow overrides merged into every row's responses_create_params."
+    )
+    overrides: list[str] = Field(default_factory=list, description="Extra Hydra overrides passed to ng_run.")
+    collect_overrides: list[str] = Field(
+        default_factory=list, description="Extra Hydra overrides passed to ng_collect_rollouts."
+    )
+    ready_timeout_s: float = Field(900.0, gt=0, description="Seconds to wait for the Gym servers to be ready.")
+    stall_timeout_s: float = Field(
+        600.0, gt=0, description="Stop a shard when no rollout lands for this long or a server is dead."
+    )
+    max_rollout_attempts: int = Field(3, ge=1, description="Attempts per rollout before it is recorded as failed.")
+    server_venvs: Literal["shared", "uv"] = Field(
+        "shared",
+        description="shared: every Gym server runs from gym.venv (which must hold the servers' requirements; "
+        "scripts/setup.sh gym installs them), no uv and no network at shard start. uv: Gym builds one venv per "
+        "server with uv into gym.uv_venv_dir once, then reuses it.",
+    )
+    uv_venv_dir: str | None = Field(
+        None, description="Where Gym's per-server venvs live with server_venvs=uv (default: beside gym.venv)."
+    )
+    health_interval_s: float = Field(5.0, gt=0, description="Seconds between the watchdog's server health checks.")
+
+
+class VllmConfig(StrictModel):
+    model: str = Field(..., description="Checkpoint directory or model id served by vLLM.")
+    served_model_name: str | None = Field(None, description="Name clients use; defaults to the model path's name.")
+    python: str | None = Field(None, description="Python interpreter (or venv dir) with vLLM installed.")
+    command: list[str] | None = Field(
+        None, description="Launcher prefix; default `<python> -m vllm.entrypoints.openai.api_server`."
+    )
+    tensor_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    extra_args: list[str] = Field(default_factory=list, description="More vLLM CLI arguments.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the vLLM process.")
+    port: int | None = Field(None, ge=1, le=65535, description="Port; default derived from the shard index.")
+    ready_timeout_s: float = Field(900.0, gt=0)
+    host: str = Field("127.0.0.1", description="Address the server binds (0.0.0.0 to serve other nodes too).")
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_as_strings(cls, v: Any) -> Any:
+        """YAML (and override parsing) turn `1` into a number; environment values are strings."""
+        if isinstance(v, dict):
+            return {k: (str(x).lower() if isinstance(x, bool) else str(x)) if isinstance(x, (int, float)) else x
+                    for k, x in v.items()}
+        return v
+
+    @field_validator("extra_args", mode="before")
+    @classmethod
+    def _args_as_strings(cls, v: Any) -> Any:
+        return [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in v] \
+            if isinstance(v, list) else v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_key_on_command_line(cls, v: list[str]) -> list[str]:
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in v):
+            raise ValueError("secrets are not allowed in config files or on the logged command line; set "
+                             "policy.api_key_env to the NAME of the environment variable holding the key")
+        return v
+
+
+class PolicyConfig(StrictModel):
+    base_url: str | list[str] | None = Field(None, description="Pre-hosted OpenAI-compatible endpoint(s), .../v1.")
+    api_key_env: str | None = Field(None, description="NAME of the environment variable holding the API key.")
+    model_name: str | None = Field(None, description="Model name sent to a pre-hosted endpoint.")
+    vllm: VllmConfig | None = Field(None, description="Self-hosted vLLM, started per shard.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "PolicyConfig":
+        if (self.base_url is None) == (self.vllm is None):
+            raise ValueError("set exactly one of policy.base_url (pre-hosted) or policy.vllm (self-hosted)")
+        if self.base_url is not None and not self.model_name:
+            raise ValueError("policy.model_name is required with policy.base_url")
+        return self
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError("must be the NAME of an environment variable (letters, digits, _), not a key")
+        return v
+
+
+class ClusterConfig(StrictModel):
+    """Key names follow NeMo-Skills cluster configs where they exist."""
+
+    executor: Literal["local", "slurm"] = "local"
+    account: str | None = None
+    partition: str | None = None
+    qos: str | None = None
+    containers: dict[str, str] = Field(default_factory=dict, description="Image per role, e.g. {shardrun: ...}.")
+    mounts: list[str] = Field(default_factory=list, description="Container mounts SRC:DST.")
+    env_vars: list[str] = Field(
+        default_factory=list, description="NAME=value to set, or NAME to pass through from the submitting shell."
+    )
+    timeouts: dict[str, str] = Field(default_factory=dict, description="Time limit per partition, HH:MM:SS.")
+    job_name_prefix: str = "shardrun"
+    time_limit: str | None = Field(None, description="Default shard time limit HH:MM:SS.")
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: int | None = Field(None, ge=1)
+    mem_gb: float | None = Field(None, gt=0)
+    setup: list[str] = Field(default_factory=list, description="Shell lines run before each shard (module load).")
+    array_parallelism: int = Field(64, ge=1, description="Max shards running at once (array throttle / local cap).")
+    max_array_size: int | None = Field(None, ge=2, description="Override the cluster's MaxArraySize.")
+    max_attempts: int = Field(3, ge=1, description="Attempts per shard before resume gives up on it.")
+    max_requeues: int = Field(10, ge=0, description="Times a shard job is requeued after reaching its time limit "
+                              "(submitit checkpoint); a preemption counts only near the time limit.")
+    signal_delay_s: int = Field(120, ge=1, description="Seconds before the time limit at which the shard is asked "
+                                "to stop and requeue (USR2); capped at half the time limit.")
+    merge_partition: str | None = Field(None, description="Partition of the CPU merge job (default: partition).")
+    merge_time_limit: str = Field("01:00:00", description="Time limit of the merge job.")
+    merge_cpus_per_task: int = Field(4, ge=1, description="CPUs of the merge job.")
+    merge_mem_gb: float = Field(16, gt=0, description="Memory of the merge job.")
+    additional_parameters: dict[str, Any] = Field(default_factory=dict, description="Extra sbatch parameters.")
+
+    @field_validator("env_vars")
+    @classmethod
+    def _env_vars(cls, v: list[str]) -> list[str]:
+        for item in v:
+            name = item.split("=", 1)[0]
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"{item!r} is not NAME or NAME=value")
+        return v
+
+
+class RunConfig(StrictModel):
+    input_jsonl: Path = Field(..., description="Input tasks, one JSON object per line (NeMo Gym format).")
+    run_dir: Path = Field(..., description="Run directory: plan, shards, merged results.")
+    num_repeats: int | dict[str, int] = Field(
+        1, description="Rollouts per task: an int, or a dict keyed by agent_ref.name with optional _default."
+    )
+    agent_name: str | None = Field(None, description="Agent for rows without agent_ref.")
+    seed_offset: int = Field(0, ge=0, description="Sampling seed = seed_offset + rollout index.")
+    sharding: ShardingConfig = Field(default_factory=ShardingConfig)
+    gym: GymConfig | None = None
+    policy: PolicyConfig | None = None
+    cluster: ClusterConfig | None = None
+
+    @field_validator("num_repeats")
+    @classmethod
+    def _repeats(cls, v: int | dict[str, int]) -> int | dict[str, int]:
+        values = v.values() if isinstance(v, dict) else [v]
+        if any(isinstance(x, bool) or x < 1 for x in values):
+            raise ValueError("repeats must be integers >= 1")
+        return v
+
+    def planning_view(self) -> dict[str, Any]:
+        """The settings that decide which rollouts exist and what each sends: what the plan fingerprint covers."""
+        return {
+            "num_repeats": self.num_repeats,
+            "agent_name": self.agent_name,
+            "seed_offset": self.seed_offset,
+            "sharding": self.sharding.model_dump(mode="json"),
+            "responses_create_params": dict(self.gym.responses_create_params) if self.gym else {},
+        }
+
+    def require(self, *sections: str) -> None:
+        missing = [s for s in sections if getattr(self, s) is None]
+        if missing:
+            raise BadInput(f"this command needs the config section(s) {', '.join(missing)}")
+
+    @property
+    def cluster_or_default(self) -> ClusterConfig:
+        return self.cluster or ClusterConfig()
+
+
+# ---------------------------------------------------------------- composition (YAML + Hydra overrides)
+
+def cluster_config_dirs(config_file: Path | None) -> list[Path]:
+    dirs = [Path.cwd() / "cluster_configs"]
+    if config_file is not None:
+        dirs.append(config_file.resolve().parent / "cluster_configs")
+    if os.environ.get("SHARDRUN_CLUSTER_CONFIGS"):
+        dirs.insert(0, Path(os.environ["SHARDRUN_CLUSTER_CONFIGS"]))
+    dirs.append(PROJECT_ROOT / "cluster_configs")
+    return dirs
+
+
+def find_cluster_config(name: str, config_file: Path | None) -> Path:
+    searched = cluster_config_dirs(config_file)
+    for d in searched:
+        p = d / f"{name}.yaml"
+        if p.is_file():
+            return p
+    known = sorted({p.stem for d in searched if d.is_dir() for p in d.glob("*.yaml")})
+    hint = difflib.get_close_matches(name, known, n=1)
+    msg = f"unknown cluster {name!r}: no {name}.yaml in {', '.join(str(d) for d in searched)}"
+    if hint:
+        msg += f" (did you mean {hint[0]!r}?)"
+    elif known:
+        msg += f" (known: {', '.join(known)})"
+    raise BadInput(msg)
+
+
+_CLUSTER_PICK = re.compile(r"^\+{0,2}cluster=([A-Za-z0-9_.\-]+)$")
+
+
+def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Compose the YAML file with Hydra overrides into a plain dict (cluster=<name> resolved to its YAML)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    path = Path(config_file)
+    if not path.is_file():
+        raise BadInput(f"config file not found: {path}")
+    cluster_name = None
+    rest = []
+    for o in overrides:
+        m = _CLUSTER_PICK.match(o.strip())
+        if m:
+            cluster_name = m.group(1)
+        else:
+            rest.append(o)
+    cluster_overrides = [o for o in rest if re.match(r"^\+{0,2}cluster\.", o)]
+    rest = [_promote_known(o) for o in rest if o not in cluster_overrides]
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(path.resolve().parent), version_base=None):
+            cfg = hydra_compose(config_name=path.stem, overrides=rest)
+    except Exception as e:  # hydra raises several types; all mean "your overrides or YAML are wrong"
+        raise BadInput(f"{path}: cannot compose config: {e}") from None
+    finally:
+        GlobalHydra.instance().clear()
+
+    OmegaConf.set_struct(cfg, False)
+    picked = cluster_name or (cfg.get("cluster") if isinstance(cfg.get("cluster"), str) else None)
+    if picked:
+        cluster_file = find_cluster_config(picked, path)
+        try:
+            cfg.cluster = OmegaConf.load(cluster_file)
+        except Exception as e:
+            raise BadInput(f"{cluster_file}: cannot read cluster config: {e}") from None
+    for o in cluster_overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        try:
+            OmegaConf.update(cfg, key, OmegaConf.create({"v": value}).v if value else None, force_add=True)
+        except Exception as e:
+            raise BadInput(f"bad override {o!r}: {e}") from None
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as e:
+        raise BadInput(f"{path}: cannot resolve config: {e}") from None
+    return _parse_scalars(data)
+
+
+def _promote_known(override: str) -> str:
+    """`key=value` on a schema key the YAML leaves out (it has a default) works as Hydra's `++key=value`."""
+    key, sep, _ = override.partition("=")
+    if not sep or key.startswith(("+", "~")) or not _known_path(key.split(".")):
+        return override
+    return "++" + override
+
+
+def _known_path(parts: list[str]) -> bool:
+    return _walk(parts) is not None
+
+
+def _parse_scalars(data: Any) -> Any:
+    """Cluster overrides arrive as strings; let YAML typing apply (e.g. array_parallelism=4 -> 4)."""
+    import yaml
+
+    if isinstance(data, dict):
+        return {k: _parse_scalars(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_parse_scalars(v) for v in data]
+    if isinstance(data, str) and data and data[0].isdigit():
+        try:
+            parsed = yaml.safe_load(data)
+        except yaml.YAMLError:
+            return data
+        return parsed if isinstance(parsed, (int, float)) and not isinstance(parsed, bool) else data
+    return data
+
+
+_SECRET_KEYS = re.compile(r"(api_key|token|password|secret)$", re.IGNORECASE)
+
+
+def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate a composed dict; one BadInput listing every problem, with 'did you mean' hints."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise BadInput(f"{source}: invalid configuration", [_describe(err, data) for err in e.errors()]) from None
+
+
+def _describe(err: dict[str, Any], data: dict[str, Any]) -> str:
+    loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "constrained-"))]
+    where = ".".join(loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        key = loc[-1] if loc else ""
+        if _SECRET_KEYS.search(key):
+            return f"{where}: secrets are not allowed in config files; name the environment variable instead " \
+                   f"(e.g. api_key_env: MY_KEY_VAR)"
+        model = _model_at(loc[:-1])
+        known = list(model.model_fields) if model else []
+        hint = difflib.get_close_matches(key, known, n=1)
+        return f"{where}: unknown key" + (f" (did you mean {'.'.join(loc[:-1] + [hint[0]])!r}?)" if hint else
+                                          (f" (known keys: {', '.join(known)})" if known else ""))
+    return f"{where}: {err['msg']} (got {err.get('input')!r})" if "input" in err and err["type"] != "missing" \
+        else f"{where}: {err['msg']}"
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    found = _walk(loc)
+    return found if isinstance(found, type) else None
+
+
+_FREE_FORM = "free-form"
+
+
+def _walk(parts: list[str]) -> type[BaseModel] | str | None:
+    """Follow a dotted key through the config models: the model it lands on, _FREE_FORM once it enters a
+    dict/list/scalar field (anything below is the user's), or None for an unknown key."""
+    model: type[BaseModel] = RunConfig
+    for part in parts:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        sub = _model_in(field.annotation)
+        if sub is None:
+            return _FREE_FORM
+        model = sub
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found:
+            return found
+    return None
+
+
+def load(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Compose + validate. Relative paths stay relative to the current directory (resolved by callers)."""
+    cfg = validate(compose(config_file, overrides), source=str(config_file))
+    return cfg.model_copy(update={"input_jsonl": _abs(cfg.input_jsonl), "run_dir": _abs(cfg.run_dir)})
+
+
+def _abs(p: Path) -> Path:
+    return p if p.is_absolute() else Path.cwd() / p

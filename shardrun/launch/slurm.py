@@ -1,0 +1,430 @@
+"""Slurm specifics. The top of the module is pure (job naming, array layout, sbatch parameters, time limits,
+parsing of `scontrol show config`, `squeue` and `sacct` output); the thin side effects that run those commands
+are at the bottom, each one command and one parse.
+
+The sbatch parameters use submitit's SlurmExecutor names (`time` in minutes, `mem` as "64GB", `setup`,
+`srun_args`, `additional_parameters`, ...); launch.py hands them to submitit, which renders the script.
+
+Containers (pyxis) go to `srun_args`, not to `#SBATCH` lines: submitit runs the shard through `srun` inside the
+batch script, and pyxis's `sbatch --container-image` would put the batch script itself in the container, where
+`srun` is not available.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig
+from shardrun.core.errors import BadInput, ShardrunError
+
+DEFAULT_TIME_LIMIT = "04:00:00"
+MERGE_SUFFIX = "-merge"
+CONTAINER_ROLE = "shardrun"
+COMMAND_TIMEOUT_S = 60.0
+
+# squeue states of a job that holds (or is about to hold) its node; everything else squeue lists is waiting
+RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "RESIZING"})
+
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL)S?$", re.IGNORECASE)
+
+
+class SlurmError(ShardrunError):
+    """A Slurm command failed or answered something we cannot read."""
+
+    exit_code = 6
+
+
+# ---------------------------------------------------------------- naming
+
+def job_tag(prefix: str, run_dir: Path | str, fingerprint: str) -> str:
+    """The job name every shard job of this run carries; `status`, `resume` and `cancel` find jobs by it.
+
+    It covers the run directory (resolved) and the plan, so two runs of the same plan in two directories, or two
+    plans in one directory over time, never see each other's jobs."""
+    digest = hashlib.sha256(f"{Path(run_dir).resolve()}\n{fingerprint}".encode()).hexdigest()
+    return f"{prefix}-{digest[:10]}"
+
+
+def merge_job_name(tag: str) -> str:
+    return tag + MERGE_SUFFIX
+
+
+# ---------------------------------------------------------------- array layout
+
+@dataclass(frozen=True)
+class ArrayChunk:
+    """One job array: array task i runs shard `shards[i]`; at most `parallelism` tasks run at once."""
+
+    shards: tuple[int, ...]
+    parallelism: int
+
+    @property
+    def size(self) -> int:
+        return len(self.shards)
+
+
+def array_layout(shards: Sequence[int], max_array_size: int, parallelism: int) -> list[ArrayChunk]:
+    """Split shard indices into job arrays of at most `max_array_size` tasks (Slurm's MaxArraySize: task ids run
+    0..MaxArraySize-1) and share the run's parallelism cap among them in proportion to their sizes, so the arrays
+    together never run more than `parallelism` shards and finish at about the same time. Each array gets at least
+    one slot, so with more arrays than `parallelism` the cap is the number of arrays."""
+    if max_array_size < 1:
+        raise BadInput(f"MaxArraySize must be >= 1, got {max_array_size}")
+    if parallelism < 1:
+        raise BadInput(f"array_parallelism must be >= 1, got {parallelism}")
+    groups = [tuple(shards[i:i + max_array_size]) for i in range(0, len(shards), max_array_size)]
+    if not groups:
+        return []
+    total = len(shards)
+    budget = max(parallelism, len(groups))
+    exact = [budget * len(g) / total for g in groups]
+    shares = [max(1, math.floor(x)) for x in exact]
+    # largest remainder: hand out what flooring left, biggest remainders first, never above an array's size
+    order = sorted(range(len(groups)), key=lambda k: (-(exact[k] - math.floor(exact[k])), k))
+    left = budget - sum(shares)
+    for k in order:
+        if left <= 0:
+            break
+        if shares[k] < len(groups[k]):
+            shares[k] += 1
+            left -= 1
+    return [ArrayChunk(g, min(s, len(g))) for g, s in zip(groups, shares)]
+
+
+def describe_layout(layout: Sequence[ArrayChunk]) -> str:
+    """Human-readable array layout for `submit --dry-run`."""
+    lines = [f"{len(layout)} job array(s), {sum(c.size for c in layout)} shard(s); "
+             f"at most {sum(c.parallelism for c in layout)} running at once"]
+    for k, c in enumerate(layout):
+        lines.append(f"  array {k}: --array=0-{c.size - 1}%{c.parallelism}  shards {format_ranges(c.shards)}")
+    return "\n".join(lines)
+
+
+def format_ranges(values: Iterable[int]) -> str:
+    """[0,1,2,5,7,8] -> '0-2,5,7-8'."""
+    out: list[str] = []
+    run: list[int] = []
+    for v in sorted(values):
+        if run and v == run[-1] + 1:
+            run.append(v)
+            continue
+        if run:
+            out.append(f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [v]
+    if run:
+        out.append(f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(out)
+
+
+# ---------------------------------------------------------------- resources
+
+_TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>[\d:]+)$")
+
+
+def parse_time_limit(value: str | int) -> int:
+    """A Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) -> whole minutes (rounded up)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise BadInput(f"time limit must be at least 1 minute, got {value}")
+        return value
+    text = str(value).strip()
+    m = _TIME.match(text)
+    parts = m.group("rest").split(":") if m else []
+    if not m or not 1 <= len(parts) <= 3 or any(not p for p in parts):
+        raise BadInput(f"time limit {value!r}: expected MM, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
+    nums = [int(p) for p in parts]
+    if m.group("d") is not None:
+        days = int(m.group("d"))
+        h, mi, s = (nums + [0, 0])[:3]
+    else:
+        days = 0
+        h, mi, s = (0, nums[0], 0) if len(nums) == 1 else (0, nums[0], nums[1]) if len(nums) == 2 else nums
+    seconds = ((days * 24 + h) * 60 + mi) * 60 + s
+    if seconds < 60:
+        raise BadInput(f"time limit {value!r}: Slurm's smallest limit is 1 minute")
+    return math.ceil(seconds / 60)
+
+
+def shard_time_minutes(cluster: ClusterConfig) -> int:
+    """The shard time limit: timeouts[partition] if set, else time_limit, else DEFAULT_TIME_LIMIT."""
+    if cluster.partition and cluster.partition in cluster.timeouts:
+        return parse_time_limit(cluster.timeouts[cluster.partition])
+    return parse_time_limit(cluster.time_limit or DEFAULT_TIME_LIMIT)
+
+
+def signal_delay_s(cluster: ClusterConfig, time_min: int) -> int:
+    """Seconds before the time limit at which Slurm sends USR2 (submitit's checkpoint signal). At most half of
+    the time limit, so a short job still gets to work before it is asked to stop."""
+    return max(1, min(cluster.signal_delay_s, time_min * 30))
+
+
+def mem_string(mem_gb: float) -> str:
+    """Same spelling submitit uses for --mem."""
+    return f"{int(mem_gb)}GB" if mem_gb == int(mem_gb) else f"{int(mem_gb * 1024)}MB"
+
+
+def env_setup_lines(env_vars: Sequence[str], pass_through: Sequence[str] = ()) -> list[str]:
+    """Shell lines for the job's environment. NAME=value is exported; a bare NAME is passed through from the
+    submitting shell by sbatch (--export=ALL), so only a check that it arrived is written, never its value."""
+    lines: list[str] = []
+    for item in env_vars:
+        name, sep, value = item.partition("=")
+        if sep:
+            if _SECRET_NAME.search(name):
+                raise BadInput(f"cluster.env_vars: {name} looks like a secret; list it as a bare {name} so it is "
+                               f"passed through from your shell instead of written into the job script")
+            lines.append(f"export {name}={shlex.quote(value)}")
+        else:
+            lines.append(_require_env(name))
+    for name in pass_through:
+        line = _require_env(name)
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
+def missing_pass_through(env_vars: Sequence[str], pass_through: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """The names a job expects from the submitting shell (bare env_vars entries, the policy key) that are unset."""
+    names = [item for item in env_vars if "=" not in item] + list(pass_through)
+    return sorted({n for n in names if not environ.get(n)})
+
+
+def _require_env(name: str) -> str:
+    return f': "${{{name}:?{name} is not set (it is passed through from the shell that submitted the job)}}"'
+
+
+def container_srun_args(cluster: ClusterConfig) -> list[str]:
+    image = cluster.containers.get(CONTAINER_ROLE)
+    if not image:
+        if cluster.mounts:
+            raise BadInput("cluster.mounts needs a container image: set cluster.containers.shardrun")
+        return []
+    args = [f"--container-image={image}"]
+    if cluster.mounts:
+        args.append("--container-mounts=" + ",".join(cluster.mounts))
+    return args
+
+
+def shard_parameters(cluster: ClusterConfig, *, job_name: str, comment: str,
+                     pass_through_env: Sequence[str] = ()) -> dict:
+    """sbatch parameters (submitit SlurmExecutor names) for the shard job arrays. Pure."""
+    time_min = shard_time_minutes(cluster)
+    params: dict = {
+        "job_name": job_name,
+        "time": time_min,
+        "nodes": cluster.nodes,
+        "ntasks_per_node": 1,
+        "signal_delay_s": signal_delay_s(cluster, time_min),
+        "stderr_to_stdout": True,
+        "comment": comment,
+        "setup": env_setup_lines(cluster.env_vars, pass_through_env) + list(cluster.setup),
+        "additional_parameters": {"requeue": True, "export": "ALL", **cluster.additional_parameters},
+    }
+    for key in ("partition", "account", "qos", "cpus_per_task"):
+        if getattr(cluster, key) is not None:
+            params[key] = getattr(cluster, key)
+    if cluster.gpus_per_node:
+        params["gpus_per_node"] = cluster.gpus_per_node
+    if cluster.mem_gb is not None:
+        params["mem"] = mem_string(cluster.mem_gb)
+    srun_args = container_srun_args(cluster)
+    if srun_args:
+        params["srun_args"] = srun_args
+    return params
+
+
+def merge_parameters(cluster: ClusterConfig, *, job_name: str, comment: str, after: Sequence[str]) -> dict:
+    """sbatch parameters for the CPU merge job: starts after every array ended in any state (afterany); a
+    dependency Slurm knows can never be met kills it (--kill-on-invalid-dep=yes) instead of leaving it pending."""
+    time_min = parse_time_limit(cluster.merge_time_limit)
+    params: dict = {
+        "job_name": job_name,
+        "time": time_min,
+        "nodes": 1,
+        "ntasks_per_node": 1,
+        "cpus_per_task": cluster.merge_cpus_per_task,
+        "mem": mem_string(cluster.merge_mem_gb),
+        "signal_delay_s": signal_delay_s(cluster, time_min),
+        "stderr_to_stdout": True,
+        "comment": comment,
+        "setup": [line for line in env_setup_lines(cluster.env_vars) if line.startswith("export ")]
+        + list(cluster.setup),
+        "additional_parameters": {"kill-on-invalid-dep": "yes", "export": "ALL",
+                                  **({"dependency": "afterany:" + ":".join(after)} if after else {})},
+    }
+    partition = cluster.merge_partition or cluster.partition
+    if partition:
+        params["partition"] = partition
+    for key in ("account", "qos"):
+        if getattr(cluster, key) is not None:
+            params[key] = getattr(cluster, key)
+    srun_args = container_srun_args(cluster)
+    if srun_args:
+        params["srun_args"] = srun_args
+    return params
+
+
+# ---------------------------------------------------------------- parsing (pure)
+
+def parse_max_array_size(scontrol_show_config: str) -> int | None:
+    m = re.search(r"^\s*MaxArraySize\s*=\s*(\d+)\s*$", scontrol_show_config, re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+SQUEUE_FORMAT = "%i|%T|%r|%S|%j"
+
+
+@dataclass(frozen=True)
+class LiveJob:
+    """A job (or one array task) that squeue still lists."""
+
+    job_id: str  # "123" or "123_4"
+    state: str  # Slurm state, e.g. PENDING, RUNNING
+    reason: str  # Slurm reason, e.g. JobArrayTaskLimit, Dependency, None
+    start: str  # start time (or expected start) as squeue prints it, N/A if unknown
+    name: str
+
+    @property
+    def running(self) -> bool:
+        return self.state in RUNNING_STATES
+
+    @property
+    def array_id(self) -> str:
+        return self.job_id.split("_", 1)[0]
+
+
+def parse_squeue(text: str) -> dict[str, LiveJob]:
+    """Parse `squeue --noheader --array --format=SQUEUE_FORMAT` output into {job id: LiveJob}."""
+    jobs: dict[str, LiveJob] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("|")
+        if len(parts) < 5:
+            raise SlurmError(f"unexpected squeue line: {line!r}")
+        job_id, state, reason, start = (p.strip() for p in parts[:4])
+        name = "|".join(parts[4:]).strip()
+        jobs[job_id] = LiveJob(job_id, state, reason, start, name)
+    return jobs
+
+
+SACCT_FORMAT = "JobID,State,ExitCode,Start,End"
+
+
+@dataclass(frozen=True)
+class EndedJob:
+    job_id: str
+    state: str  # COMPLETED, FAILED, CANCELLED, TIMEOUT, OUT_OF_MEMORY, NODE_FAIL, PREEMPTED, ...
+    exit_code: str
+    start: str
+    end: str
+
+
+def parse_sacct(text: str) -> dict[str, EndedJob]:
+    """Parse `sacct --noheader --parsable2 --allocations --format=SACCT_FORMAT` into {job id: EndedJob}.
+
+    Array ranges that never started ("123_[4-9]") are expanded; "CANCELLED by 0" becomes CANCELLED."""
+    out: dict[str, EndedJob] = {}
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < 5 or not parts[0].strip():
+            continue
+        job_id, state, code, start, end = (p.strip() for p in parts[:5])
+        state = state.split(" ", 1)[0]
+        m = re.fullmatch(r"(\d+)_\[([\d,\-]+)(?:%\d+)?\]", job_id)
+        ids = [job_id]
+        if m:
+            ids = [f"{m.group(1)}_{i}" for i in _expand(m.group(2))]
+        for jid in ids:
+            out[jid] = EndedJob(jid, state, code, start, end)
+    return out
+
+
+def _expand(spec: str) -> list[int]:
+    values: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        values.extend(range(int(lo), int(hi or lo) + 1))
+    return values
+
+
+def describe_ended(job: EndedJob) -> str:
+    """A failure reason from sacct, in words."""
+    words = {
+        "TIMEOUT": "hit its time limit",
+        "CANCELLED": "was cancelled",
+        "OUT_OF_MEMORY": "ran out of memory",
+        "NODE_FAIL": "lost its node",
+        "PREEMPTED": "was preempted",
+        "FAILED": f"failed (exit code {job.exit_code})",
+        "BOOT_FAIL": "node failed to boot",
+        "DEADLINE": "missed its deadline",
+        "COMPLETED": "completed without sealing the shard",
+    }
+    return f"Slurm job {job.job_id} {words.get(job.state, job.state.lower())}"
+
+
+# ---------------------------------------------------------------- side effects (thin)
+
+def _run(cmd: list[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        raise SlurmError(f"{cmd[0]} not found: is this a Slurm login node (and SLURM_CONF set if needed)?") \
+            from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{shlex.join(cmd)} did not answer in {timeout:.0f} s") from None
+    if res.returncode != 0:
+        raise SlurmError(f"{shlex.join(cmd)} failed (exit {res.returncode}): {res.stderr.strip()[:500]}")
+    return res.stdout
+
+
+def query_max_array_size() -> int:
+    """MaxArraySize from `scontrol show config` (Slurm's default when it is not listed)."""
+    return parse_max_array_size(_run(["scontrol", "show", "config"])) or DEFAULT_MAX_ARRAY_SIZE
+
+
+def max_array_size(cluster: ClusterConfig) -> int:
+    """The configured override, else what the cluster says."""
+    return cluster.max_array_size or query_max_array_size()
+
+
+def squeue_command(names: Iterable[str]) -> list[str]:
+    return ["squeue", "--noheader", "--array", f"--name={','.join(sorted(set(names)))}",
+            f"--format={SQUEUE_FORMAT}"]
+
+
+def query_live_jobs(names: Iterable[str]) -> dict[str, LiveJob]:
+    """Every queued or running job carrying one of `names`: one squeue call."""
+    names = [n for n in names if n]
+    if not names:
+        return {}
+    return parse_squeue(_run(squeue_command(names)))
+
+
+def query_ended_jobs(array_ids: Iterable[str]) -> dict[str, EndedJob]:
+    """What accounting says about jobs that left the queue: one sacct call. Empty when accounting is off."""
+    ids = sorted(set(array_ids), key=lambda s: (len(s), s))
+    if not ids:
+        return {}
+    cmd = ["sacct", "--noheader", "--parsable2", "--allocations", f"--format={SACCT_FORMAT}", "--jobs", ",".join(ids)]
+    try:
+        return parse_sacct(_run(cmd))
+    except SlurmError:
+        return {}
+
+
+def cancel(job_ids: Iterable[str]) -> list[str]:
+    """scancel the given job (or array) ids; returns them."""
+    ids = sorted(set(job_ids))
+    if ids:
+        _run(["scancel", *ids])
+    return ids
+

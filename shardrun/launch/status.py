@@ -1,0 +1,476 @@
+"""`shardrun status`: what every shard of a run is doing, read from the run directory plus one `squeue` call.
+
+Per shard: sealed (a valid `.done`), running / pending (a live job: Slurm's queue, or for the local executor a
+recorded pid that is still alive), failed (launched, no live job, not sealed; with the reason and the log), or
+never started (never launched). Rollouts done are counted from the rollouts files (a torn last line is not
+counted; sealed shards use their marker). Which job ran which shard comes from the launch records that launch.py
+appends to RUN_DIR/launches.jsonl, never from submitit's pickles.
+
+`collect` does the reading; `render`, `render_json` and `progress_bar` are pure.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import orjson
+
+from shardrun.rundir import cost
+from shardrun.rundir import seal
+from shardrun.launch import slurm
+from shardrun.rundir import store
+from shardrun.core.errors import ShardrunError
+from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
+from shardrun.plan.planner import Plan
+
+SEALED, RUNNING, PENDING, FAILED, NEVER_STARTED = "sealed", "running", "pending", "failed", "never_started"
+STATES = (SEALED, RUNNING, PENDING, FAILED, NEVER_STARTED)
+LIVE_STATES = (RUNNING, PENDING)
+MAX_LISTED = 40
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    index: int
+    state: str
+    planned: int
+    rollouts: int  # successful rollouts recorded
+    failed_rollouts: int  # rollouts recorded as failed (after their retries)
+    attempts: int  # times the shard was submitted
+    job_id: str | None  # the latest job (Slurm job id, "123_4" for an array task; local: the pid)
+    reason: str  # why it failed, why it waits, or why a marker was ignored; "" otherwise
+    log: str | None  # the latest job's log
+    gpu_hours: float
+    gave_up: bool  # failed max_attempts times: resume will not resubmit it
+
+    @property
+    def done(self) -> int:
+        return self.rollouts + self.failed_rollouts
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run_dir: str
+    fingerprint: str
+    checked_at: float
+    shards: list[ShardStatus]
+    planned: int
+    done: int
+    failed_rollouts: int
+    counts: dict[str, int]
+    gave_up: int
+    throughput_per_min: float | None
+    eta_s: float | None
+    gpu_hours: float
+    live_source: str  # how live jobs were found
+    warnings: list[str] = field(default_factory=list)
+    sealed_cost: dict = field(default_factory=dict)  # cost.run_row over the sealed shards' markers
+    merge_jobs: list[dict] = field(default_factory=list)  # the run's merge jobs still queued or running
+    failed: list["FailedRollout"] = field(default_factory=list)  # rollouts recorded as failed (first MAX_FAILED)
+    failed_listed_of: int = 0  # how many there are in all
+
+    @property
+    def complete(self) -> bool:
+        return self.counts[SEALED] == len(self.shards)
+
+    def indices(self, *states: str) -> list[int]:
+        return [s.index for s in self.shards if s.state in states]
+
+
+# ---------------------------------------------------------------- launch records (pure)
+
+@dataclass
+class Launches:
+    """The launch records folded per shard."""
+
+    last_job: dict[int, str] = field(default_factory=dict)
+    last_executor: dict[int, str] = field(default_factory=dict)
+    last_submitted: dict[int, float] = field(default_factory=dict)
+    attempts: dict[int, int] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)  # Slurm job names of this run (shards and merge jobs)
+    local_pids: dict[str, int | None] = field(default_factory=dict)  # pid -> its start time (clock ticks)
+    local_hosts: dict[str, str] = field(default_factory=dict)  # pid -> host it ran on
+    merge_jobs: list[str] = field(default_factory=list)
+    latest: dict | None = None
+
+    @property
+    def slurm_array_ids(self) -> set[str]:
+        return {j.split("_", 1)[0] for i, j in self.last_job.items() if self.last_executor.get(i) == "slurm"}
+
+
+def fold_launches(records: Iterable[Mapping]) -> Launches:
+    out = Launches()
+    for rec in records:
+        executor = rec.get("executor", "slurm")
+        for key, job_id in (rec.get("jobs") or {}).items():
+            i = int(key)
+            out.last_job[i] = str(job_id)
+            out.last_executor[i] = executor
+            out.last_submitted[i] = float(rec.get("submitted_at") or 0.0)
+            out.attempts[i] = out.attempts.get(i, 0) + 1
+        if executor == "slurm":
+            for name in (rec.get("tag"), rec.get("merge_job_name")):
+                if name:
+                    out.names.add(name)
+        else:
+            for pid, start in (rec.get("pid_start") or {}).items():
+                out.local_pids[str(pid)] = start
+                out.local_hosts[str(pid)] = rec.get("host", "")
+        if rec.get("merge_job_id"):
+            out.merge_jobs.append(str(rec["merge_job_id"]))
+        out.latest = dict(rec)
+    return out
+
+
+# ---------------------------------------------------------------- live jobs
+
+@dataclass(frozen=True)
+class Live:
+    state: str  # RUNNING or PENDING
+    reason: str
+    started_at: float | None
+
+
+def pid_start_ticks(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = raw[raw.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def local_live(launches: Launches) -> tuple[dict[str, Live], list[str]]:
+    """Local-executor jobs whose recorded pid is still the same process (pid reuse is ruled out by start time)."""
+    live: dict[str, Live] = {}
+    warnings: list[str] = []
+    host = socket.gethostname()
+    foreign = sorted({h for h in launches.local_hosts.values() if h and h != host})
+    if foreign:
+        warnings.append(f"local jobs ran on {', '.join(foreign)}; run status there to see if they still run")
+    for pid, start in launches.local_pids.items():
+        if launches.local_hosts.get(pid, host) != host:
+            continue
+        ticks = pid_start_ticks(int(pid))
+        if ticks is not None and (start is None or ticks == start):
+            live[pid] = Live("RUNNING", "", None)
+    return live, warnings
+
+
+def slurm_live(launches: Launches,
+               query: Callable[[Iterable[str]], dict[str, slurm.LiveJob]]) -> tuple[dict[str, Live], str | None]:
+    if not launches.names:
+        return {}, None
+    try:
+        jobs = query(launches.names)
+    except slurm.SlurmError as e:
+        return {}, f"cannot ask Slurm which jobs are live ({e}); launched shards that are not sealed show as failed"
+    live = {}
+    for job_id, j in jobs.items():
+        live[job_id] = Live("RUNNING" if j.running else "PENDING", j.reason, _parse_start(j.start) if j.running
+                            else None)
+    return live, None
+
+
+def _parse_start(text: str) -> float | None:
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------- one shard (pure)
+
+def classify(index: int, planned: int, seal_state: seal.SealState, launches: Launches, live: Mapping[str, Live],
+             failure: Mapping | None, ended: Mapping[str, slurm.EndedJob], counts: tuple[int, int], *,
+             max_attempts: int, gpus_per_shard: int, now: float, run_dir: Path,
+             queued_locally: bool = False) -> ShardStatus:
+    job_id = launches.last_job.get(index)
+    attempts = launches.attempts.get(index, 0)
+    log = str(store.job_log_path(run_dir, job_id)) if job_id else None
+    marker = seal_state.marker or {}
+    if seal_state.sealed:
+        return ShardStatus(index, SEALED, planned, int(marker.get("num_rollouts", 0)),
+                           int(marker.get("num_failed", 0)), attempts, job_id, "", log,
+                           float(marker.get("gpu_hours") or 0.0), False)
+    rollouts, failed = counts
+    ignored = "" if seal_state.reason == "no marker" else seal_state.reason
+    if job_id is not None and job_id in live:
+        job = live[job_id]
+        state = RUNNING if job.state == "RUNNING" and not queued_locally else PENDING
+        gpu_h = gpus_per_shard * max(0.0, now - job.started_at) / 3600 if job.started_at else 0.0
+        reason = job.reason if state == PENDING and job.reason not in ("", "None") else ignored
+        if queued_locally:
+            reason = f"waiting for its local worker (job {job_id}) to finish the shards before it"
+        return ShardStatus(index, state, planned, rollouts, failed, attempts, job_id, reason, log, gpu_h, False)
+    if job_id is None:
+        return ShardStatus(index, NEVER_STARTED, planned, rollouts, failed, 0, None, ignored, None, 0.0, False)
+    reason = failure_reason(job_id, failure, ended)
+    if ignored:
+        reason = f"{reason}; {ignored}"
+    return ShardStatus(index, FAILED, planned, rollouts, failed, attempts, job_id, reason, log, 0.0,
+                       attempts >= max_attempts)
+
+
+def failure_reason(job_id: str, failure: Mapping | None, ended: Mapping[str, slurm.EndedJob]) -> str:
+    """The shard job's own error record for that job if there is one, else what Slurm accounting says."""
+    if failure and str(failure.get("job_id")) == job_id and failure.get("error"):
+        return str(failure["error"])
+    if job_id in ended:
+        return slurm.describe_ended(ended[job_id])
+    if failure and failure.get("error"):
+        return f"job {job_id} ended without sealing the shard (an earlier attempt failed: {failure['error']})"
+    return f"job {job_id} ended without sealing the shard"
+
+
+# ---------------------------------------------------------------- rollouts recorded as failed
+
+MAX_FAILED = 200
+
+
+@dataclass(frozen=True)
+class FailedRollout:
+    task: int
+    rollout: int
+    shard: int
+    attempts: int  # failure rows in the sidecar (a terminal row counts its own attempts)
+    reason: str
+
+
+def failed_rollouts(run_dir: Path, plan: Plan) -> list[FailedRollout]:
+    """Every identity a shard's failure sidecar records as failed for good, with its last reason: a terminal row
+    (shardrun's, after gym.max_rollout_attempts) or as many rows as attempts (Gym's own; its resume skips them)."""
+    from shardrun.rundir import ledger
+
+    try:
+        settings = store.read_launch_settings(run_dir)
+    except ShardrunError:
+        settings = None
+    max_attempts = settings.gym.max_rollout_attempts if settings and settings.gym else 3
+    out = []
+    for spec in plan.shards:
+        path = store.failures_path(run_dir, spec.index)
+        try:
+            if path.stat().st_size == 0:
+                continue
+        except FileNotFoundError:
+            continue
+        rows: dict[tuple[int, int], list[dict]] = {}
+        for row in store.iter_jsonl_objects(path):
+            if isinstance(row, dict) and isinstance(row.get(TASK_KEY), int) and isinstance(row.get(ROLLOUT_KEY), int):
+                rows.setdefault((row[TASK_KEY], row[ROLLOUT_KEY]), []).append(row)
+        for (t, r), got in sorted(rows.items()):
+            terminal = [x for x in got if x.get(ledger.TERMINAL_KEY)]
+            if not terminal and len(got) < max_attempts:
+                continue
+            last = (terminal or got)[-1]
+            reason = str(last.get("reason") or last.get(ledger.FAILURE_CLASS_KEY) or last.get("error") or "failed")
+            attempts = int(terminal[-1].get("attempts") or len(got)) if terminal else len(got)
+            out.append(FailedRollout(t, r, spec.index, attempts, reason))
+    return out
+
+
+# ---------------------------------------------------------------- the run
+
+def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None,
+            query_live: Callable[[Iterable[str]], dict[str, slurm.LiveJob]] = slurm.query_live_jobs,
+            query_ended: Callable[[Iterable[str]], dict[str, slurm.EndedJob]] = slurm.query_ended_jobs) -> RunStatus:
+    """Read the run directory, ask Slurm once for the run's live jobs, and classify every shard."""
+    run_dir = Path(run_dir)
+    plan = plan or store.load_plan(run_dir)
+    now = time.time() if now is None else now
+    launches = fold_launches(store.read_launches(run_dir))
+    latest = launches.latest or {}
+    max_attempts = int(latest.get("max_attempts") or 3)
+    gpus_per_shard = int(latest.get("gpus_per_shard") or 0)
+
+    # Slurm answers in tens of milliseconds; ask it while the run directory is read (threads wait on the commands)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        asking = pool.submit(slurm_live, launches, query_live)
+        seals = {spec.index: seal.check(run_dir, plan, spec.index) for spec in plan.shards}
+        live, warnings = local_live(launches)
+        slurm_jobs, problem = asking.result()
+        live.update(slurm_jobs)
+        if problem:
+            warnings.append(problem)
+        gone = [i for i, s in seals.items() if not s.sealed and i in launches.last_job
+                and launches.last_job[i] not in live]
+        failures = {i: _read_failure(run_dir, i) for i in gone}
+        slurm_gone = {launches.last_job[i].split("_", 1)[0] for i in gone
+                      if launches.last_executor.get(i) == "slurm"
+                      and str((failures[i] or {}).get("job_id")) != launches.last_job[i]}
+        ending = pool.submit(query_ended, slurm_gone) if slurm_gone else None
+        lines = {i: (store.count_complete_lines(store.rollouts_path(run_dir, i)),
+                      store.count_complete_lines(store.failures_path(run_dir, i)))
+                  for i, st in seals.items() if not st.sealed}
+        ended: dict[str, slurm.EndedJob] = ending.result() if ending else {}
+    # a local worker runs its shards one after another: those it has not started since the launch are waiting
+    queued_locally = {i for i, j in launches.last_job.items()
+                      if launches.last_executor.get(i) == "local" and j in live and not seals[i].sealed
+                      and _mtime(store.shard_log_path(run_dir, i)) < launches.last_submitted.get(i, 0.0)}
+    merge_jobs = [{"job_id": j, "state": live[j].state, "reason": live[j].reason}
+                  for j in launches.merge_jobs if j in live]
+    sources = []
+    if launches.names:
+        sources.append(f"squeue --name={','.join(sorted(launches.names))}: {len(slurm_jobs)} live")
+    if launches.local_pids:
+        sources.append(f"local pids: {sum(1 for p in launches.local_pids if p in live)} live")
+
+    shards = []
+    for spec in plan.shards:
+        i = spec.index
+        shards.append(classify(i, spec.num_rollouts, seals[i], launches, live, failures.get(i), ended,
+                               lines.get(i, (0, 0)), max_attempts=max_attempts, gpus_per_shard=gpus_per_shard,
+                               now=now, run_dir=run_dir, queued_locally=i in queued_locally))
+
+    failed = failed_rollouts(run_dir, plan)
+    done = sum(s.done for s in shards)
+    counts = {state: 0 for state in STATES}
+    for s in shards:
+        counts[s.state] += 1
+    rate = None
+    eta = None
+    if latest.get("submitted_at") is not None:
+        elapsed = now - float(latest["submitted_at"])
+        gained = done - int(latest.get("done_at_submit") or 0)
+        if elapsed > 0 and gained > 0:
+            rate = gained / elapsed * 60
+            remaining = plan.num_rollouts - done
+            if counts[RUNNING] + counts[PENDING] > 0 and remaining > 0:
+                eta = remaining / (rate / 60)
+    return RunStatus(
+        run_dir=str(run_dir), fingerprint=plan.fingerprint, checked_at=now, shards=shards,
+        planned=plan.num_rollouts, done=done, failed_rollouts=sum(s.failed_rollouts for s in shards), counts=counts,
+        gave_up=sum(1 for s in shards if s.gave_up), throughput_per_min=rate, eta_s=eta,
+        gpu_hours=sum(s.gpu_hours for s in shards), live_source="; ".join(sources) or "nothing launched yet",
+        warnings=warnings, merge_jobs=merge_jobs, failed=failed[:MAX_FAILED], failed_listed_of=len(failed),
+        sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))))
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _read_failure(run_dir: Path, index: int) -> dict | None:
+    try:
+        data = orjson.loads(store.shard_failure_path(run_dir, index).read_bytes())
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# ---------------------------------------------------------------- rendering (pure)
+
+def progress_bar(done: int, total: int, width: int = 30) -> str:
+    frac = 1.0 if total <= 0 else min(1.0, done / total)
+    filled = int(round(frac * width))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}%"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    d, rem = divmod(seconds, 86400)
+    h, rem = divmod(rem, 3600)
+    m, s = divmod(rem, 60)
+    if d:
+        return f"{d}d {h:02d}h"
+    if h:
+        return f"{h}h {m:02d}m"
+    return f"{m}m {s:02d}s"
+
+
+_LABEL = {SEALED: "sealed", RUNNING: "running", PENDING: "pending", FAILED: "failed", NEVER_STARTED: "never started"}
+
+
+def render(st: RunStatus, *, show_all: bool = False) -> str:
+    from shardrun.plan.render import table
+
+    n = len(st.shards)
+    rows = [
+        ("run", f"{st.run_dir} ({n:,} shards, plan {st.fingerprint[:12]}…)"),
+        ("shards", " · ".join(f"{_LABEL[k]} {st.counts[k]:,}" for k in STATES)),
+        ("rollouts", f"{st.done:,} / {st.planned:,} {progress_bar(st.done, st.planned)}"
+                     + (f" ({st.failed_rollouts:,} recorded as failed)" if st.failed_rollouts else "")),
+        ("throughput", f"{st.throughput_per_min:,.1f} rollouts/min" if st.throughput_per_min else "-"),
+        ("ETA", _duration(st.eta_s) if st.eta_s is not None else ("done" if st.complete else "-")),
+        ("GPU-hours", f"{st.gpu_hours:,.2f} (sealed shards + running jobs)"),
+        ("sealed cost", cost.sealed_cost_text(st.sealed_cost)),
+        ("jobs", st.live_source),
+    ]
+    for m in st.merge_jobs:
+        rows.append(("merge job", f"{m['job_id']} {m['state'].lower()}"
+                                  + (f" ({m['reason']})" if m["reason"] not in ("", "None") else "")))
+    out = [table(rows), ""]
+    for k in STATES:
+        idx = st.indices(k)
+        if idx:
+            out.append(f"{_LABEL[k]:>13}: {slurm.format_ranges(idx)}")
+    not_sealed = [s for s in st.shards if s.state != SEALED]
+    if not_sealed:
+        out += ["", f"{'shard':>5}  {'state':<13} {'rollouts':>15}  {'attempts':>8}  {'job':<14} reason / log"]
+        listed = not_sealed if show_all else not_sealed[:MAX_LISTED]
+        for s in listed:
+            detail = s.reason
+            if s.state == FAILED:
+                detail = f"{s.reason}{' [gave up]' if s.gave_up else ''}; log {s.log}"
+            out.append(f"{s.index:>5}  {_LABEL[s.state]:<13} {f'{s.done:,}/{s.planned:,}':>15}  {s.attempts:>8}  "
+                       f"{s.job_id or '-':<14} {detail}".rstrip())
+        if len(listed) < len(not_sealed):
+            out.append(f"... {len(not_sealed) - len(listed)} more (--all to list every shard, --json for machines)")
+    if st.failed:
+        out += ["", "rollouts recorded as failed (task:rollout, shard, attempts, reason):"]
+        out += [f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {f.reason}"
+                for f in st.failed[:MAX_LISTED]]
+        if st.failed_listed_of > MAX_LISTED:
+            out.append(f"  ... and {st.failed_listed_of - MAX_LISTED:,} more (--json, or the shards' "
+                       f"{store.FAILURES})")
+    if st.gave_up:
+        out += ["", f"{st.gave_up} shard(s) failed max_attempts times; resume will not retry them (see reasons "
+                    f"above; raise cluster.max_attempts to try again)"]
+    elif st.counts[FAILED] or st.counts[NEVER_STARTED]:
+        out += ["", "run `shardrun resume RUN_DIR` to resubmit the failed and never-started shards"]
+    for w in st.warnings:
+        out.append(f"warning: {w}")
+    return "\n".join(out)
+
+
+def render_json(st: RunStatus) -> str:
+    data = asdict(st)
+    data["complete"] = st.complete
+    for s in data["shards"]:
+        s["done"] = s["rollouts"] + s["failed_rollouts"]
+    return orjson.dumps(data, option=orjson.OPT_INDENT_2).decode()
+
+
+# ---------------------------------------------------------------- watch
+
+def watch(run_dir: Path, interval_s: float = 5.0, echo: Callable[[str], None] = print,
+          clear: bool | None = None, max_updates: int | None = None) -> RunStatus:
+    """Redraw the status every `interval_s` until every shard is sealed or nothing is live any more."""
+    clear = sys.stdout.isatty() if clear is None else clear
+    plan = store.load_plan(run_dir)
+    updates = 0
+    while True:
+        st = collect(run_dir, plan=plan)
+        text = render(st)
+        echo(("\x1b[2J\x1b[H" if clear else "") + text + f"\n\n(updated {time.strftime('%H:%M:%S')}; "
+             f"every {interval_s:g} s; Ctrl-C to stop)")
+        updates += 1
+        if st.complete or not (st.counts[RUNNING] + st.counts[PENDING]) or \
+                (max_updates is not None and updates >= max_updates):
+            return st
+        time.sleep(interval_s)
+

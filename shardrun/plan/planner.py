@@ -1,0 +1,503 @@
+"""The planner: config + input rows in, plan out. Pure: no files, no clocks; callers pass iterators of lines.
+
+Identity. Every non-blank input line is one task. Its global task index is its 0-based position among the
+non-blank lines, unless the row carries `_ng_task_index` (then honoured; a clash is an error). Each task gets
+k rollouts (k from `num_repeats` for its agent) with rollout indices 0..k-1 and sampling seed
+`seed_offset + rollout index`, written into `responses_create_params.metadata.extra_body` exactly as NeMo Gym's
+`num_repeats_add_seed` does, so the planned rows equal what one unsharded
+`ng_collect_rollouts +num_repeats=k +num_repeats_add_seed=true` run materializes (seed_offset 0).
+
+Sharding. Rollouts are numbered by an ordinal in input order (task by task, rollout by rollout). `contiguous`
+gives each shard one range of ordinals, `round_robin` gives shard s every ordinal o with o % N == s. Either way
+shard sizes differ by at most one rollout.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Iterator, Literal
+
+import orjson
+
+from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, RunConfig
+from shardrun.core.errors import BadInput
+from shardrun.core.gym_names import AGENT_KEY, RCP_KEY, ROLLOUT_KEY, TASK_KEY
+
+PLANNER_VERSION = "1"
+MAX_ROW_BYTES = 16 * 1024 * 1024
+MAX_LISTED_PROBLEMS = 50
+
+
+# ---------------------------------------------------------------- rows
+
+@dataclass(frozen=True)
+class Task:
+    """One validated input row: where it came from, its identity and how many rollouts it gets."""
+
+    line_no: int
+    task_index: int
+    agent: str
+    repeats: int
+
+
+def parse_line(raw: bytes, line_no: int, source: str) -> dict[str, Any]:
+    """Parse one input line into a row dict, or raise BadInput naming file, line and field."""
+    where = f"{source}:{line_no}"
+    if len(raw) > MAX_ROW_BYTES:
+        raise BadInput(f"{where}: row is {len(raw):,} bytes, over the {MAX_ROW_BYTES // 2**20} MiB limit per row")
+    try:
+        row = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        kind = "not valid UTF-8" if "utf-8" in str(e).lower() else "not valid JSON"
+        raise BadInput(f"{where}: {kind}: {e}") from None
+    if not isinstance(row, dict):
+        raise BadInput(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    return row
+
+
+def row_agent(row: dict[str, Any], line_no: int, source: str, default_agent: str | None) -> str | None:
+    where = f"{source}:{line_no}"
+    ref = row.get(AGENT_KEY)
+    if ref is None:
+        return default_agent
+    if not isinstance(ref, dict) or not isinstance(ref.get("name"), str) or not ref["name"]:
+        raise BadInput(f"{where}: field {AGENT_KEY}: must be an object with a non-empty string 'name', got {ref!r}")
+    return ref["name"]
+
+
+def check_row(row: dict[str, Any], line_no: int, source: str) -> None:
+    where = f"{source}:{line_no}"
+    rcp = row.get(RCP_KEY)
+    if RCP_KEY not in row:
+        raise BadInput(f"{where}: field {RCP_KEY}: missing (every row needs the Responses create params)")
+    if not isinstance(rcp, dict):
+        raise BadInput(f"{where}: field {RCP_KEY}: must be an object, got {type(rcp).__name__}")
+    metadata = rcp.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise BadInput(f"{where}: field {RCP_KEY}.metadata: must be an object, got {type(metadata).__name__}")
+        extra = metadata.get("extra_body")
+        if extra is not None:
+            try:
+                ok = isinstance(extra, str) and isinstance(json.loads(extra), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise BadInput(f"{where}: field {RCP_KEY}.metadata.extra_body: must be a JSON object encoded as a "
+                               f"string (NeMo Gym adds the seed there), got {extra!r}")
+    if TASK_KEY in row:
+        ti = row[TASK_KEY]
+        if isinstance(ti, bool) or not isinstance(ti, int) or ti < 0:
+            raise BadInput(f"{where}: field {TASK_KEY}: must be a non-negative integer, got {ti!r}")
+
+
+def repeats_for(agent: str, num_repeats: int | dict[str, int]) -> int | None:
+    if isinstance(num_repeats, int):
+        return num_repeats
+    return num_repeats.get(agent, num_repeats.get("_default"))
+
+
+# ---------------------------------------------------------------- scan (validation pass)
+
+@dataclass
+class AgentSummary:
+    tasks: int = 0
+    rollouts: int = 0
+    repeats: int = 0
+
+
+@dataclass
+class InputSummary:
+    num_lines: int = 0
+    num_tasks: int = 0
+    num_rollouts: int = 0
+    agents: dict[str, AgentSummary] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+class _IndexSet:
+    """Task indices seen so far: a bitmap for small ones, a set for the rest (memory ~ n/8 bytes)."""
+
+    LIMIT = 1 << 34
+
+    def __init__(self) -> None:
+        self.bits = bytearray()
+        self.big: set[int] = set()
+
+    def add(self, i: int) -> bool:
+        """Add i; False if it was already there."""
+        if i >= self.LIMIT:
+            if i in self.big:
+                return False
+            self.big.add(i)
+            return True
+        byte, bit = divmod(i, 8)
+        if byte >= len(self.bits):
+            self.bits.extend(b"\0" * max(byte + 1 - len(self.bits), len(self.bits)))
+        if self.bits[byte] >> bit & 1:
+            return False
+        self.bits[byte] |= 1 << bit
+        return True
+
+
+def iter_tasks(lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str,
+               problems: list[str] | None = None) -> Iterator[tuple[Task, dict[str, Any]]]:
+    """Yield (task, row) for every non-blank line. Row problems go to `problems` (if given) or raise."""
+    position = 0
+    for line_no, raw in lines:
+        if not raw.strip():
+            continue
+        try:
+            row = parse_line(raw, line_no, source)
+            check_row(row, line_no, source)
+            agent = row_agent(row, line_no, source, cfg.agent_name)
+        except BadInput as e:
+            if problems is None:
+                raise
+            problems.append(str(e))
+            position += 1
+            continue
+        index = row[TASK_KEY] if TASK_KEY in row else position
+        position += 1
+        if agent is None:
+            msg = (f"{source}:{line_no}: field {AGENT_KEY}: missing, and no agent_name is configured "
+                   f"(set agent_name=... or add agent_ref to the row)")
+            if problems is None:
+                raise BadInput(msg)
+            problems.append(msg)
+            continue
+        k = repeats_for(agent, cfg.num_repeats)
+        yield Task(line_no, index, agent, k or 0), row
+
+
+def scan(lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str) -> InputSummary:
+    """Validate every row and count tasks and rollouts. One BadInput lists every problem found."""
+    problems: list[str] = []
+    summary = InputSummary()
+    seen = _IndexSet()
+    first_line: dict[int, int] = {}
+    missing_agents: dict[str, int] = {}
+    for task, _row in iter_tasks(_count(lines, summary), cfg, source, problems):
+        if not seen.add(task.task_index):
+            problems.append(f"{source}:{task.line_no}: field {TASK_KEY}: task index {task.task_index} is used by "
+                            f"another row{_earlier(first_line, task.task_index)} (each task needs its own index)")
+            continue
+        if len(first_line) < 100_000:
+            first_line[task.task_index] = task.line_no
+        if task.repeats == 0:
+            missing_agents.setdefault(task.agent, task.line_no)
+            continue
+        agent = summary.agents.setdefault(task.agent, AgentSummary(repeats=task.repeats))
+        agent.tasks += 1
+        agent.rollouts += task.repeats
+        summary.num_tasks += 1
+        summary.num_rollouts += task.repeats
+    if missing_agents:
+        listed = sorted(k for k in cfg.num_repeats if k != "_default") if isinstance(cfg.num_repeats, dict) else []
+        problems.append(
+            "num_repeats: no entry for agent(s) "
+            + ", ".join(f"{a!r} (first at {source}:{ln})" for a, ln in sorted(missing_agents.items()))
+            + f" and no '_default'; listed agents: {listed}")
+    if not problems and summary.num_tasks == 0:
+        problems.append(f"{source}: the input has no tasks (no non-blank lines)")
+    if problems:
+        shown = problems[:MAX_LISTED_PROBLEMS]
+        if len(problems) > len(shown):
+            shown.append(f"... and {len(problems) - len(shown)} more problems")
+        raise BadInput(f"{source}: {len(problems)} problem(s) in the input", shown)
+    if isinstance(cfg.num_repeats, dict):
+        unused = sorted(k for k in cfg.num_repeats if k != "_default" and k not in summary.agents)
+        if unused:
+            summary.warnings.append(f"num_repeats lists agent(s) no row uses (typo?): {', '.join(unused)}")
+    return summary
+
+
+def _count(lines: Iterable[tuple[int, bytes]], summary: InputSummary) -> Iterator[tuple[int, bytes]]:
+    for item in lines:
+        summary.num_lines += 1
+        yield item
+
+
+def _earlier(first_line: dict[int, int], index: int) -> str:
+    line = first_line.get(index)
+    return f" (line {line})" if line else ""
+
+
+# ---------------------------------------------------------------- shards
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which rollout ordinals a shard owns: range(start, stop) or every ordinal o with o % step == offset."""
+
+    index: int
+    num_rollouts: int
+    kind: Literal["range", "stride"]
+    start: int = 0
+    stop: int = 0
+    offset: int = 0
+    step: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.index:05d}"
+
+    def owns(self, ordinal: int) -> bool:
+        if self.kind == "range":
+            return self.start <= ordinal < self.stop
+        return ordinal % self.step == self.offset
+
+
+def shard_count(num_rollouts: int, cfg: RunConfig) -> int:
+    s = cfg.sharding
+    if s.num_shards is not None:
+        n = s.num_shards
+    elif s.rollouts_per_shard is not None:
+        n = math.ceil(num_rollouts / s.rollouts_per_shard)
+    else:
+        n = 1
+    return max(1, min(n, num_rollouts))
+
+
+def make_shards(num_rollouts: int, num_shards: int, slicing: str) -> tuple[ShardSpec, ...]:
+    if slicing == "round_robin":
+        return tuple(ShardSpec(s, (num_rollouts - s + num_shards - 1) // num_shards, "stride", offset=s,
+                               step=num_shards) for s in range(num_shards))
+    base, extra = divmod(num_rollouts, num_shards)
+    shards = []
+    start = 0
+    for s in range(num_shards):
+        size = base + (1 if s < extra else 0)
+        shards.append(ShardSpec(s, size, "range", start=start, stop=start + size))
+        start += size
+    return tuple(shards)
+
+
+class Router:
+    """Maps a rollout ordinal to the shard that owns it."""
+
+    def __init__(self, shards: tuple[ShardSpec, ...]):
+        self.shards = shards
+        self.stride = shards[0].kind == "stride"
+        self.starts = [s.start for s in shards]
+
+    def __call__(self, ordinal: int) -> int:
+        if self.stride:
+            return ordinal % len(self.shards)
+        return bisect.bisect_right(self.starts, ordinal) - 1
+
+
+# ---------------------------------------------------------------- plan
+
+@dataclass(frozen=True)
+class InputInfo:
+    path: str
+    sha256: str
+    num_lines: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    planner_version: str
+    input: InputInfo
+    planning: dict[str, Any]
+    config: dict[str, Any]
+    num_tasks: int
+    num_rollouts: int
+    agents: dict[str, dict[str, int]]
+    shards: tuple[ShardSpec, ...]
+    warnings: tuple[str, ...] = ()
+    fingerprint: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shards"] = [asdict(s) for s in self.shards]
+        d["warnings"] = list(self.warnings)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Plan":
+        d = dict(d)
+        d["input"] = InputInfo(**d["input"])
+        d["shards"] = tuple(ShardSpec(**s) for s in d["shards"])
+        d["warnings"] = tuple(d.get("warnings", ()))
+        return cls(**d)
+
+    def shard(self, index: int) -> ShardSpec:
+        return self.shards[index]
+
+    @property
+    def shard_sizes(self) -> tuple[int, int]:
+        sizes = [s.num_rollouts for s in self.shards]
+        return min(sizes), max(sizes)
+
+    def array_jobs_needed(self, max_array_size: int = DEFAULT_MAX_ARRAY_SIZE) -> int:
+        return math.ceil(len(self.shards) / max_array_size)
+
+
+def fingerprint(plan: Plan) -> str:
+    """sha256 over what decides the rollouts: planner version, input bytes, planning settings, shard table."""
+    payload = {
+        "planner_version": plan.planner_version,
+        "input_sha256": plan.input.sha256,
+        "planning": plan.planning,
+        "num_tasks": plan.num_tasks,
+        "num_rollouts": plan.num_rollouts,
+        "agents": plan.agents,
+        "shards": [asdict(s) for s in plan.shards],
+    }
+    return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def public_config(cfg: RunConfig) -> dict[str, Any]:
+    """The validated config as stored in plan.json (it holds only env-var names, never secret values)."""
+    return cfg.model_dump(mode="json")
+
+
+def make_plan(cfg: RunConfig, info: InputInfo, summary: InputSummary) -> Plan:
+    shards = make_shards(summary.num_rollouts, shard_count(summary.num_rollouts, cfg), cfg.sharding.slicing)
+    plan = Plan(
+        planner_version=PLANNER_VERSION,
+        input=info,
+        planning=cfg.planning_view(),
+        config=public_config(cfg),
+        num_tasks=summary.num_tasks,
+        num_rollouts=summary.num_rollouts,
+        agents={a: asdict(s) for a, s in sorted(summary.agents.items())},
+        shards=shards,
+        warnings=tuple(summary.warnings),
+    )
+    return _with_fingerprint(plan)
+
+
+def _with_fingerprint(plan: Plan) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, fingerprint=fingerprint(plan))
+
+
+def plan_differences(old: Plan, new: Plan) -> list[str]:
+    """Human-readable list of what differs between two plans (for the refusal message)."""
+    diffs = []
+    if old.planner_version != new.planner_version:
+        diffs.append(f"planner version {old.planner_version} -> {new.planner_version}")
+    if old.input.sha256 != new.input.sha256:
+        diffs.append(f"input content changed (sha256 {old.input.sha256[:12]}… -> {new.input.sha256[:12]}…, "
+                     f"{old.input.path} -> {new.input.path})")
+    for key in sorted(set(old.planning) | set(new.planning)):
+        if old.planning.get(key) != new.planning.get(key):
+            diffs.append(f"{key}: {old.planning.get(key)!r} -> {new.planning.get(key)!r}")
+    if not diffs and old.shards != new.shards:
+        diffs.append("shard table differs")
+    return diffs or ["plan content differs"]
+
+
+# ---------------------------------------------------------------- materialization
+
+_SENT_ROLLOUT = 7316492850184736291
+_SENT_SEED = 8426193057264819374
+
+
+def stamp(row: dict[str, Any], task: Task, default_agent: str | None, rcp_overrides: dict[str, Any]) -> dict:
+    """Apply Gym's per-row preprocessing (agent, params overrides, task index) to a freshly parsed row."""
+    if default_agent:
+        row.setdefault(AGENT_KEY, {"name": default_agent})
+    if rcp_overrides:
+        row[RCP_KEY] = row[RCP_KEY] | rcp_overrides
+    if TASK_KEY not in row:
+        row[TASK_KEY] = task.task_index
+    return row
+
+
+def _set_rollout(row: dict[str, Any], rollout: int, seed: int) -> None:
+    row[ROLLOUT_KEY] = rollout
+    metadata = row[RCP_KEY].setdefault("metadata", {})
+    extra_body = json.loads(metadata.get("extra_body", "{}"))
+    extra_body["seed"] = seed
+    metadata["extra_body"] = json.dumps(extra_body)
+
+
+def _template_copy(row: dict[str, Any]) -> dict[str, Any]:
+    """Copy exactly the parts `_set_rollout` mutates (row, its params, their metadata), keeping key order."""
+    out = dict(row)
+    rcp = dict(row[RCP_KEY])
+    if isinstance(rcp.get("metadata"), dict):
+        rcp["metadata"] = dict(rcp["metadata"])
+    out[RCP_KEY] = rcp
+    return out
+
+
+_R_TOK, _S_TOK = str(_SENT_ROLLOUT).encode(), str(_SENT_SEED).encode()
+_INTS = [str(i).encode() for i in range(4096)]
+
+
+def _int_bytes(i: int) -> bytes:
+    return _INTS[i] if i < len(_INTS) else str(i).encode()
+
+
+def expand(row: dict[str, Any], repeats: int, seed_offset: int) -> list[bytes]:
+    """The task's k materialized rows as JSON lines, byte-identical to Gym's (orjson, same key order)."""
+    template = _template_copy(row)
+    _set_rollout(template, _SENT_ROLLOUT, _SENT_SEED)
+    raw = orjson.dumps(template)
+    if raw.count(_R_TOK) != 1 or raw.count(_S_TOK) != 1:
+        return _expand_slowly(row, repeats, seed_offset)  # the sentinels collided with row content
+    r_first = raw.index(_R_TOK) < raw.index(_S_TOK)
+    head, rest = raw.split(_R_TOK if r_first else _S_TOK)
+    mid, tail = rest.split(_S_TOK if r_first else _R_TOK)
+    tail += b"\n"
+    if r_first:
+        return [head + _int_bytes(r) + mid + _int_bytes(seed_offset + r) + tail for r in range(repeats)]
+    return [head + _int_bytes(seed_offset + r) + mid + _int_bytes(r) + tail for r in range(repeats)]
+
+
+def _expand_slowly(row: dict[str, Any], repeats: int, seed_offset: int) -> list[bytes]:
+    out = []
+    for r in range(repeats):
+        one = copy.deepcopy(row)
+        _set_rollout(one, r, seed_offset + r)
+        out.append(orjson.dumps(one) + b"\n")
+    return out
+
+
+def materialize(plan: Plan, cfg: RunConfig, lines: Iterable[tuple[int, bytes]], source: str,
+                only: set[int] | None = None) -> Iterator[tuple[int, bytes]]:
+    """Yield (shard index, materialized lines) chunks covering every planned rollout, in input order.
+
+    Consecutive rollouts of one task that go to one shard come as one chunk. `only` restricts the output to some
+    shards (to bound open files when writing many round-robin shards).
+    """
+    route = Router(plan.shards)
+    rcp_overrides = dict(cfg.gym.responses_create_params) if cfg.gym else {}
+    ordinal = 0
+    for task, row in iter_tasks(lines, cfg, source):
+        runs = _runs(plan, route, ordinal, task.repeats)
+        ordinal += task.repeats
+        if only is not None and not any(s in only for s, _, _ in runs):
+            continue
+        stamp(row, task, cfg.agent_name, rcp_overrides)
+        rows = expand(row, task.repeats, cfg.seed_offset)
+        for shard_index, a, b in runs:
+            if only is None or shard_index in only:
+                yield shard_index, b"".join(rows[a:b])
+    if ordinal != plan.num_rollouts:
+        raise BadInput(f"{source}: input changed while planning ({ordinal} rollouts now, {plan.num_rollouts} "
+                       f"planned); plan again")
+
+
+def _runs(plan: Plan, route: Router, first: int, k: int) -> list[tuple[int, int, int]]:
+    """Split a task's rollouts [first, first + k) into (shard, from, to) runs of consecutive rollouts."""
+    if route.stride:
+        return [(route(first + r), r, r + 1) for r in range(k)]
+    runs = []
+    r = 0
+    while r < k:
+        s = route(first + r)
+        end = min(k, plan.shards[s].stop - first)
+        runs.append((s, r, end))
+        r = end
+    return runs

@@ -1,0 +1,202 @@
+"""Write Gym's profile files from the merged table: `_reward_profiling.jsonl`, `_agent_metrics.json` and
+`_aggregate_metrics.json` (the maths is in reward_profile.py and aggregate.py; this module only arranges and writes).
+
+Tasks are processed in chunks of about CHUNK_ROWS rollouts, in task order, so memory does not grow with the
+run; with several workers the chunks are rendered by forked processes (which share the merged table) and
+written here in order. The aggregate-metrics file is Gym's list, one entry per agent, each ending with that agent's
+`group_level_metrics` (one row per task, as Gym's `compute_aggregate_metrics` builds them: the task's stats, a
+stub `sample` and completion counted over the rollouts it has). The first agent's rows go straight into the file
+as the chunks are written; other agents' rows wait in scratch files until their entry comes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable
+
+import numpy as np
+import orjson
+
+from shardrun.profile import aggregate
+from shardrun.profile import reward_profile
+from shardrun.merge.merged_table import MergedTable
+from shardrun.plan.planner import Plan
+from shardrun.merge.rowcopy import ByteSources
+from shardrun.core.pool import ordered_map
+
+CHUNK_ROWS = 1 << 15  # rollouts per chunk of tasks
+PLACEHOLDER = b'"@@shardrun-group-level-metrics@@"'
+ROW_INDENT = b"\n      "
+LIST_END = b"\n    ]"
+STUB_SAMPLE = b'{"agent_ref":{"name":"agent"}}'  # Gym's stub `sample` of group rows, as JSON
+
+
+class TaskInfo:
+    """Per-task facts the profile needs, taken from the planned rows before they are released."""
+
+    def __init__(self, table: MergedTable):
+        self.expected = table.planned_per_task()
+        self.done = table.done_per_task()
+        self.agent = table.agent_of_task()
+        self.starts, self.sizes = reward_profile.segments(table.r_key // table.stride)
+        first_keys = table.r_key[self.starts]
+        self.sample_shard, self.sample_offset, self.sample_length = table.planned_rows_of(first_keys)
+
+
+class AgentStats:
+    """Stats of every agent over all its rollouts (Gym's agent level), agents in name order."""
+
+    def __init__(self, table: MergedTable, tasks: TaskInfo):
+        row_agent = tasks.agent[table.r_key // table.stride]
+        order = np.argsort(row_agent, kind="stable")
+        starts, sizes = reward_profile.segments(row_agent[order])
+        self.rows = {int(row_agent[order[s]]): order[s:s + n] for s, n in zip(starts.tolist(), sizes.tolist())}
+        self.codes = sorted(self.rows, key=lambda a: table.agents[a])
+        self.layouts = {a: table.layout(self.rows[a]) for a in self.codes}
+        by_name = np.concatenate([self.rows[a] for a in self.codes]) if self.codes else np.zeros(0, np.int64)
+        sizes = np.array([len(self.rows[a]) for a in self.codes], np.int64)
+        starts = np.cumsum(np.r_[0, sizes[:-1]]).astype(np.int64) if len(sizes) else sizes
+        columns = (table.gather(0, len(table.r_key), [c])[0][by_name] for c in range(len(table.columns)))
+        self.stats = reward_profile.group_stats(columns, starts, sizes)
+
+
+def agent_metric_rows(table: MergedTable, stats: AgentStats) -> list[dict[str, Any]]:
+    """`_agent_metrics.json`: one row per agent, columns as in the whole frame."""
+    layout = table.layout()
+    return [reward_profile.stat_items(layout, stats.stats, j) | {"agent_ref": {"name": table.agents[a]}}
+            for j, a in enumerate(stats.codes)]
+
+
+def aggregate_entries(table: MergedTable, stats: AgentStats, plan: Plan) -> list[dict[str, Any]]:
+    """Gym's aggregate-metrics entries without their group rows: agent_metrics (stats over the agent's own frame
+    and pass@k / majority@k) and key_metrics."""
+    reward = table.column("reward")
+    answers = table.r_answers
+    row_task = table.r_key // table.stride
+    entries = []
+    for j, a in enumerate(stats.codes):
+        rows, name = stats.rows[a], table.agents[a]
+        scores = aggregate.score_table(row_task[rows], reward[rows], answers[rows] if answers is not None else None)
+        metrics = reward_profile.stat_items(stats.layouts[a], stats.stats, j)
+        metrics.update(aggregate.agent_pass_metrics(scores, plan.agents.get(name, {}).get("repeats", 1)))
+        entries.append({"agent_ref": {"name": name}, "agent_metrics": metrics,
+                        "key_metrics": aggregate.key_metrics(metrics)})
+    return entries
+
+
+class AggregateWriter:
+    """Streams the aggregate-metrics list: entries' heads first, each agent's group rows where they belong."""
+
+    def __init__(self, out: IO[bytes], entries: list[dict[str, Any]], codes: list[int],
+                 scratch: Callable[[int], Path]):
+        self.out, self.codes = out, codes
+        parts = orjson.dumps([e | {"group_level_metrics": "@@shardrun-group-level-metrics@@"} for e in entries],
+                             option=orjson.OPT_INDENT_2).split(PLACEHOLDER)
+        self.parts = parts
+        self.count = {a: 0 for a in codes}
+        self.spills: dict[int, tuple[Path, IO[bytes]]] = {}
+        self._stack = contextlib.ExitStack()
+        for a in codes[1:]:
+            path = scratch(a)
+            self.spills[a] = (path, self._stack.enter_context(open(path, "wb")))
+        out.write(parts[0])
+        if codes:
+            out.write(b"[")
+
+    def add(self, agent: int, rows: list[bytes]) -> None:
+        if not rows:
+            return
+        sink = self.out if agent == self.codes[0] else self.spills[agent][1]
+        sink.write((b"," if self.count[agent] else b"") + ROW_INDENT + (b"," + ROW_INDENT).join(rows))
+        self.count[agent] += len(rows)
+
+    def close(self) -> None:
+        self._stack.close()
+        for i, a in enumerate(self.codes):
+            if i:
+                self.out.write(b"[")
+                path = self.spills[a][0]
+                with open(path, "rb") as f:
+                    while block := f.read(1 << 20):
+                        self.out.write(block)
+                path.unlink()
+            self.out.write(LIST_END if self.count[a] else b"]")
+            self.out.write(self.parts[i + 1])
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """What rendering a chunk of tasks needs; set before the worker pool forks, so workers share it."""
+
+    table: MergedTable
+    tasks: TaskInfo
+    stats: AgentStats
+    materialized: list[Path]
+
+
+_context: RenderContext | None = None
+_sources: ByteSources | None = None  # this process's open materialized files
+
+
+def write_profile(out: IO[bytes], aggregate_out: AggregateWriter, table: MergedTable, tasks: TaskInfo,
+                  stats: AgentStats, materialized: list[Path], workers: int = 1) -> None:
+    """The per-task profile rows (and each task's aggregate group row), chunk by chunk in task order; chunks
+    are rendered by `workers` processes and written here in order."""
+    global _context, _sources
+    _context = RenderContext(table, tasks, stats, materialized)
+    try:
+        for text, by_agent in ordered_map(render_chunk, chunks(tasks.sizes), workers):
+            out.write(text)
+            for agent, rows in by_agent.items():
+                aggregate_out.add(agent, rows)
+    finally:
+        _context = None
+        if _sources is not None:
+            _sources.close()
+            _sources = None
+
+
+def render_chunk(bounds: tuple[int, int]) -> tuple[bytes, dict[int, list[bytes]]]:
+    """Profile lines of tasks g0..g1 (task order), and their aggregate group rows by agent."""
+    global _sources
+    ctx = _context
+    assert ctx is not None, "render_chunk runs inside write_profile"
+    if _sources is None:
+        _sources = ByteSources(ctx.materialized)
+    table, tasks, stats = ctx.table, ctx.tasks, ctx.stats
+    layout = table.layout()
+    same = {x: stats.layouts[x] == layout for x in stats.codes}
+    g0, g1 = bounds
+    a, b = int(tasks.starts[g0]), int(tasks.starts[g1 - 1] + tasks.sizes[g1 - 1])
+    starts, sizes = tasks.starts[g0:g1] - a, tasks.sizes[g0:g1]
+    group = reward_profile.group_stats(table.gather(a, b), starts, sizes)
+    infos = table.infos(a, b)
+    codes = (table.r_key[tasks.starts[g0:g1]] // table.stride).tolist()
+    samples = zip(tasks.sample_shard[g0:g1].tolist(), tasks.sample_offset[g0:g1].tolist(),
+                  tasks.sample_length[g0:g1].tolist())
+    lines: list[bytes] = []
+    by_agent: dict[int, list[bytes]] = {x: [] for x in stats.codes}
+    all_items = reward_profile.stat_rows(layout, group)
+    for j, (code, start, n, where) in enumerate(zip(codes, starts.tolist(), sizes.tolist(), samples)):
+        task_index, agent = int(table.tasks[code]), int(tasks.agent[code])
+        infos_json = b"[" + b",".join(infos[start:start + n]) + b"]"
+        items_json = orjson.dumps(all_items[j])
+        sample = orjson.dumps(reward_profile.sample_of(orjson.loads(_sources.get(*where))))
+        lines.append(reward_profile.task_profile_row_json(task_index, items_json, sample, n, int(tasks.expected[code]),
+                                                   infos_json))
+        if not same[agent]:
+            items_json = orjson.dumps(reward_profile.stat_items(stats.layouts[agent], group, j))
+        by_agent[agent].append(reward_profile.task_profile_row_json(task_index, items_json, STUB_SAMPLE, n, n, infos_json))
+    return b"\n".join(lines) + b"\n", by_agent
+
+
+def chunks(sizes: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive task ranges of about CHUNK_ROWS rollouts each (at least one task each)."""
+    ends = np.cumsum(sizes)
+    bounds = [0]
+    while bounds[-1] < len(sizes):
+        done = int(ends[bounds[-1] - 1]) if bounds[-1] else 0
+        bounds.append(max(bounds[-1] + 1, int(np.searchsorted(ends, done + CHUNK_ROWS, side="right"))))
+    return list(zip(bounds[:-1], bounds[1:]))

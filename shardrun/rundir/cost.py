@@ -1,0 +1,297 @@
+"""Cost accounting: GPU-hours, rollouts per GPU-hour and tokens per second, per shard and per run.
+
+Pure functions over sealed `.done` markers (seal.make_marker) and, on Slurm, `sacct` records; the one edge is
+`query_sacct`, which runs `sacct` when it is on PATH. Token counts come from the marker's optional `extra`
+(`output_tokens`, `input_tokens`, `total_tokens`). Markers describe the attempt that sealed each shard, so
+GPU-hours from markers leave out failed attempts; `sacct` reports what the scheduler allocated for the jobs the
+markers name (elapsed x allocated GPUs), including start-up.
+
+    costs = cost.shard_costs(markers)                 # markers: dicts, e.g. seal.check(...).marker
+    total = cost.run_costs(costs)                     # or cost.run_costs(cost.with_sacct(costs, jobs))
+    print(render.table(cost.cost_rows(total)))
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+TOKEN_KEYS = ("input_tokens", "output_tokens", "total_tokens")
+
+
+@dataclass(frozen=True)
+class ShardCost:
+    shard_index: int
+    attempt: int
+    job_id: str | None
+    host: str | None
+    started_at: float
+    finished_at: float
+    gpus: int
+    gpu_hours: float
+    num_rollouts: int
+    num_failed: int
+    collect_s: float | None
+    server_wait_s: float | None
+    tokens: Mapping[str, int]
+    sacct_gpu_hours: float | None = None
+
+    @property
+    def wall_s(self) -> float:
+        return max(0.0, self.finished_at - self.started_at)
+
+    @property
+    def rollouts_per_gpu_hour(self) -> float | None:
+        return self.num_rollouts / self.gpu_hours if self.gpu_hours > 0 else None
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        """Generated tokens per second of collection (collect_s; the wall time when it is missing)."""
+        seconds = self.collect_s if self.collect_s else self.wall_s
+        out = self.tokens.get("output_tokens")
+        return out / seconds if out is not None and seconds > 0 else None
+
+
+def _num(v: Any, default: float = 0.0) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else default
+
+
+def _opt(v: Any) -> float | None:
+    return _num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def shard_cost(marker: Mapping[str, Any]) -> ShardCost:
+    """One marker -> ShardCost. gpu_hours is the marker's, or gpus x (finished - started) when absent."""
+    started, finished = _num(marker.get("started_at")), _num(marker.get("finished_at"))
+    gpus = int(_num(marker.get("gpus")))
+    gpu_hours = _opt(marker.get("gpu_hours"))
+    extra = marker.get("extra") if isinstance(marker.get("extra"), Mapping) else {}
+    tokens = {k: int(extra[k]) for k in TOKEN_KEYS if _opt(extra.get(k)) is not None}
+    job = marker.get("job_id")
+    return ShardCost(
+        shard_index=int(_num(marker.get("shard_index"), -1)), attempt=int(_num(marker.get("attempt"), 1)),
+        job_id=str(job) if job is not None else None, host=marker.get("host"),
+        started_at=started, finished_at=finished, gpus=gpus,
+        gpu_hours=gpu_hours if gpu_hours is not None else gpus * max(0.0, finished - started) / 3600.0,
+        num_rollouts=int(_num(marker.get("num_rollouts"))), num_failed=int(_num(marker.get("num_failed"))),
+        collect_s=_opt(marker.get("collect_s")), server_wait_s=_opt(marker.get("server_wait_s")), tokens=tokens)
+
+
+def shard_costs(markers: Iterable[Mapping[str, Any] | None]) -> list[ShardCost]:
+    """Markers (None entries skipped) -> ShardCosts sorted by shard index."""
+    return sorted((shard_cost(m) for m in markers if m), key=lambda c: c.shard_index)
+
+
+@dataclass(frozen=True)
+class RunCost:
+    shards: int
+    gpu_hours: float
+    sacct_gpu_hours: float | None  # None when no shard has a sacct record
+    rollouts: int
+    failed: int
+    started_at: float | None
+    finished_at: float | None
+    tokens: Mapping[str, int]
+    collect_s: float
+
+    @property
+    def wall_s(self) -> float:
+        return max(0.0, self.finished_at - self.started_at) if self.started_at is not None else 0.0
+
+    @property
+    def rollouts_per_gpu_hour(self) -> float | None:
+        return self.rollouts / self.gpu_hours if self.gpu_hours > 0 else None
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        """Whole-run generation throughput: output tokens over the run's wall time (first start to last end)."""
+        out = self.tokens.get("output_tokens")
+        return out / self.wall_s if out is not None and self.wall_s > 0 else None
+
+
+def run_costs(shards: Sequence[ShardCost]) -> RunCost:
+    tokens: dict[str, int] = {}
+    for key in TOKEN_KEYS:
+        if shards and all(key in s.tokens for s in shards):
+            tokens[key] = sum(s.tokens[key] for s in shards)
+    sacct = [s.sacct_gpu_hours for s in shards if s.sacct_gpu_hours is not None]
+    return RunCost(
+        shards=len(shards), gpu_hours=sum(s.gpu_hours for s in shards),
+        sacct_gpu_hours=sum(sacct) if sacct else None,
+        rollouts=sum(s.num_rollouts for s in shards), failed=sum(s.num_failed for s in shards),
+        started_at=min((s.started_at for s in shards), default=None),
+        finished_at=max((s.finished_at for s in shards), default=None),
+        tokens=tokens, collect_s=sum(s.collect_s or 0.0 for s in shards))
+
+
+# ---------------------------------------------------------------- throughput over time
+
+@dataclass(frozen=True)
+class Throughput:
+    edges_s: tuple[float, ...]  # bin edges, seconds since the first shard started
+    rollouts_per_min: tuple[float, ...]  # one per bin
+    sealed: tuple[int, ...]  # rollouts in shards sealed by each bin's end
+
+
+def throughput(shards: Sequence[ShardCost], bins: int = 60) -> Throughput:
+    """Rollouts per minute over the run, each shard's rollouts spread evenly over its start..finish."""
+    if not shards:
+        return Throughput((), (), ())
+    t0 = min(s.started_at for s in shards)
+    span = max(max(s.finished_at for s in shards) - t0, 1.0)
+    rel = [span * i / bins for i in range(bins + 1)]
+    done = [0.0] * bins
+    for s in shards:
+        if s.wall_s <= 0:  # an instant shard: all its rollouts land in the bin of its finish time
+            done[min(bins - 1, int((s.finished_at - t0) / span * bins))] += s.num_rollouts
+            continue
+        for i, (lo, hi) in enumerate(zip(rel, rel[1:])):
+            overlap = min(t0 + hi, s.finished_at) - max(t0 + lo, s.started_at)
+            if overlap > 0:
+                done[i] += s.num_rollouts * overlap / s.wall_s
+    rate = [d / ((hi - lo) / 60.0) for d, lo, hi in zip(done, rel, rel[1:])]
+    sealed = [sum(s.num_rollouts for s in shards if s.finished_at - t0 <= hi + 1e-9) for hi in rel[1:]]
+    return Throughput(tuple(rel), tuple(rate), tuple(sealed))
+
+
+# ---------------------------------------------------------------- sacct
+
+@dataclass(frozen=True)
+class SacctUsage:
+    job_id: str
+    elapsed_s: float
+    gpus: int
+    state: str
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.elapsed_s * self.gpus / 3600.0
+
+
+SACCT_USAGE_FIELDS = "JobID,ElapsedRaw,AllocTRES,State"
+
+
+def sacct_usage_command(job_ids: Iterable[str]) -> list[str]:
+    """The sacct call for these job ids: allocations only (-X), parsable, no header."""
+    return ["sacct", "-n", "-P", "-X", "-j", ",".join(sorted(set(job_ids))), "-o", SACCT_USAGE_FIELDS]
+
+
+def tres_gpus(tres: str) -> int:
+    """GPUs in an AllocTRES string such as 'billing=8,cpu=64,gres/gpu=8,mem=512G,node=1' (typed gres summed)."""
+    total = 0
+    untyped = None
+    for item in tres.split(","):
+        key, _, value = item.partition("=")
+        if key == "gres/gpu":
+            untyped = int(_num(_int_or_none(value)))
+        elif key.startswith("gres/gpu:"):
+            total += int(_num(_int_or_none(value)))
+    return untyped if untyped is not None else total
+
+
+def _int_or_none(s: str) -> int | None:
+    try:
+        return int(s)
+    except ValueError:
+        return None
+
+
+def parse_elapsed(text: str) -> float:
+    """Slurm's [D-]HH:MM:SS (or MM:SS) as seconds."""
+    days, _, clock = text.rpartition("-")
+    parts = [float(p) for p in clock.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0.0)
+    h, m, s = parts[-3:]
+    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def parse_sacct_usage(text: str) -> dict[str, SacctUsage]:
+    """`sacct -n -P -X -o JobID,ElapsedRaw,AllocTRES,State` output -> {job id: SacctUsage}; last line per id wins."""
+    jobs = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 4 or not parts[0]:
+            continue
+        job_id, elapsed, tres, state = parts[:4]
+        seconds = float(elapsed) if elapsed.replace(".", "", 1).isdigit() else parse_elapsed(elapsed or "0")
+        jobs[job_id] = SacctUsage(job_id, seconds, tres_gpus(tres), state.split()[0] if state else "")
+    return jobs
+
+
+def with_sacct(shards: Sequence[ShardCost], jobs: Mapping[str, SacctUsage]) -> list[ShardCost]:
+    """Attach sacct GPU-hours (elapsed x allocated GPUs) to the shards whose job id sacct knows."""
+    return [replace(s, sacct_gpu_hours=jobs[s.job_id].gpu_hours) if s.job_id in jobs else s for s in shards]
+
+
+Runner = Callable[..., subprocess.CompletedProcess]
+
+
+def query_sacct(job_ids: Iterable[str], runner: Runner = subprocess.run,
+                which: Callable[[str], str | None] = shutil.which) -> dict[str, SacctUsage] | None:
+    """Run sacct for these job ids -> {job id: usage} for those ids; None when sacct is not installed, fails or
+    there are no ids (the edge)."""
+    ids = [j for j in job_ids if j]
+    if not ids or which("sacct") is None:
+        return None
+    try:
+        done = runner(sacct_usage_command(ids), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return {j: u for j, u in parse_sacct_usage(done.stdout).items() if j in ids}
+
+
+# ---------------------------------------------------------------- text
+
+def hours(seconds: float) -> str:
+    """Seconds as H:MM:SS."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _fmt(v: float | None, spec: str = ",.1f") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def cost_rows(run: RunCost) -> list[tuple[str, str]]:
+    """Label/value rows for render.table: the run's cost block in `status`, the merge summary and the report."""
+    rows = [
+        ("sealed shards", f"{run.shards:,}"),
+        ("GPU-hours (markers)", _fmt(run.gpu_hours, ",.2f")),
+    ]
+    if run.sacct_gpu_hours is not None:
+        rows.append(("GPU-hours (sacct)", _fmt(run.sacct_gpu_hours, ",.2f")))
+    rows += [
+        ("rollouts per GPU-hour", _fmt(run.rollouts_per_gpu_hour)),
+        ("wall time", hours(run.wall_s)),
+        ("output tokens per second", _fmt(run.output_tokens_per_s)),
+    ]
+    return rows
+
+
+def shard_row(s: ShardCost) -> dict[str, Any]:
+    """One shard's cost as a flat dict (for tables and --json)."""
+    return {"shard": s.shard_index, "attempt": s.attempt, "job_id": s.job_id, "host": s.host, "gpus": s.gpus,
+            "wall_s": round(s.wall_s, 3), "gpu_hours": s.gpu_hours, "sacct_gpu_hours": s.sacct_gpu_hours,
+            "rollouts": s.num_rollouts, "failed": s.num_failed, "rollouts_per_gpu_hour": s.rollouts_per_gpu_hour,
+            "output_tokens": s.tokens.get("output_tokens"), "output_tokens_per_s": s.output_tokens_per_s}
+
+
+def run_row(run: RunCost) -> dict[str, Any]:
+    return {"shards": run.shards, "gpu_hours": run.gpu_hours, "sacct_gpu_hours": run.sacct_gpu_hours,
+            "rollouts": run.rollouts, "failed": run.failed, "wall_s": run.wall_s,
+            "rollouts_per_gpu_hour": run.rollouts_per_gpu_hour, "tokens": dict(run.tokens),
+            "output_tokens_per_s": run.output_tokens_per_s}
+
+
+def sealed_cost_text(row: Mapping[str, Any]) -> str:
+    """One line for `shardrun status` from run_row(...) of the sealed shards: throughput per GPU-hour and tokens/s."""
+    if not row or not row.get("shards"):
+        return "-"
+    return (f"{_fmt(row.get('rollouts_per_gpu_hour'))} rollouts/GPU-hour, "
+            f"{_fmt(row.get('output_tokens_per_s'))} output tokens/s over {row['shards']:,} sealed shard(s)")

@@ -1,0 +1,553 @@
+"""The run directory: the only module that knows file names, atomic writes and the run lock.
+
+Layout (an interface: later stages and outside tools rely on it):
+
+    RUN_DIR/plan.json
+    RUN_DIR/shards/<5-digit shard index>/rollouts_materialized_inputs.jsonl   planned rows (Gym format)
+                                        /rollouts.jsonl, rollouts_failures.jsonl, .done, logs/
+    RUN_DIR/merged/                                                          merge-and-profile results
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import IO, Iterable, Iterator
+
+import orjson
+from filelock import FileLock
+
+from shardrun.plan import planner
+from shardrun.core.config import RunConfig
+from shardrun.core.errors import BadInput, PlanMismatch, RunDirError
+from shardrun.core.gym_names import FAILURES, MATERIALIZED, ROLLOUTS
+from shardrun.plan.planner import Plan
+
+PLAN_FILE = "plan.json"
+SHARDS_DIR = "shards"
+MERGED_DIR = "merged"
+LOCK_FILE = ".shardrun.lock"
+DONE = ".done"
+LOGS = "logs"
+TMP_PREFIX = ".tmp-"
+MAX_OPEN_SHARD_FILES = 256
+
+
+# ---------------------------------------------------------------- paths
+
+def plan_path(run_dir: Path) -> Path:
+    return Path(run_dir) / PLAN_FILE
+
+
+def shard_dir(run_dir: Path, index: int) -> Path:
+    return Path(run_dir) / SHARDS_DIR / f"{index:05d}"
+
+
+def materialized_path(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / MATERIALIZED
+
+
+def rollouts_path(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / ROLLOUTS
+
+
+def failures_path(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / FAILURES
+
+
+def done_path(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / DONE
+
+
+def logs_dir(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / LOGS
+
+
+def merged_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / MERGED_DIR
+
+
+# merged outputs (Gym's names: <rollouts stem>_reward_profiling.jsonl, ..._agent_metrics.json, ...) and the report
+
+MERGED_ROLLOUTS_STEM = "rollouts"
+REPORT_FILE = "report.html"
+
+
+def merged_reward_profiling_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / f"{MERGED_ROLLOUTS_STEM}_reward_profiling.jsonl"
+
+
+def merged_agent_metrics_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / f"{MERGED_ROLLOUTS_STEM}_agent_metrics.json"
+
+
+def merged_aggregate_metrics_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / f"{MERGED_ROLLOUTS_STEM}_aggregate_metrics.json"
+
+
+def merged_failures_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / f"{MERGED_ROLLOUTS_STEM}_failures.jsonl"
+
+
+def merged_rollouts_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / ROLLOUTS
+
+
+def merged_materialized_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / MATERIALIZED
+
+
+def merged_summary_path(run_dir: Path) -> Path:
+    """What the last merge-and-profile saw and did (counts, per shard, timings): merged/merge_summary.json."""
+    return merged_dir(run_dir) / "merge_summary.json"
+
+
+def merge_lock(run_dir: Path, timeout: float = -1) -> FileLock:
+    """Held while merge-and-profile writes merged/ (one merge at a time; flock, never stale)."""
+    merged_dir(run_dir).mkdir(parents=True, exist_ok=True)
+    return FileLock(str(merged_dir(run_dir) / ".merge.lock"), timeout=timeout)
+
+
+def merge_scratch(run_dir: Path, name: str) -> Path:
+    """A scratch file of the running merge (snapshots, spills); removed as a stale temp if the merge is killed."""
+    return merged_dir(run_dir) / f"{TMP_PREFIX}{name}"
+
+
+def report_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / REPORT_FILE
+
+
+def report_figure_path(run_dir: Path, name: str) -> Path:
+    """A report figure, beside report.html: merged/report_<name>.png."""
+    return merged_dir(run_dir) / f"report_{name}.png"
+
+
+# the shard's self-hosted policy server (vLLM): its log and per-server scratch (IPC sockets, compile caches)
+
+VLLM_LOG = "vllm.log"
+VLLM_SCRATCH = "vllm"
+
+
+def vllm_log_path(shard: Path) -> Path:
+    """The vLLM server's log in the shard's logs/ (appended by every attempt)."""
+    return Path(shard) / LOGS / VLLM_LOG
+
+
+def vllm_scratch_dirs(shard: Path) -> tuple[Path, Path]:
+    """(TMPDIR, VLLM_CACHE_ROOT) of the shard's vLLM server: SHARD/vllm/tmp and SHARD/vllm/cache."""
+    base = Path(shard) / VLLM_SCRATCH
+    return base / "tmp", base / "cache"
+
+
+# launches: what was submitted for which shard (written by launch, read by status / resume / cancel)
+
+JOBS_DIR = "jobs"
+LAUNCHES_FILE = "launches.jsonl"
+SHARD_FAILURE = ".failed"
+
+
+def jobs_dir(run_dir: Path) -> Path:
+    """submitit's folder: job scripts, pickles and the job logs (RUN_DIR/jobs/)."""
+    return Path(run_dir) / JOBS_DIR
+
+
+def job_log_path(run_dir: Path, job_id: str) -> Path:
+    """The log of one submitted job or array task, named as submitit names it: <job id>_<task 0>_log.out."""
+    return jobs_dir(run_dir) / f"{job_id}_0_log.out"
+
+
+def launches_path(run_dir: Path) -> Path:
+    return Path(run_dir) / LAUNCHES_FILE
+
+
+def shard_failure_path(run_dir: Path, index: int) -> Path:
+    """The last attempt's error, written by the shard job when it raises (removed when a later attempt seals)."""
+    return shard_dir(run_dir, index) / SHARD_FAILURE
+
+
+def run_lock(run_dir: Path, timeout: float = -1) -> FileLock:
+    """The run directory's lock (flock based: a killed holder releases it, so it is never stale)."""
+    return FileLock(str(Path(run_dir) / LOCK_FILE), timeout=timeout)
+
+
+# ---------------------------------------------------------------- atomic files
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: Path, buffering: int = -1) -> Iterator[IO[bytes]]:
+    """Write `path` atomically: temp file in the same directory, fsync, rename, fsync the directory."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb", buffering=buffering) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_writer(path) as f:
+        f.write(data)
+
+
+def atomic_write_json(path: Path, obj: object) -> None:
+    atomic_write_bytes(path, orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
+
+
+def remove_stale_temps(directory: Path) -> int:
+    """Delete temp files a killed writer left behind; returns how many."""
+    n = 0
+    if directory.is_dir():
+        for p in directory.glob(TMP_PREFIX + "*"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                n += 1
+    return n
+
+
+# ---------------------------------------------------------------- JSONL
+
+def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tuple[int, bytes]]:
+    """Stream (1-based line number, line without newline) from a file, never loading it whole."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise BadInput(f"input file not found: {path}") from None
+    except IsADirectoryError:
+        raise BadInput(f"input path is a directory, not a JSONL file: {path}") from None
+    with f:
+        for line_no, raw in enumerate(f, 1):
+            if hasher is not None:
+                hasher.update(raw)
+            yield line_no, raw.rstrip(b"\r\n")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def complete_lines(path: Path) -> Iterator[bytes]:
+    """Yield the complete (newline-terminated) non-blank lines of a JSONL file; a torn last line is skipped."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for raw in f:
+            if raw.endswith(b"\n") and raw.strip():
+                yield raw
+
+
+def repair_torn_tail(path: Path) -> int:
+    """Cut a file back to its last newline (a killed writer's half line). Returns the bytes removed."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+    if size == 0:
+        return 0
+    with open(path, "r+b") as f:
+        pos = size
+        chunk = 1 << 16
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            block = f.read(pos - start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        else:
+            keep = 0
+        if keep == size:
+            return 0
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    return size - keep
+
+
+# ---------------------------------------------------------------- plan
+
+def load_plan(run_dir: Path) -> Plan:
+    """Read plan.json and check it was not edited since it was written."""
+    path = plan_path(run_dir)
+    if not Path(run_dir).is_dir():
+        raise RunDirError(f"run directory not found: {run_dir}")
+    try:
+        data = orjson.loads(path.read_bytes())
+        plan = Plan.from_json(data)
+    except FileNotFoundError:
+        raise RunDirError(f"{path}: no plan here; run `shardrun plan CONFIG --write` or `shardrun submit`") from None
+    except (orjson.JSONDecodeError, TypeError, KeyError, ValueError) as e:
+        raise PlanMismatch(f"{path}: unreadable plan ({e}); it was edited or damaged. Re-plan into a new "
+                           f"run directory") from None
+    if planner.fingerprint(plan) != plan.fingerprint:
+        raise PlanMismatch(f"{path}: content does not match its fingerprint {plan.fingerprint[:12]}…; plan.json "
+                           f"was edited by hand. Restore it or plan into a new run directory")
+    return plan
+
+
+def check_run_dir(run_dir: Path) -> None:
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise BadInput(f"run_dir: {run_dir} exists and is not a directory")
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    check_run_dir(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=TMP_PREFIX + "probe.", dir=run_dir)  # own name: two submits may probe
+        os.close(fd)
+        os.unlink(probe)
+    except PermissionError:
+        raise RunDirError(f"run_dir: {run_dir} is not writable (permission denied)") from None
+    except OSError as e:
+        if e.errno == errno.EROFS:
+            raise RunDirError(f"run_dir: {run_dir} is on a read-only file system") from None
+        if e.errno == errno.ENOSPC:
+            raise RunDirError(f"run_dir: no space left on the device holding {run_dir}") from None
+        raise RunDirError(f"run_dir: cannot use {run_dir}: {e}") from None
+
+
+def scan_input(cfg: RunConfig) -> Plan:
+    """Validation pass over the input (streamed) -> the plan. Writes nothing."""
+    src = cfg.input_jsonl
+    hasher = hashlib.sha256()
+    summary = planner.scan(read_lines(src, hasher), cfg, str(src))
+    info = planner.InputInfo(path=str(src), sha256=hasher.hexdigest(), num_lines=summary.num_lines)
+    return planner.make_plan(cfg, info, summary)
+
+
+def existing_plan_matches(run_dir: Path, plan: Plan) -> bool:
+    """True if RUN_DIR already holds this plan; PlanMismatch if it holds another; False if none."""
+    if not plan_path(run_dir).exists():
+        return False
+    old = load_plan(run_dir)
+    if old.fingerprint == plan.fingerprint:
+        return True
+    diffs = planner.plan_differences(old, plan)
+    raise PlanMismatch(f"{run_dir} holds a plan made with other settings (fingerprint {old.fingerprint[:12]}…, "
+                       f"new {plan.fingerprint[:12]}…):\n" + "\n".join(f"  - {d}" for d in diffs) +
+                       "\nUse a new run_dir, or restore the original input and settings.")
+
+
+def write_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[Plan, bool]:
+    """Materialize the run directory for `cfg`. Returns (plan, written); an identical plan is a no-op."""
+    plan = plan or scan_input(cfg)
+    run_dir = cfg.run_dir
+    prepare_run_dir(run_dir)
+    with run_lock(run_dir):
+        if existing_plan_matches(run_dir, plan):
+            return plan, False
+        _refuse_orphan_outputs(run_dir)
+        with os_errors_as_domain_errors(f"writing the plan into {run_dir}"):
+            _write_shards(plan, cfg)
+            atomic_write_json(plan_path(run_dir), plan.to_json())
+    return plan, True
+
+
+@contextlib.contextmanager
+def os_errors_as_domain_errors(doing: str) -> Iterator[None]:
+    """Turn disk-full / permission / missing-directory errors into RunDirError with what to do next."""
+    try:
+        yield
+    except OSError as e:
+        raise os_error(e, doing) from None
+
+
+def os_error(e: OSError, doing: str = "") -> RunDirError:
+    """The RunDirError for an OSError met while `doing` something in a run directory (what happened, what to do)."""
+    at = f" {doing}" if doing else ""
+    where = f": {e.filename}" if e.filename else ""
+    if isinstance(e, PermissionError) or e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return RunDirError(f"permission denied{at}{where or f': {e}'}; fix the permissions and rerun "
+                           f"(nothing already written is lost)")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RunDirError(f"no space left on the device{at}{f' ({e.filename})' if e.filename else ''}; free "
+                           f"space and rerun (nothing already sealed is lost)")
+    if e.errno == errno.ENOENT:
+        return RunDirError(f"a path vanished{at}{where}; was the run directory moved or deleted?")
+    return RunDirError(f"I/O error{at}: {e}")
+
+
+def _refuse_orphan_outputs(run_dir: Path) -> None:
+    shards = Path(run_dir) / SHARDS_DIR
+    if not shards.is_dir():
+        return
+    for p in shards.glob(f"*/{ROLLOUTS}"):
+        if p.stat().st_size > 0:
+            raise RunDirError(f"{run_dir} has shard outputs ({p}) but no plan.json; refusing to overwrite them. "
+                              f"Restore plan.json or use a new run_dir")
+
+
+def _write_shards(plan: Plan, cfg: RunConfig) -> None:
+    indices = [s.index for s in plan.shards]
+    for i in indices:
+        shard_dir(cfg.run_dir, i).mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(shard_dir(cfg.run_dir, i))
+    for g in range(0, len(indices), MAX_OPEN_SHARD_FILES):
+        group = indices[g:g + MAX_OPEN_SHARD_FILES]
+        _write_shard_group(plan, cfg, group)
+
+
+def _write_shard_group(plan: Plan, cfg: RunConfig, group: list[int]) -> None:
+    with contextlib.ExitStack() as stack:
+        buffering = max(1 << 14, (64 << 20) // len(group))  # at most ~64 MiB buffered over all open shards
+        writers = {i: stack.enter_context(atomic_writer(materialized_path(cfg.run_dir, i), buffering))
+                   for i in group}
+        hasher = hashlib.sha256()
+        lines = read_lines(cfg.input_jsonl, hasher)
+        only = set(group) if len(group) < len(plan.shards) else None
+        for shard_index, chunk in planner.materialize(plan, cfg, lines, str(cfg.input_jsonl), only):
+            writers[shard_index].write(chunk)
+        if hasher.hexdigest() != plan.input.sha256:
+            raise BadInput(f"{cfg.input_jsonl}: the input changed while it was being planned; plan again")
+
+
+def iter_jsonl_objects(path: Path) -> Iterable[dict]:
+    for raw in complete_lines(path):
+        yield orjson.loads(raw)
+
+
+# ---------------------------------------------------------------- launch records and counting
+
+def append_launch(run_dir: Path, record: dict) -> None:
+    """Append one launch record (one JSON line, fsynced). Callers hold run_lock; readers skip a torn tail."""
+    path = launches_path(run_dir)
+    repair_torn_tail(path)
+    with open(path, "ab") as f:
+        f.write(orjson.dumps(record) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_launches(run_dir: Path) -> list[dict]:
+    """Every launch record, oldest first."""
+    return [orjson.loads(raw) for raw in complete_lines(launches_path(run_dir))]
+
+
+_BLANK_LINE = re.compile(rb"(?<=\n)\n")
+
+
+def count_complete_lines(path: Path) -> int:
+    """Complete (newline-terminated) non-empty lines (a torn last line is not counted), in 1 MiB blocks."""
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        return 0
+    n = 0
+    prev = b"\n"  # a file that starts with a newline has a blank first line
+    with f:
+        while block := f.read(1 << 20):
+            blank = len(_BLANK_LINE.findall(block)) if b"\n\n" in block else 0
+            n += block.count(b"\n") - blank - (prev == b"\n" and block[:1] == b"\n")
+            prev = block[-1:]
+    return n
+
+
+# ---------------------------------------------------------------- shard runtime (one shard on one node)
+
+GYM_DIR = "gym"
+ENV_YAML = "env.yaml"
+SERVER_VENVS = "venvs"
+ROLLOUT_ATTEMPTS = "rollout_attempts.jsonl"
+SHARD_LOG = "shard.log"
+GYM_LOG = "ng_run.log"
+COLLECTOR_LOG = "collector.log"
+SHARD_LOCK = ".shard.lock"
+LAUNCH_SETTINGS = "launch.json"
+
+
+def gym_dir(run_dir: Path, index: int) -> Path:
+    """ng_run's working directory for the shard (env.yaml while the stack runs, Gym's own caches)."""
+    return shard_dir(run_dir, index) / GYM_DIR
+
+
+def env_yaml_path(run_dir: Path, index: int) -> Path:
+    """Gym's env.yaml (policy URL, key, model), 0600, present only while the shard's Gym stack runs."""
+    return gym_dir(run_dir, index) / ENV_YAML
+
+
+def server_venvs_dir(run_dir: Path, index: int) -> Path:
+    """Gym's uv_venv_dir for the shared-venv route: <type>/<impl>/.venv symlinks to the Gym venv."""
+    return gym_dir(run_dir, index) / SERVER_VENVS
+
+
+def rollout_attempts_path(run_dir: Path, index: int) -> Path:
+    """One line per failed attempt of one identity (identity, reason, time): shardrun's retry ledger."""
+    return shard_dir(run_dir, index) / ROLLOUT_ATTEMPTS
+
+
+def shard_log_path(run_dir: Path, index: int) -> Path:
+    return logs_dir(run_dir, index) / SHARD_LOG
+
+
+def gym_log_path(run_dir: Path, index: int) -> Path:
+    return logs_dir(run_dir, index) / GYM_LOG
+
+
+def collector_log_path(run_dir: Path, index: int) -> Path:
+    return logs_dir(run_dir, index) / COLLECTOR_LOG
+
+
+def shard_lock(run_dir: Path, index: int, timeout: float = 0) -> FileLock:
+    """Held while a shard runs, so two attempts of one shard never run at once (flock: never stale)."""
+    return FileLock(str(shard_dir(run_dir, index) / SHARD_LOCK), timeout=timeout)
+
+
+def launch_settings_path(run_dir: Path) -> Path:
+    """The validated config of the latest launch (env-var names only, never secrets): resume needs no config."""
+    return Path(run_dir) / LAUNCH_SETTINGS
+
+
+def append_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    """Append JSON lines durably (fsync) after cutting a torn tail; for files only this process appends to."""
+    repair_torn_tail(path)
+    data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
+    if not data:
+        return
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_launch_settings(run_dir: Path, cfg: RunConfig) -> None:
+    """Save the validated config of a launch (config files name env vars only; no secret values exist in it)."""
+    atomic_write_json(launch_settings_path(run_dir), {"config": planner.public_config(cfg)})
+
+
+def read_launch_settings(run_dir: Path) -> RunConfig | None:
+    """The config the latest launch saved, or None when nothing was launched yet."""
+    try:
+        data = orjson.loads(launch_settings_path(run_dir).read_bytes())
+    except FileNotFoundError:
+        return None
+    except orjson.JSONDecodeError as e:
+        raise RunDirError(f"{launch_settings_path(run_dir)}: unreadable ({e}); submit again with the config") from None
+    return RunConfig.model_validate(data["config"])

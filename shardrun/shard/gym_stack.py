@@ -1,0 +1,260 @@
+"""The shard's NeMo Gym servers: env.yaml, `ng_run` in its own process group, readiness, health, teardown.
+
+What Gym 0.4.0 needs here (docs/runtime.md has the measurements):
+- `env.yaml` in ng_run's working directory carries `policy_base_url` (a string or a list), `policy_api_key` and
+  `policy_model_name`; it holds the key, so it is written 0600 and deleted at teardown.
+- A head-server port per stack (`+head_server.host` and `+head_server.port` together), chosen free by the kernel
+  so stacks of two shards on one node never collide; the servers themselves get random free ports from Gym.
+- uv must find the exact plain Python the Gym venv was made from (its pyvenv.cfg `home`) and must not download
+  interpreters (UV_PYTHON_DOWNLOADS=never). Ray gets a short private RAY_TMPDIR (Unix socket paths are limited to
+  107 bytes) and RAY_AUTH_MODE=disabled (no ~/.ray token).
+- server_venvs=shared: `<uv_venv_dir>/<type>/<impl>/.venv` symlinks to the Gym venv and
+  `+skip_venv_if_present=true`: no uv run at all (UV_OFFLINE=1 as a guard).
+- `+global_aiohttp_client_request_debug=true` makes the collector name the identity of a failed /run (the collector
+  takes the client settings from the head server's config), which the retry ledger needs. It also makes
+  Gym print a failed request's headers, the policy key among them: ng_run's output reaches its log through
+  processes' redactor, which masks the key.
+- ng_run is stopped with SIGTERM to its process group, then stragglers (Ray workers leave the group) are killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import yaml
+
+from shardrun.shard import processes
+from shardrun.rundir import store
+from shardrun.core.config import GymConfig
+from shardrun.core.errors import BadInput, ServerFailure
+
+VENV_ENV = "SHARDRUN_GYM_VENV"
+HEAD_HOST = "127.0.0.1"
+SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models")
+STOP_GRACE_S = 5.0  # ng_run exits about 3 s after SIGTERM; results are on disk by then
+STRAGGLER_GRACE_S = 0.5
+PORT_TRIES = 3
+RAY_TMP_BASE_MAX = 40
+
+
+# ---------------------------------------------------------------- pure parts
+
+def env_yaml_text(base_urls: Sequence[str], api_key: str | None, model_name: str) -> str:
+    url: str | list[str] = base_urls[0] if len(base_urls) == 1 else list(base_urls)
+    return yaml.safe_dump({"policy_base_url": url, "policy_api_key": api_key or "EMPTY",
+                           "policy_model_name": model_name}, sort_keys=False)
+
+
+def hydra_list(items: Sequence[str]) -> str:
+    """A Hydra list literal; elements with Hydra's special characters are single-quoted."""
+    def one(s: str) -> str:
+        if any(c in s for c in " ,[]{}()='\"\\:$*?"):
+            return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return s
+    return "[" + ",".join(one(s) for s in items) + "]"
+
+
+def ng_run_command(venv: Path, gym: GymConfig, port: int, venvs_dir: Path) -> list[str]:
+    return [str(venv / "bin" / "ng_run"), f"+config_paths={hydra_list(gym.config_paths)}",
+            f"+head_server.host={HEAD_HOST}", f"+head_server.port={port}",
+            "+global_aiohttp_client_request_debug=true", "+skip_venv_if_present=true",
+            f"+uv_venv_dir={venvs_dir}", *gym.overrides]
+
+
+def base_python_dir(venv: Path) -> Path | None:
+    """The directory of the plain interpreter the venv was made from (pyvenv.cfg `home`)."""
+    try:
+        for line in (venv / "pyvenv.cfg").read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "home":
+                return Path(value.strip())
+    except OSError:
+        return None
+    return None
+
+
+def stack_env(base: Mapping[str, str], venv: Path, ray_tmp: Path, shared: bool) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in ("PYTHONHOME", "VIRTUAL_ENV", "PYTHONPATH")}
+    path = [str(venv / "bin")]
+    home = base_python_dir(venv)
+    if home is not None:
+        path.append(str(home))
+    env["PATH"] = os.pathsep.join(path + [base.get("PATH", "/usr/bin:/bin")])
+    env.update(UV_PYTHON_DOWNLOADS="never", RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="disabled",
+               PYTHONUNBUFFERED="1")
+    if shared:
+        env["UV_OFFLINE"] = "1"
+    return env
+
+
+def gym_venv(gym: GymConfig, env: Mapping[str, str]) -> Path:
+    venv = gym.venv or env.get(VENV_ENV)
+    if not venv:
+        raise BadInput(f"gym.venv is not set and ${VENV_ENV} is empty: name the venv that has nemo-gym "
+                       f"(scripts/setup.sh gym builds one)")
+    path = Path(venv)
+    if not (path / "bin" / "ng_run").exists():
+        raise BadInput(f"gym venv {path} has no bin/ng_run; install nemo-gym there (scripts/setup.sh gym)")
+    return path
+
+
+def site_packages(venv: Path) -> Path:
+    found = sorted((venv / "lib").glob("python3*/site-packages"))
+    if not found:
+        raise BadInput(f"gym venv {venv}: no lib/python3*/site-packages")
+    return found[-1]
+
+
+def link_server_venvs(venvs_dir: Path, venv: Path) -> int:
+    """`<venvs_dir>/<kind>/<impl>/.venv` -> the Gym venv, for every server the Gym install ships."""
+    n = 0
+    root = site_packages(venv)
+    for kind in SERVER_KINDS:
+        for server in sorted(p for p in (root / kind).glob("*") if p.is_dir() and not p.name.startswith("_")):
+            link = venvs_dir / kind / server.name / ".venv"
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if link.is_symlink() and Path(os.readlink(link)) == venv:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                link.unlink()
+            link.symlink_to(venv, target_is_directory=True)
+            n += 1
+    return n
+
+
+def ray_tmp_dir(shard: Path) -> Path:
+    """A short RAY_TMPDIR named after the shard, emptied first: what a killed attempt left is removed by the next
+    (the shard lock keeps attempts of one shard apart). Node-local $TMPDIR unless its path is too long for Ray's
+    Unix sockets (107 bytes), then /tmp."""
+    import hashlib
+
+    base = tempfile.gettempdir()
+    if len(base) > RAY_TMP_BASE_MAX:
+        base = "/tmp"
+    path = Path(base) / f"sr-ray-{hashlib.sha256(str(Path(shard).resolve()).encode()).hexdigest()[:12]}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+# ---------------------------------------------------------------- the running stack
+
+@dataclass
+class GymStack:
+    proc: processes.Proc
+    port: int
+    env_yaml: Path
+    ray_tmp: Path
+    instances: list[dict] = field(default_factory=list)
+
+    @property
+    def head_url(self) -> str:
+        return f"http://{HEAD_HOST}:{self.port}"
+
+    def server_instances(self) -> list[dict] | None:
+        got = processes.http_get(self.head_url + "/server_instances", timeout=5.0)
+        if got is None or got[0] != 200:
+            return None
+        try:
+            data = json.loads(got[1])
+        except ValueError:
+            return None
+        return data if isinstance(data, list) else None
+
+    def unanswered(self, instances: list[dict]) -> list[str]:
+        """Names of servers whose URL does not answer HTTP at all (any status counts as alive, like ng_status)."""
+        return [str(i.get("process_name") or i.get("name")) for i in instances
+                if not i.get("url") or processes.http_get(str(i["url"]), timeout=3.0) is None]
+
+    def ready(self) -> bool:
+        instances = self.server_instances()
+        if not instances or self.unanswered(instances):
+            return False
+        self.instances = instances
+        return True
+
+    def problem(self) -> str | None:
+        """Why the stack is unhealthy, or None (for the watchdog)."""
+        if not self.proc.alive():
+            return f"the Gym stack exited: {self.proc.describe_exit()}"
+        dead = self.unanswered(self.instances)
+        if dead:
+            return f"Gym server(s) not answering: {', '.join(dead)} (log {self.proc.log_path})"
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM ng_run's group, kill stragglers, delete env.yaml (it holds the key) and Ray's temp dir."""
+        try:
+            processes.stop(self.proc, grace=STOP_GRACE_S, straggler_grace=STRAGGLER_GRACE_S)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                self.env_yaml.unlink()
+            shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def write_env_yaml(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with store.atomic_writer(path) as f:  # mkstemp: created 0600
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text.encode())
+
+
+def start(run_dir: Path, index: int, gym: GymConfig, base_urls: Sequence[str], api_key: str | None,
+          model_name: str, env: Mapping[str, str] | None = None) -> GymStack:
+    """Write env.yaml and start ng_run for shard `index` (not waiting for readiness)."""
+    base_env = dict(os.environ if env is None else env)
+    venv = gym_venv(gym, base_env)
+    work = store.gym_dir(run_dir, index)
+    work.mkdir(parents=True, exist_ok=True)
+    shared = gym.server_venvs == "shared"
+    if shared:
+        venvs_dir = store.server_venvs_dir(run_dir, index)
+        link_server_venvs(venvs_dir, venv)
+    else:
+        venvs_dir = Path(gym.uv_venv_dir) if gym.uv_venv_dir else venv.parent / (venv.name + "-server-venvs")
+        venvs_dir.mkdir(parents=True, exist_ok=True)
+    env_yaml = store.env_yaml_path(run_dir, index)
+    write_env_yaml(env_yaml, env_yaml_text(base_urls, api_key, model_name))
+    ray_tmp = ray_tmp_dir(store.shard_dir(run_dir, index))
+    port = processes.free_port(HEAD_HOST)
+    cmd = ng_run_command(venv, gym, port, venvs_dir)
+    if not shared:
+        cmd.append(f"+uv_cache_dir={venvs_dir / 'uv-cache'}")
+    # with request debugging on, Gym's model adapter prints a failed request's headers (the key among them)
+    proc = processes.start(cmd, store.gym_log_path(run_dir, index), name="ng_run", cwd=work,
+                           env=stack_env(base_env, venv, ray_tmp, shared), redact=[api_key] if api_key else [])
+    return GymStack(proc=proc, port=port, env_yaml=env_yaml, ray_tmp=ray_tmp)
+
+
+def wait_ready(stack: GymStack, timeout: float) -> float:
+    """Seconds until the head server lists its servers and every one answers; ServerFailure otherwise."""
+    return processes.wait_until(stack.ready, watch=[stack.proc], timeout=timeout, interval=1.0,
+                                what=f"Gym servers (ng_run, head server {stack.head_url})")
+
+
+def start_ready(run_dir: Path, index: int, gym: GymConfig, base_urls: Sequence[str], api_key: str | None,
+                model_name: str, env: Mapping[str, str] | None = None) -> tuple[GymStack, float]:
+    """start + wait_ready; a head port taken between choosing and binding it is retried with another port."""
+    t0 = time.monotonic()
+    for attempt in range(PORT_TRIES):
+        stack = start(run_dir, index, gym, base_urls, api_key, model_name, env)
+        try:
+            wait_ready(stack, max(1.0, gym.ready_timeout_s - (time.monotonic() - t0)))
+            return stack, time.monotonic() - t0
+        except ServerFailure as e:
+            stack.stop()
+            if attempt + 1 < PORT_TRIES and "address already in use" in str(e).lower():
+                continue
+            raise
+        except BaseException:
+            stack.stop()
+            raise
+    raise AssertionError("unreachable")

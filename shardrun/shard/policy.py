@@ -1,0 +1,105 @@
+"""The shard's policy model endpoint: a pre-hosted one (checked before use) or a self-hosted vLLM (started here,
+through shardrun.shard.vllm, and stopped with the shard). Either way the shard gets base URL(s), a model name and the
+API key read from the environment variable the config names (never from a file)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from shardrun.shard import processes
+from shardrun.core.config import PolicyConfig
+from shardrun.core.errors import BadInput, ServerFailure
+
+PREHOSTED_CHECK_S = 60.0
+
+
+def api_key(policy: PolicyConfig, env: Mapping[str, str]) -> str | None:
+    if not policy.api_key_env:
+        return None
+    value = env.get(policy.api_key_env)
+    if not value:
+        raise BadInput(f"policy.api_key_env names ${policy.api_key_env}, which is not set in the shard's "
+                       f"environment (export it where you submit; it is read at shard start, never stored)")
+    return value
+
+
+def base_urls(policy: PolicyConfig) -> list[str]:
+    urls = policy.base_url if isinstance(policy.base_url, list) else [policy.base_url]
+    return [u.rstrip("/") for u in urls if u]
+
+
+def auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def model_ids(body: bytes) -> list[str]:
+    try:
+        return [m.get("id") for m in json.loads(body).get("data") or [] if isinstance(m, dict)]
+    except (ValueError, AttributeError):
+        return []
+
+
+@dataclass
+class PolicyEndpoint:
+    base_urls: list[str]
+    model_name: str
+    api_key: str | None = field(default=None, repr=False)
+    server: Any = None  # shardrun.shard.vllm.VllmServer when self-hosted
+    notes: list[str] = field(default_factory=list)
+
+    def problem(self) -> str | None:
+        """Why the policy server is unusable now, or None (for the watchdog)."""
+        if self.server is not None and not self.server.alive():
+            return f"the vLLM server exited: {self.server.proc.describe_exit()}"
+        for url in self.base_urls:
+            got = processes.http_get(url + "/models", timeout=5.0, headers=auth(self.api_key))
+            if got is None:
+                return f"policy server {url} does not answer (GET {url}/models)"
+            if got[0] >= 500:
+                return f"policy server {url} answers HTTP {got[0]} to GET {url}/models"
+        return None
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def check_prehosted(endpoint: PolicyEndpoint, timeout: float) -> float:
+    """Wait (up to `timeout`) until every pre-hosted URL answers GET /models with 200."""
+    def answers(url: str) -> Callable[[], bool]:
+        def check() -> bool:
+            got = processes.http_get(url + "/models", timeout=5.0, headers=auth(endpoint.api_key))
+            if got is not None and got[0] in (401, 403):
+                raise ServerFailure(f"policy server {url} refused the API key (HTTP {got[0]} on GET /models)")
+            if got is None or got[0] != 200:
+                return False
+            ids = model_ids(got[1])
+            if ids and endpoint.model_name not in ids:
+                endpoint.notes.append(f"{url}/models does not list {endpoint.model_name!r} (lists {ids[:5]})")
+            return True
+        return check
+
+    waited = 0.0
+    for url in endpoint.base_urls:
+        waited += processes.wait_until(answers(url), timeout=max(1.0, timeout - waited), interval=1.0,
+                                       what=f"pre-hosted policy server {url}")
+    return waited
+
+
+def open_policy(policy: PolicyConfig, shard_dir: Path, env: Mapping[str, str] | None = None) -> PolicyEndpoint:
+    """Start (self-hosted) or check (pre-hosted) the policy endpoint; ServerFailure when it is not usable."""
+    env = dict(os.environ if env is None else env)
+    key = api_key(policy, env)
+    if policy.vllm is not None:
+        from shardrun.shard import vllm
+
+        port = policy.vllm.port or processes.free_port()
+        server = vllm.start_vllm(policy.vllm, shard_dir, port, api_key=key, env=env)
+        return PolicyEndpoint([server.base_url], server.model_name, key, server)
+    endpoint = PolicyEndpoint(base_urls(policy), str(policy.model_name), key)
+    check_prehosted(endpoint, PREHOSTED_CHECK_S)
+    return endpoint

@@ -1,0 +1,340 @@
+"""One shard on one node: policy server -> Gym stack -> collector rounds under the watchdog -> seal -> teardown.
+
+`run_shard(run_dir, index)` is everything a shard job does. All state is in the run directory: a valid `.done`
+means the shard is never run again; otherwise the shard resumes from its files (a torn last line is cut first),
+so a rerun after a crash, a kill or a walltime runs only the identities still missing.
+
+Rounds. Each round is one `ng_collect_rollouts` resume over the shard's materialized rows. A round that exits 0
+with nothing pending ends collection. A round that exits non-zero because a /run failed (Gym 0.4.0 aborts the
+whole collector on one failed row) gets the failed identities recorded in the retry ledger; an identity that
+failed `gym.max_rollout_attempts` times is written to rollouts_failures.jsonl (terminal, with its reason, never
+as reward 0) and the next round runs the rest. Anything else fails the shard with the collector's log tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from shardrun.shard import collector
+from shardrun.shard import gym_stack
+from shardrun.rundir import ledger
+from shardrun.shard import policy
+from shardrun.rundir import seal
+from shardrun.rundir import store
+from shardrun.shard import watchdog
+from shardrun.core.config import RunConfig
+from shardrun.core.errors import ShardFailed, ShardrunError
+from shardrun.plan.planner import Plan
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    index: int
+    state: str  # "sealed" (by this call) or "already_sealed"
+    marker: dict
+
+
+class ShardLog:
+    """shardrun's own lines for one shard: logs/shard.log, and stderr (the job log)."""
+
+    def __init__(self, path: Path, index: int):
+        self.path = path
+        self.index = index
+        with contextlib.suppress(OSError):  # an unwritable run directory is reported by the shard itself
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, message: str) -> None:
+        line = f"[shardrun {time.strftime('%Y-%m-%d %H:%M:%S')} shard {self.index:05d}] {message}"
+        try:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+        except OSError as e:  # disk full, permission denied: the line still reaches the job log
+            line += f" (not in {self.path.name}: {e.strerror})"
+        print(line, flush=True)
+
+
+class ShardInterrupted(ShardFailed):
+    """The shard process got SIGTERM/SIGINT (cancel, walltime): it tears down and exits non-zero."""
+
+
+def run_shard(run_dir: Path | str, index: int, *, job_id: str | None = None) -> ShardResult:
+    """Run shard `index` of the plan in `run_dir` to a seal, or raise a ShardrunError (recorded in `.failed`)."""
+    run_dir = Path(run_dir)
+    plan = store.load_plan(run_dir)
+    if not 0 <= index < len(plan.shards):
+        raise ShardFailed(f"shard {index} does not exist (the plan has {len(plan.shards)} shards)")
+    log = ShardLog(store.shard_log_path(run_dir, index), index)
+    state = seal.check(run_dir, plan, index, deep=True)
+    if state.sealed:
+        log("already sealed; nothing to do")
+        return ShardResult(index, "already_sealed", state.marker or {})
+    if state.reason != "no marker":
+        log(f"marker ignored: {state.reason}")
+    cfg = launch_config(run_dir, plan)
+    attempt = shard_attempt(run_dir, index)
+    with holding_shard_lock(run_dir, index):
+        marker = run_locked(run_dir, index, plan, cfg, log, job_id, attempt)
+    log(f"sealed: {marker['num_rollouts']} rollouts, {marker['num_failed']} failed, "
+        f"servers {marker['server_wait_s']:.1f} s, collecting {marker['collect_s']:.1f} s")
+    return ShardResult(index, "sealed", marker)
+
+
+@contextlib.contextmanager
+def holding_shard_lock(run_dir: Path, index: int) -> Iterator[None]:
+    """The shard's lock, or ShardFailed at once when another process runs the shard (its state is left alone)."""
+    from filelock import Timeout
+
+    lock = store.shard_lock(run_dir, index, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ShardFailed(f"shard {index} is already running (its lock {lock.lock_file} is held by another "
+                          f"process)") from None
+    except OSError as e:
+        raise store.os_error(e, f"locking shard {index}") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def run_locked(run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: ShardLog, job_id: str | None,
+               attempt: int) -> dict:
+    """One attempt; a failure is recorded in `.failed` (and the shard log) and re-raised as a domain error."""
+    try:
+        with interruptible():
+            log(f"start: attempt {attempt}, job {job_id or '-'}, host {socket.gethostname()}, pid {os.getpid()}")
+            marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt).run()
+    except Exception as exc:
+        e = store.os_error(exc, f"running shard {index}") if isinstance(exc, OSError) else exc
+        error = describe(e)
+        log(f"FAILED: {error}")
+        with contextlib.suppress(OSError):  # a full or unwritable disk must not hide the error itself
+            store.atomic_write_json(store.shard_failure_path(run_dir, index),
+                                    {"job_id": job_id, "error": error, "attempt": attempt, "at": time.time(),
+                                     "host": socket.gethostname()})
+        if e is not exc:
+            raise e from exc
+        if isinstance(e, ShardrunError):
+            raise
+        raise ShardFailed(f"shard {index}: {error}") from e
+    with contextlib.suppress(FileNotFoundError):
+        store.shard_failure_path(run_dir, index).unlink()
+    return marker
+
+
+def describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def launch_config(run_dir: Path, plan: Plan) -> RunConfig:
+    cfg = store.read_launch_settings(run_dir) or RunConfig.model_validate(plan.config)
+    cfg.require("gym", "policy")
+    return cfg
+
+
+def shard_attempt(run_dir: Path, index: int) -> int:
+    """How many launches included this shard, this one too (from the launch records; 1 when run by hand)."""
+    key = str(index)
+    launched = sum(1 for rec in store.read_launches(run_dir) if key in (rec.get("jobs") or {}))
+    return max(1, launched)
+
+
+def gpus_visible() -> int:
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return len([d for d in devices.split(",") if d.strip() and d.strip() != "-1"]) if devices else 0
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """SIGTERM/SIGINT become ShardInterrupted (so teardown runs); only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        raise ShardInterrupted(f"interrupted by {signal.Signals(signum).name}; servers stopped, progress kept")
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class Shard:
+    """One attempt at one shard (holds the shard lock while it runs)."""
+
+    def __init__(self, run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: ShardLog, job_id: str | None,
+                 attempt: int):
+        self.run_dir, self.index, self.plan, self.cfg, self.log = run_dir, index, plan, cfg, log
+        self.job_id, self.attempt = job_id, attempt
+        self.gym = cfg.gym
+        self.started_at = time.time()
+        self.server_wait_s = 0.0
+        self.collect_s = 0.0
+        self.teardown_started: float | None = None
+
+    def run(self) -> dict:
+        """Seal first, then tear down: a walltime that hits during teardown cannot cost the seal."""
+        self.prepare_files()
+        book = self.ledger()
+        if not book.pending:
+            self.log("every planned rollout is already accounted for; sealing without starting servers")
+            return self.seal()
+        self.log(f"{len(book.pending)} of {len(book.planned)} planned rollouts to run "
+                 f"({len(book.done)} done, {book.num_failed} failed)")
+        with contextlib.ExitStack() as teardown:
+            teardown.callback(self.log_teardown, time.monotonic)
+            endpoint, stack = self.start_servers(teardown)
+            self.collect(endpoint, stack)
+            # collection is over (the servers read env.yaml at start only); once sealed the shard never runs
+            # again, so the key must not wait for a teardown that a kill can skip
+            store.env_yaml_path(self.run_dir, self.index).unlink(missing_ok=True)
+            marker = self.seal()
+            self.log("sealed; stopping servers")
+            self.teardown_started = time.monotonic()
+        return marker
+
+    def log_teardown(self, clock) -> None:
+        if self.teardown_started is not None:
+            self.log(f"servers stopped in {clock() - self.teardown_started:.1f} s")
+
+    # ------------------------------------------------------------ files
+
+    def prepare_files(self) -> None:
+        shard = store.shard_dir(self.run_dir, self.index)
+        store.remove_stale_temps(shard)
+        for path in (store.rollouts_path(self.run_dir, self.index), store.failures_path(self.run_dir, self.index),
+                     store.rollout_attempts_path(self.run_dir, self.index)):
+            cut = store.repair_torn_tail(path)
+            if cut:
+                self.log(f"cut a torn last line ({cut} bytes) from {path.name}")
+        store.rollouts_path(self.run_dir, self.index).touch()
+        with contextlib.suppress(FileNotFoundError):
+            store.env_yaml_path(self.run_dir, self.index).unlink()  # left by a killed attempt
+
+    def ledger(self) -> ledger.Ledger:
+        book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
+        due = ledger.quarantine(self.run_dir, self.index, book, self.gym.max_rollout_attempts,
+                                ledger.last_reasons(self.run_dir, self.index))
+        if due:
+            self.log(f"recorded {len(due)} rollout(s) as failed after {self.gym.max_rollout_attempts} attempts: "
+                     + ", ".join(f"{t}:{r}" for t, r in due[:10]))
+            book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
+        return book
+
+    # ------------------------------------------------------------ servers
+
+    def start_servers(self, teardown: contextlib.ExitStack) -> tuple[policy.PolicyEndpoint, gym_stack.GymStack]:
+        t0 = time.monotonic()
+        shard = store.shard_dir(self.run_dir, self.index)
+        endpoint = policy.open_policy(self.cfg.policy, shard)
+        teardown.callback(endpoint.stop)
+        for note in endpoint.notes:
+            self.log(f"note: {note}")
+        self.log(f"policy ready in {time.monotonic() - t0:.1f} s: {', '.join(endpoint.base_urls)} "
+                 f"model {endpoint.model_name}")
+        stack, waited = gym_stack.start_ready(self.run_dir, self.index, self.gym, endpoint.base_urls,
+                                              endpoint.api_key, endpoint.model_name)
+        teardown.callback(stack.stop)
+        self.server_wait_s = time.monotonic() - t0
+        self.log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, "
+                 f"{len(stack.instances)} servers)")
+        return endpoint, stack
+
+    # ------------------------------------------------------------ collection
+
+    def collect(self, endpoint: policy.PolicyEndpoint, stack: gym_stack.GymStack) -> None:
+        venv = gym_stack.gym_venv(self.gym, os.environ)
+        checks = [watchdog.Check("policy server", endpoint.problem), watchdog.Check("Gym stack", stack.problem)]
+        max_rounds = self.gym.max_rollout_attempts * len(self.ledger().planned) + 2
+        for round_no in range(1, max_rounds + 1):
+            book = self.ledger()
+            if not book.pending:
+                return
+            before = progress_mark(book)
+            rc, failed = self.collect_round(venv, stack, checks, round_no, len(book.pending))
+            if failed:
+                ledger.record_attempts(self.run_dir, self.index, failed, self.attempt)
+                for (t, r), reason in failed.items():
+                    self.log(f"rollout {t}:{r} failed: {reason}")
+            book = self.ledger()
+            if not book.pending:
+                return
+            after = progress_mark(book)
+            if rc != 0 and not failed:
+                raise ShardFailed(f"ng_collect_rollouts exited with code {rc} and named no failed rollout; "
+                                  f"{len(book.pending)} rollouts still pending. Last lines of "
+                                  f"{store.collector_log_path(self.run_dir, self.index)}:\n"
+                                  f"{collector_tail(self.run_dir, self.index)}")
+            if after == before:
+                raise ShardFailed(f"ng_collect_rollouts round {round_no} exited {rc} without progress; "
+                                  f"{len(book.pending)} rollouts still pending")
+        raise ShardFailed(f"gave up after {max_rounds} collector rounds")
+
+    def collect_round(self, venv: Path, stack: gym_stack.GymStack, checks: list[watchdog.Check], round_no: int,
+                      pending: int) -> tuple[int, dict]:
+        rollouts = store.rollouts_path(self.run_dir, self.index)
+        failures = store.failures_path(self.run_dir, self.index)
+        store.repair_torn_tail(rollouts)
+        log_path = store.collector_log_path(self.run_dir, self.index)
+        offset = collector.log_size(log_path)
+        self.log(f"collector round {round_no}: {pending} rollouts")
+        t0 = time.monotonic()
+        proc = collector.start(venv, stack, self.run_dir, self.index, self.gym)
+        try:
+            rc = watchdog.watch(proc, checks=checks, progress=lambda: (size(rollouts), size(failures)),
+                                stall_timeout_s=self.gym.stall_timeout_s, interval_s=self.gym.health_interval_s,
+                                log=self.log)
+        finally:
+            self.collect_s += time.monotonic() - t0
+        failed = collector.failed_identities(collector.read_from(log_path, offset)) if rc != 0 else {}
+        self.log(f"collector round {round_no} exited {rc} after {time.monotonic() - t0:.1f} s")
+        return rc, failed
+
+    # ------------------------------------------------------------ seal
+
+    def seal(self) -> dict:
+        book = self.ledger()
+        if book.pending:
+            raise ShardFailed(f"{len(book.pending)} planned rollouts are missing; not sealing")
+        if book.duplicates:
+            self.log(f"warning: {book.duplicates} duplicate rollout line(s) in rollouts.jsonl (merge dedupes)")
+        rollouts = store.rollouts_path(self.run_dir, self.index)
+        finished = time.time()
+        marker = seal.make_marker(
+            self.plan, self.index, num_rollouts=len(book.done), num_failed=book.num_failed,
+            rollouts_sha256=store.sha256_file(rollouts), rollouts_bytes=rollouts.stat().st_size,
+            started_at=self.started_at, finished_at=finished, host=socket.gethostname(), job_id=self.job_id,
+            attempt=self.attempt, server_wait_s=round(self.server_wait_s, 3), collect_s=round(self.collect_s, 3),
+            gpus=gpus_visible(), extra=dict(book.usage) or None)
+        seal.write_marker(self.run_dir, self.index, marker)
+        return marker
+
+
+def progress_mark(book: ledger.Ledger) -> tuple[int, int, int, int]:
+    """Changes whenever a round did anything: a rollout, a failed attempt (ours or an agent's), a failure."""
+    return len(book.done), sum(book.attempts.values()), book.sidecar_rows, len(book.failed)
+
+
+def size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def collector_tail(run_dir: Path, index: int, lines: int = 30) -> str:
+    from shardrun.shard.processes import log_tail
+
+    return log_tail(store.collector_log_path(run_dir, index), lines)

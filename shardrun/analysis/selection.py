@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -56,14 +59,23 @@ class Selection:
 
 # ---------------------------------------------------------------- rules (pure)
 
-def check_rules(rules: Rules, tasks: Sequence[TaskStat]) -> None:
-    """BadInput for contradictory or unknown settings, with 'did you mean' hints."""
+def check_bounds(rules: Rules) -> None:
+    """BadInput for rules no task can meet whatever the profile holds: a bound that is not a number, min above max."""
+    for flag, value in (("--min-mean", rules.min_mean), ("--max-mean", rules.max_mean), ("--min-std", rules.min_std),
+                        ("--solved-threshold", rules.solved_threshold)):
+        if value is not None and not math.isfinite(value):
+            raise BadInput(f"{flag} {value}: must be a finite number")
     if rules.min_mean is not None and rules.max_mean is not None and rules.min_mean > rules.max_mean:
         raise BadInput(f"--min-mean {rules.min_mean} is above --max-mean {rules.max_mean}: no task can match")
     if rules.top_k_hardest is not None and rules.top_k_hardest < 1:
         raise BadInput(f"--top-k-hardest must be at least 1, got {rules.top_k_hardest}")
     if rules.min_std is not None and rules.min_std < 0:
         raise BadInput(f"--min-std must be >= 0, got {rules.min_std}")
+
+
+def check_rules(rules: Rules, tasks: Sequence[TaskStat]) -> None:
+    """BadInput for contradictory or unknown settings, with 'did you mean' hints."""
+    check_bounds(rules)
     known = taskstats.agents(tasks)
     for a in rules.agents:
         if a not in known:
@@ -211,20 +223,46 @@ def _hashed_lines(path: Path, hasher: "hashlib._Hash") -> Iterator[bytes]:
             yield raw
 
 
+_SPECIAL_FILES = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+                  (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def output_target(output: Path, run_dir: Path, source: Path) -> Path:
+    """The regular file `select -o OUTPUT` may (re)place: BadInput for a path inside the run directory, the input
+    file, a device, a FIFO, a socket or a directory, or a symlink to one of these. A symlink to anything else is
+    followed, so the link stays and its target is replaced atomically."""
+    target = Path(os.path.realpath(output))
+    via = f" (a symlink to {target})" if target != Path(os.path.abspath(output)) else ""
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    for is_kind, kind in _SPECIAL_FILES:
+        if mode is not None and is_kind(mode):
+            raise BadInput(f"--output {output}{via} is {kind}, not a file; name a regular file. Nothing was written")
+    if target.is_relative_to(Path(os.path.realpath(run_dir))):
+        raise BadInput(f"--output {output}{via} is inside the run directory {run_dir}, whose files shardrun owns; "
+                       f"write the subset somewhere else. Nothing was written")
+    if target == Path(os.path.realpath(source)):
+        raise BadInput(f"--output {output}{via} is the input file itself; write the subset somewhere else. "
+                       f"Nothing was written")
+    return target
+
+
 def select_run(run_dir: Path, output: Path, rules: Rules, stats_key: str | None = None,
                input_path: Path | None = None) -> SelectResult:
     """Choose tasks from RUN_DIR's profile and write their original input rows to `output` (atomically)."""
+    check_bounds(rules)
     plan = store.load_plan(run_dir)
-    selection = choose(taskstats.load_profile(run_dir), rules, plan.num_tasks)
     source = Path(input_path or plan.input.path)
+    target = output_target(Path(output), run_dir, source)
+    selection = choose(taskstats.load_profile(run_dir), rules, plan.num_tasks)
     output = Path(output)
-    if output.exists() and source.exists() and output.resolve() == source.resolve():
-        raise BadInput(f"--output {output} is the input file itself; write the subset somewhere else")
     chosen = {t.task_index: t for t in selection.kept}
     hasher = hashlib.sha256()
     found: set[int] = set()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with store.atomic_writer(output) as f:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with store.atomic_writer(target) as f:
         for index, line in subset_lines(_hashed_lines(source, hasher), chosen, stats_key, str(source)):
             found.add(index)
             f.write(line)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shardrun.core.credentials import find_credentials
 from shardrun.core.errors import BadInput
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -330,7 +331,13 @@ _SECRET_KEYS = re.compile(r"(api_key|token|password|secret)$", re.IGNORECASE)
 
 
 def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
-    """Validate a composed dict; one BadInput listing every problem, with 'did you mean' hints."""
+    """Validate a composed dict; one BadInput listing every problem, with 'did you mean' hints. A value that looks
+    like a credential is refused wherever it is (also when an ${oc.env:...} interpolation put it there)."""
+    secrets = [f"{where}: {reason}; secrets are not allowed in configs or overrides (they would be stored in "
+               f"plan.json or a job script): keep it in an environment variable and name that variable instead "
+               f"(policy.api_key_env, or a bare NAME in cluster.env_vars)" for where, reason in find_credentials(data)]
+    if secrets:
+        raise BadInput(f"{source}: invalid configuration", secrets)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

@@ -1,0 +1,78 @@
+"""What looks like a credential: by the name it is stored under, and by its value (pure).
+
+shardrun never stores or renders a secret: the config names the environment variable that holds it. A value is
+taken for a credential when it has the shape of a well-known token (OpenAI, Hugging Face, GitHub, AWS, Slack,
+a private key block), or when it is a long, high-entropy string under a key-like name (`*_KEY`, `*TOKEN`,
+`PASSWORD`, ...). Paths and URLs are never taken for credentials by entropy alone (a token inside a URL still is,
+by its shape). The finder reports where a credential is, never the value itself.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from typing import Any, Iterator
+
+SECRET_NAME = re.compile(r"(api_?key|key|token|password|passwd|secret|credentials?)$", re.IGNORECASE)
+"""A key or variable name under which a value is a secret (API_KEY, HF_TOKEN, policy_api_key, db_password)."""
+
+TOKEN_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("an OpenAI API key", re.compile(r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}")),
+    ("an Anthropic API key", re.compile(r"\bsk-ant-[A-Za-z0-9_-]{20,}")),
+    ("a Hugging Face token", re.compile(r"\bhf_[A-Za-z0-9]{30,}")),
+    ("a GitHub token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{40,})")),
+    ("an AWS access key id", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("a Slack token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
+    ("a private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
+)
+MIN_SECRET_LENGTH = 16
+MIN_SECRET_ENTROPY = 3.0  # bits per character; English words and identifiers stay below, random keys above
+_PATH_OR_URL = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*://|/|\./|\.\./|~)")
+
+
+def entropy(text: str) -> float:
+    """Shannon entropy of the characters of `text`, in bits per character."""
+    counts = Counter(text)
+    return -sum(n / len(text) * math.log2(n / len(text)) for n in counts.values()) if text else 0.0
+
+
+def token_shape(value: str) -> str | None:
+    """The kind of well-known token `value` holds anywhere in it, or None."""
+    for kind, pattern in TOKEN_SHAPES:
+        if pattern.search(value):
+            return kind
+    return None
+
+
+def secret_reason(name: str, value: str) -> str | None:
+    """Why `value`, stored under `name`, is a credential; None when it is not one."""
+    kind = token_shape(value)
+    if kind:
+        return f"holds what looks like {kind}"
+    if (SECRET_NAME.search(name) and len(value) >= MIN_SECRET_LENGTH and not _PATH_OR_URL.match(value)
+            and not any(c.isspace() for c in value) and entropy(value) >= MIN_SECRET_ENTROPY):
+        return f"{name!r} names a secret and its value looks like one (long and random)"
+    return None
+
+
+def find_credentials(data: Any, where: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted location, reason) for every credential in a nested dict/list of strings; `NAME=value` strings
+    (overrides, env_vars) are judged as value `value` under name `NAME`."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from find_credentials(value, f"{where}.{key}" if where else str(key))
+        return
+    if isinstance(data, (list, tuple)):
+        for i, value in enumerate(data):
+            yield from find_credentials(value, f"{where}[{i}]")
+        return
+    if not isinstance(data, str):
+        return
+    name = where.rsplit(".", 1)[-1].split("[", 1)[0]
+    key, sep, value = data.partition("=")
+    if sep and re.fullmatch(r"[+~]{0,2}[A-Za-z_][\w.]*", key):
+        name, data = key.lstrip("+~").rsplit(".", 1)[-1], value
+    reason = secret_reason(name, data)
+    if reason:
+        yield where or "(value)", reason

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from shardrun.core.credentials import find_credentials
 from shardrun.core.errors import BadInput
+from shardrun.core.gym_names import MAX_REPEATS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MAX_ARRAY_SIZE = 1001
@@ -27,8 +28,8 @@ class StrictModel(BaseModel):
 
 
 class ShardingConfig(StrictModel):
-    num_shards: int | None = Field(None, ge=1, description="Number of shards (exclusive with rollouts_per_shard).")
-    rollouts_per_shard: int | None = Field(None, ge=1, description="Target rollouts per shard.")
+    num_shards: int | None = Field(None, ge=1, le=10_000_000, description="Number of shards (exclusive with rollouts_per_shard).")
+    rollouts_per_shard: int | None = Field(None, ge=1, le=2**40, description="Target rollouts per shard.")
     slicing: Literal["contiguous", "round_robin"] = Field(
         "contiguous",
         description="contiguous keeps a task's rollouts together where sizes allow; round_robin deals rollout i "
@@ -45,7 +46,7 @@ class ShardingConfig(StrictModel):
 class GymConfig(StrictModel):
     config_paths: list[str] = Field(default_factory=list, description="NeMo Gym config_paths for ng_run.")
     venv: str | None = Field(None, description="Python environment (venv dir) that has nemo-gym and uv.")
-    num_samples_in_parallel: int | None = Field(None, ge=1, description="Collector concurrency per shard.")
+    num_samples_in_parallel: int | None = Field(None, ge=1, le=100_000, description="Collector concurrency per shard.")
     responses_create_params: dict[str, Any] = Field(
         default_factory=dict, description="Shallow overrides merged into every row's responses_create_params."
     )
@@ -57,7 +58,7 @@ class GymConfig(StrictModel):
     stall_timeout_s: float = Field(
         600.0, gt=0, description="Stop a shard when no rollout lands for this long or a server is dead."
     )
-    max_rollout_attempts: int = Field(3, ge=1, description="Attempts per rollout before it is recorded as failed.")
+    max_rollout_attempts: int = Field(3, ge=1, le=100_000, description="Attempts per rollout before it is recorded as failed.")
     server_venvs: Literal["shared", "uv"] = Field(
         "shared",
         description="shared: every Gym server runs from gym.venv (which must hold the servers' requirements; "
@@ -77,9 +78,9 @@ class VllmConfig(StrictModel):
     command: list[str] | None = Field(
         None, description="Launcher prefix; default `<python> -m vllm.entrypoints.openai.api_server`."
     )
-    tensor_parallel_size: int = Field(1, ge=1)
-    data_parallel_size: int = Field(1, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=4096)
+    data_parallel_size: int = Field(1, ge=1, le=4096)
+    max_model_len: int | None = Field(None, ge=1, le=2**31 - 1)
     extra_args: list[str] = Field(default_factory=list, description="More vLLM CLI arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the vLLM process.")
     port: int | None = Field(None, ge=1, le=65535, description="Port; default derived from the shard index.")
@@ -147,21 +148,21 @@ class ClusterConfig(StrictModel):
     timeouts: dict[str, str] = Field(default_factory=dict, description="Time limit per partition, HH:MM:SS.")
     job_name_prefix: str = "shardrun"
     time_limit: str | None = Field(None, description="Default shard time limit HH:MM:SS.")
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(0, ge=0)
-    cpus_per_task: int | None = Field(None, ge=1)
+    nodes: int = Field(1, ge=1, le=100_000)
+    gpus_per_node: int = Field(0, ge=0, le=1024)
+    cpus_per_task: int | None = Field(None, ge=1, le=100_000)
     mem_gb: float | None = Field(None, gt=0)
     setup: list[str] = Field(default_factory=list, description="Shell lines run before each shard (module load).")
-    array_parallelism: int = Field(64, ge=1, description="Max shards running at once (array throttle / local cap).")
-    max_array_size: int | None = Field(None, ge=2, description="Override the cluster's MaxArraySize.")
-    max_attempts: int = Field(3, ge=1, description="Attempts per shard before resume gives up on it.")
-    max_requeues: int = Field(10, ge=0, description="Times a shard job is requeued after reaching its time limit "
+    array_parallelism: int = Field(64, ge=1, le=4_000_001, description="Max shards running at once (array throttle / local cap).")
+    max_array_size: int | None = Field(None, ge=2, le=4_000_001, description="Override the cluster's MaxArraySize.")
+    max_attempts: int = Field(3, ge=1, le=100_000, description="Attempts per shard before resume gives up on it.")
+    max_requeues: int = Field(10, ge=0, le=1000, description="Times a shard job is requeued after reaching its time limit "
                               "(submitit checkpoint); a preemption counts only near the time limit.")
-    signal_delay_s: int = Field(120, ge=1, description="Seconds before the time limit at which the shard is asked "
+    signal_delay_s: int = Field(120, ge=1, le=7 * 86400, description="Seconds before the time limit at which the shard is asked "
                                 "to stop and requeue (USR2); capped at half the time limit.")
     merge_partition: str | None = Field(None, description="Partition of the CPU merge job (default: partition).")
     merge_time_limit: str = Field("01:00:00", description="Time limit of the merge job.")
-    merge_cpus_per_task: int = Field(4, ge=1, description="CPUs of the merge job.")
+    merge_cpus_per_task: int = Field(4, ge=1, le=100_000, description="CPUs of the merge job.")
     merge_mem_gb: float = Field(16, gt=0, description="Memory of the merge job.")
     additional_parameters: dict[str, Any] = Field(default_factory=dict, description="Extra sbatch parameters.")
 
@@ -182,7 +183,7 @@ class RunConfig(StrictModel):
         1, description="Rollouts per task: an int, or a dict keyed by agent_ref.name with optional _default."
     )
     agent_name: str | None = Field(None, description="Agent for rows without agent_ref.")
-    seed_offset: int = Field(0, ge=0, description="Sampling seed = seed_offset + rollout index.")
+    seed_offset: int = Field(0, ge=0, le=2**62, description="Sampling seed = seed_offset + rollout index.")
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     gym: GymConfig | None = None
     policy: PolicyConfig | None = None
@@ -192,8 +193,8 @@ class RunConfig(StrictModel):
     @classmethod
     def _repeats(cls, v: int | dict[str, int]) -> int | dict[str, int]:
         values = v.values() if isinstance(v, dict) else [v]
-        if any(isinstance(x, bool) or x < 1 for x in values):
-            raise ValueError("repeats must be integers >= 1")
+        if any(isinstance(x, bool) or x < 1 or x > MAX_REPEATS for x in values):
+            raise ValueError(f"repeats must be integers from 1 to {MAX_REPEATS:,} (2^20)")
         return v
 
     def planning_view(self) -> dict[str, Any]:
@@ -244,6 +245,55 @@ def find_cluster_config(name: str, config_file: Path | None) -> Path:
     raise BadInput(msg)
 
 
+MAX_YAML_BYTES = 10 * 2**20
+MAX_YAML_NODES = 100_000
+"""What a config's YAML may expand to: aliases are counted as often as they are used, so a few hundred bytes of
+nested aliases (an "alias bomb") are refused before anything expands them."""
+
+
+def check_yaml_file(path: Path, what: str = "config file") -> None:
+    """BadInput unless `path` is a regular YAML file of bounded size whose aliases expand to a bounded tree."""
+    import yaml
+
+    if not path.exists():
+        raise BadInput(f"{what} not found: {path}")
+    if not path.is_file():
+        raise BadInput(f"{what} {path} is not a regular file (a directory, a FIFO or a device); name a YAML file")
+    size = path.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise BadInput(f"{path}: {size:,} bytes, over the {MAX_YAML_BYTES // 2**20} MiB a {what} may have")
+    try:
+        nodes = list(yaml.compose_all(path.read_text(), Loader=yaml.SafeLoader))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: not valid YAML: {e}") from None
+    sizes: dict[int, int] = {}
+
+    def expanded(node: Any) -> int:
+        key = id(node)
+        if key not in sizes:
+            sizes[key] = 1  # a node that contains itself (a recursive alias) counts once
+            if isinstance(node, yaml.SequenceNode):
+                sizes[key] = 1 + sum(expanded(child) for child in node.value)
+            elif isinstance(node, yaml.MappingNode):
+                sizes[key] = 1 + sum(expanded(k) + expanded(v) for k, v in node.value)
+        return min(sizes[key], MAX_YAML_NODES + 1)
+
+    import sys
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        total = sum(expanded(n) for n in nodes)
+    except RecursionError:
+        raise BadInput(f"{path}: YAML nested too deeply") from None
+    finally:
+        sys.setrecursionlimit(limit)
+    if total > MAX_YAML_NODES:
+        line = next((n.start_mark.line + 1 for n in nodes if n is not None), 1)
+        raise BadInput(f"{path}:{line}: the YAML expands to more than {MAX_YAML_NODES:,} values through its aliases "
+                       f"(&anchor / *alias); a config this large is refused")
+
+
 _CLUSTER_PICK = re.compile(r"^\+{0,2}cluster=([A-Za-z0-9_.\-]+)$")
 
 
@@ -255,8 +305,7 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
     from omegaconf import OmegaConf
 
     path = Path(config_file)
-    if not path.is_file():
-        raise BadInput(f"config file not found: {path}")
+    check_yaml_file(path)
     cluster_name = None
     rest = []
     for o in overrides:
@@ -281,6 +330,7 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
     picked = cluster_name or (cfg.get("cluster") if isinstance(cfg.get("cluster"), str) else None)
     if picked:
         cluster_file = find_cluster_config(picked, path)
+        check_yaml_file(cluster_file, "cluster config")
         try:
             cfg.cluster = OmegaConf.load(cluster_file)
         except Exception as e:

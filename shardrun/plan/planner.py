@@ -20,13 +20,13 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 import orjson
 
 from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, RunConfig
 from shardrun.core.errors import BadInput
-from shardrun.core.gym_names import AGENT_KEY, RCP_KEY, ROLLOUT_KEY, TASK_KEY
+from shardrun.core.gym_names import AGENT_KEY, MAX_JSON_DEPTH, MAX_TASK_INDEX, RCP_KEY, ROLLOUT_KEY, TASK_KEY
 
 PLANNER_VERSION = "1"
 MAX_ROW_BYTES = 16 * 1024 * 1024
@@ -57,7 +57,23 @@ def parse_line(raw: bytes, line_no: int, source: str) -> dict[str, Any]:
         raise BadInput(f"{where}: {kind}: {e}") from None
     if not isinstance(row, dict):
         raise BadInput(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(row) > MAX_JSON_DEPTH:
+        raise BadInput(f"{where}: nested {json_depth(row)} levels deep (objects and arrays); a row may have at most "
+                       f"{MAX_JSON_DEPTH}, what the JSON writer of the shards and the profile supports")
     return row
+
+
+def json_depth(value: Any) -> int:
+    """How many objects and arrays are nested at the deepest point of `value` (a scalar: 0); iterative."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
 
 
 def row_agent(row: dict[str, Any], line_no: int, source: str, default_agent: str | None) -> str | None:
@@ -94,6 +110,9 @@ def check_row(row: dict[str, Any], line_no: int, source: str) -> None:
         ti = row[TASK_KEY]
         if isinstance(ti, bool) or not isinstance(ti, int) or ti < 0:
             raise BadInput(f"{where}: field {TASK_KEY}: must be a non-negative integer, got {ti!r}")
+        if ti > MAX_TASK_INDEX:
+            raise BadInput(f"{where}: field {TASK_KEY}: {ti} is above {MAX_TASK_INDEX:,} (2^40 - 1), the largest task "
+                           f"index a run can merge; renumber the tasks")
 
 
 def repeats_for(agent: str, num_repeats: int | dict[str, int]) -> int | None:
@@ -121,9 +140,10 @@ class InputSummary:
 
 
 class _IndexSet:
-    """Task indices seen so far: a bitmap for small ones, a set for the rest (memory ~ n/8 bytes)."""
+    """Task indices seen so far: a bitmap for small ones (at most LIMIT / 8 bytes, 16 MiB), a set for the rest, so
+    memory grows with how many indices there are, never with how large one is."""
 
-    LIMIT = 1 << 34
+    LIMIT = 1 << 27
 
     def __init__(self) -> None:
         self.bits = bytearray()
@@ -439,65 +459,70 @@ def _int_bytes(i: int) -> bytes:
     return _INTS[i] if i < len(_INTS) else str(i).encode()
 
 
-def expand(row: dict[str, Any], repeats: int, seed_offset: int) -> list[bytes]:
-    """The task's k materialized rows as JSON lines, byte-identical to Gym's (orjson, same key order)."""
+def expansion(row: dict[str, Any], seed_offset: int) -> Callable[[int, int], bytes]:
+    """A renderer of the task's materialized rows: (a, b) -> rollouts a..b-1 as JSON lines, byte-identical to
+    Gym's (orjson, same key order). Rows are rendered on demand, so memory does not grow with the repeats."""
     template = _template_copy(row)
     _set_rollout(template, _SENT_ROLLOUT, _SENT_SEED)
     raw = orjson.dumps(template)
-    if raw.count(_R_TOK) != 1 or raw.count(_S_TOK) != 1:
-        return _expand_slowly(row, repeats, seed_offset)  # the sentinels collided with row content
+    if raw.count(_R_TOK) != 1 or raw.count(_S_TOK) != 1:  # the sentinels collided with row content
+        return lambda a, b: b"".join(_render_slowly(row, r, seed_offset) for r in range(a, b))
     r_first = raw.index(_R_TOK) < raw.index(_S_TOK)
     head, rest = raw.split(_R_TOK if r_first else _S_TOK)
     mid, tail = rest.split(_S_TOK if r_first else _R_TOK)
     tail += b"\n"
     if r_first:
-        return [head + _int_bytes(r) + mid + _int_bytes(seed_offset + r) + tail for r in range(repeats)]
-    return [head + _int_bytes(seed_offset + r) + mid + _int_bytes(r) + tail for r in range(repeats)]
+        return lambda a, b: b"".join(head + _int_bytes(r) + mid + _int_bytes(seed_offset + r) + tail
+                                     for r in range(a, b))
+    return lambda a, b: b"".join(head + _int_bytes(seed_offset + r) + mid + _int_bytes(r) + tail for r in range(a, b))
 
 
-def _expand_slowly(row: dict[str, Any], repeats: int, seed_offset: int) -> list[bytes]:
-    out = []
-    for r in range(repeats):
-        one = copy.deepcopy(row)
-        _set_rollout(one, r, seed_offset + r)
-        out.append(orjson.dumps(one) + b"\n")
-    return out
+def _render_slowly(row: dict[str, Any], rollout: int, seed_offset: int) -> bytes:
+    one = copy.deepcopy(row)
+    _set_rollout(one, rollout, seed_offset + rollout)
+    return orjson.dumps(one) + b"\n"
+
+
+MATERIALIZE_CHUNK = 4096
+"""Rollouts rendered at once: what one chunk of materialize holds in memory, whatever a task's repeats."""
 
 
 def materialize(plan: Plan, cfg: RunConfig, lines: Iterable[tuple[int, bytes]], source: str,
                 only: set[int] | None = None) -> Iterator[tuple[int, bytes]]:
     """Yield (shard index, materialized lines) chunks covering every planned rollout, in input order.
 
-    Consecutive rollouts of one task that go to one shard come as one chunk. `only` restricts the output to some
-    shards (to bound open files when writing many round-robin shards).
+    Consecutive rollouts of one task that go to one shard come together, in chunks of at most MATERIALIZE_CHUNK
+    rollouts (memory stays flat in the repeats). `only` restricts the output to some shards (to bound open files
+    when writing many round-robin shards).
     """
     route = Router(plan.shards)
     rcp_overrides = dict(cfg.gym.responses_create_params) if cfg.gym else {}
     ordinal = 0
     for task, row in iter_tasks(lines, cfg, source):
-        runs = _runs(plan, route, ordinal, task.repeats)
+        runs: Iterable[tuple[int, int, int]] = _runs(plan, route, ordinal, task.repeats)
         ordinal += task.repeats
-        if only is not None and not any(s in only for s, _, _ in runs):
-            continue
+        if only is not None:
+            runs = [run for run in runs if run[0] in only]
+            if not runs:
+                continue
         stamp(row, task, cfg.agent_name, rcp_overrides)
-        rows = expand(row, task.repeats, cfg.seed_offset)
+        render = expansion(row, cfg.seed_offset)
         for shard_index, a, b in runs:
-            if only is None or shard_index in only:
-                yield shard_index, b"".join(rows[a:b])
+            for start in range(a, b, MATERIALIZE_CHUNK):
+                yield shard_index, render(start, min(b, start + MATERIALIZE_CHUNK))
     if ordinal != plan.num_rollouts:
         raise BadInput(f"{source}: input changed while planning ({ordinal} rollouts now, {plan.num_rollouts} "
                        f"planned); plan again")
 
 
-def _runs(plan: Plan, route: Router, first: int, k: int) -> list[tuple[int, int, int]]:
-    """Split a task's rollouts [first, first + k) into (shard, from, to) runs of consecutive rollouts."""
+def _runs(plan: Plan, route: Router, first: int, k: int) -> Iterator[tuple[int, int, int]]:
+    """Split a task's rollouts [first, first + k) into (shard, from, to) runs of consecutive rollouts, lazily."""
     if route.stride:
-        return [(route(first + r), r, r + 1) for r in range(k)]
-    runs = []
+        yield from ((route(first + r), r, r + 1) for r in range(k))
+        return
     r = 0
     while r < k:
         s = route(first + r)
         end = min(k, plan.shards[s].stop - first)
-        runs.append((s, r, end))
+        yield s, r, end
         r = end
-    return runs

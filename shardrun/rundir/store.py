@@ -14,6 +14,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import stat
 import re
 import tempfile
 from pathlib import Path
@@ -227,13 +228,20 @@ def remove_stale_temps(directory: Path) -> int:
 
 def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tuple[int, bytes]]:
     """Stream (1-based line number, line without newline) from a file, never loading it whole."""
-    try:
-        f = open(path, "rb")
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer; the kind is checked on what was opened
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise BadInput(f"input file not found: {path}") from None
     except IsADirectoryError:
         raise BadInput(f"input path is a directory, not a JSONL file: {path}") from None
-    with f:
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise BadInput(f"input path {path} is {kind}, not a regular JSONL file; shardrun reads its input twice "
+                       f"(plan, then write) and hashes it, so it must be a file")
+    os.set_blocking(fd, True)
+    with open(fd, "rb") as f:
         for line_no, raw in enumerate(f, 1):
             if hasher is not None:
                 hasher.update(raw)

@@ -1,74 +1,12 @@
-"""The hostile-input catalogue (docs/reliability.md, "Hostile input"): each case runs a shardrun command the way a
-user would (the CLI, in process) and checks what shardrun promises for its class of input:
-
-- exit 2 (or 0 for valid-but-unusual input) and no traceback;
-- the message names the key, the line or the path at fault;
-- every file outside the expected outputs is byte-identical before and after (`Tree.snapshot`).
-"""
+"""The hostile-input catalogue's fixtures; the harness itself (snapshot, invoke, refused) is tests/hostile/hostilekit.py."""
 
 from __future__ import annotations
 
-import os
-import stat
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
-from typer.testing import CliRunner
-
-from shardrun.cli import app
-
-
-def snapshot(root: Path) -> dict[str, tuple[str, bytes | int | str]]:
-    """Every entry under root: regular files by content, symlinks by target, other kinds by their type bits."""
-    out: dict[str, tuple[str, bytes | int | str]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            rel = str(p.relative_to(root))
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(p))
-            elif stat.S_ISREG(st.st_mode):
-                out[rel] = ("file", p.read_bytes())
-            elif not stat.S_ISDIR(st.st_mode):
-                out[rel] = ("special", stat.S_IFMT(st.st_mode))
-    return out
-
-
-@dataclass
-class Outcome:
-    exit_code: int
-    output: str
-    exception: BaseException | None
-
-
-def invoke(*args: str) -> Outcome:
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    return Outcome(res.exit_code, res.output, res.exception)
-
-
-def refused(outcome: Outcome, *names: str) -> None:
-    """Exit 2, a message naming each of `names`, and no traceback (a SystemExit, not an escaped exception)."""
-    assert outcome.exit_code == 2, outcome.output
-    assert isinstance(outcome.exception, SystemExit), repr(outcome.exception)
-    assert "Traceback" not in outcome.output
-    for name in names:
-        assert name in outcome.output, f"{name!r} not named in: {outcome.output}"
+from hostilekit import unchanged_tree
 
 
 @pytest.fixture()
 def unchanged():
     """unchanged(root, *allowed): a context that asserts nothing under root but `allowed` paths changed."""
-    from contextlib import contextmanager
-
-    @contextmanager
-    def check(root: Path, *allowed: Path):
-        before = snapshot(root)
-        yield
-        after = snapshot(root)
-        skip = {str(Path(a).relative_to(root)) for a in allowed}
-        changed = sorted(k for k in before.keys() | after.keys() if k not in skip and before.get(k) != after.get(k))
-        assert not changed, f"changed under {root}: {changed}"
-
-    return check
+    return unchanged_tree

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import invoke, refused
+from hostilekit import invoke, refused
 
 from shardrun.core.credentials import entropy, find_credentials, secret_reason, token_shape
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up from the project's own files. Usage: scripts/setup.sh [project] [gym] [vllm] [slurm] ...
-#   project  .venv: Python 3.12 venv with shardrun (editable) and its test/report extras
+#   project  .venv: Python 3.12 venv with shardrun (editable) and its test, report and dev (ruff, mypy, import-linter) extras
 #   gym      $SHARDRUN_GYM_VENV: Python 3.12 venv with nemo-gym 0.4.0 and uv (what each shard runs)
 #   vllm     $SHARDRUN_VLLM_VENV: Python 3.11 venv with the vLLM CPU build (stands in for GPU vLLM here)
 #   models   $SHARDRUN_CACHE/models: tiny-chatml (tests) and SmolLM2-135M-Instruct (demo), via scripts/setup-models.sh
@@ -44,7 +44,7 @@ setup_project() {
   if project_stale; then
     log "project venv (.venv)"
     "$(find_python 3.12)" -m venv "$ROOT/.venv"
-    pip_install "$ROOT/.venv" -e "$ROOT[test,report]"
+    pip_install "$ROOT/.venv" -e "$ROOT[test,report,dev]"
     "$ROOT/.venv/bin/shardrun" --help >/dev/null
     touch "$ROOT/.venv/.shardrun-ok"
   fi

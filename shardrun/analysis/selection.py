@@ -28,6 +28,7 @@ import orjson
 from shardrun.rundir import store
 from shardrun.profile import taskstats
 from shardrun.core.errors import BadInput, PlanMismatch
+from shardrun.core.gym_names import TASK_KEY
 from shardrun.profile.taskstats import TaskStat
 
 
@@ -179,7 +180,7 @@ def subset_lines(lines: Iterable[bytes], chosen: Mapping[int, TaskStat], stats_k
             continue
         content, term = split_terminator(raw)
         row = _parse(content, f"{source}:{line_no}")
-        index = row.get(taskstats.TASK_KEY, position)
+        index = row.get(TASK_KEY, position)
         position += 1
         if index not in chosen:
             continue

@@ -124,7 +124,9 @@ def repeats_for(agent: str, num_repeats: int | dict[str, int]) -> int | None:
 # ---------------------------------------------------------------- scan (validation pass)
 
 @dataclass
-class AgentSummary:
+class AgentCounts:
+    """How many tasks and rollouts one agent has in the input, at how many repeats per task."""
+
     tasks: int = 0
     rollouts: int = 0
     repeats: int = 0
@@ -135,7 +137,7 @@ class InputSummary:
     num_lines: int = 0
     num_tasks: int = 0
     num_rollouts: int = 0
-    agents: dict[str, AgentSummary] = field(default_factory=dict)
+    agents: dict[str, AgentCounts] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -212,7 +214,7 @@ def scan(lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str) -> Inp
         if task.repeats == 0:
             missing_agents.setdefault(task.agent, task.line_no)
             continue
-        agent = summary.agents.setdefault(task.agent, AgentSummary(repeats=task.repeats))
+        agent = summary.agents.setdefault(task.agent, AgentCounts(repeats=task.repeats))
         agent.tasks += 1
         agent.rollouts += task.repeats
         summary.num_tasks += 1

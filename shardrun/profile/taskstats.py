@@ -5,9 +5,8 @@ A profile row (`<rollouts stem>_reward_profiling.jsonl`, one per task) carries `
 materialized input row, so `sample.agent_ref.name` is its agent), `num_rollouts`, `expected_num_rollouts` and
 `rollout_infos` (one dict per completed rollout, with its `reward`).
 
-pass@k follows Gym's `compute_pass_majority_metrics` definition: for 0/1 scores the unbiased estimator
-1 - C(n - c, k) / C(n, k); for continuous scores the max over the first k rollouts; tasks with fewer than k
-scored rollouts are left out; the agent's value is the mean over tasks, in percent (0-100).
+pass@k is `aggregate.pass_at_k` (Gym's `compute_pass_majority_metrics` definition, written once) over the
+rewards of the profile rows.
 """
 
 from __future__ import annotations
@@ -17,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from shardrun.rundir import store
-from shardrun.core.errors import BadInput, RunDirError
+import numpy as np
 
-TASK_KEY = "_ng_task_index"
-ROLLOUT_KEY = "_ng_rollout_index"
+from shardrun.core.errors import BadInput, RunDirError
+from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
+from shardrun.profile import aggregate
+from shardrun.rundir import store
+
 STAT_NAMES = ("mean", "max", "min", "median", "std")
 UNKNOWN_AGENT = "(no agent_ref)"
 
@@ -99,25 +100,22 @@ def require_metric(tasks: Sequence[TaskStat], metric: str) -> None:
 
 # ---------------------------------------------------------------- pass@k
 
-def is_binary(values: Sequence[float]) -> bool:
-    return all(v in (0.0, 1.0) for v in values)
-
-
 def task_pass_at_k(scores: Sequence[float], k: int) -> float | None:
-    """pass@k of one task (0-1), or None when it has fewer than k scored rollouts."""
-    n = len(scores)
-    if k < 1 or k > n:
-        return None
-    if is_binary(scores):
-        wrong = sum(1 for s in scores if not s)
-        return 1.0 if wrong < k else 1.0 - math.comb(wrong, k) / math.comb(n, k)
-    return max(scores[:k])
+    """pass@k of one task (0-1), or None when it has fewer than k scored rollouts (`aggregate.pass_at_k`'s rule)."""
+    value = pass_at_k([scores], k)
+    return None if value is None else value / 100.0
 
 
-def pass_at_k(tasks: Iterable[TaskStat], k: int) -> float | None:
-    """Mean pass@k over the tasks that have at least k scored rollouts, in percent; None if none has."""
-    values = [v for t in tasks if (v := task_pass_at_k(t.rewards, k)) is not None]
-    return 100.0 * sum(values) / len(values) if values else None
+def pass_at_k(tasks: Iterable[TaskStat] | Iterable[Sequence[float]], k: int) -> float | None:
+    """Mean pass@k over the tasks that have at least k scored rollouts, in percent; None if none has.
+
+    The rule and the estimator are `aggregate.pass_at_k`'s, the one definition of pass@k, applied to the rewards
+    the profile rows carry (`rollout_infos`)."""
+    per_task = [t.rewards if isinstance(t, TaskStat) else t for t in tasks]
+    task = np.repeat(np.arange(len(per_task), dtype=np.int64), [len(r) for r in per_task])
+    reward = np.fromiter((x for r in per_task for x in r), dtype=np.float64, count=len(task))
+    table = aggregate.score_table(task, reward, None)
+    return aggregate.pass_at_k(table, table.scores[aggregate.ACCURACY], k)
 
 
 def max_k(tasks: Iterable[TaskStat]) -> int:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from shardrun.core import config as config_mod
 from shardrun.rundir import store
-from tests.fakes import harness  # noqa: E402
+from tests.fakes import harness
 
 TEARDOWN = re.compile(r"servers stopped in ([0-9.]+) s")
 

@@ -36,7 +36,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from builders import input_rows, make_run, write_shard  # noqa: E402
+from builders import input_rows, make_run, write_shard
 
 from shardrun.launch import status
 from shardrun.rundir import store

@@ -38,7 +38,7 @@ def test_child_gets_default_sigint_even_if_parent_ignores_it(tmp_path: Path) -> 
         signal.signal(signal.SIGINT, old)
     try:
         status = Path(f"/proc/{p.pid}/status").read_text()
-        ignored = int(next(l for l in status.splitlines() if l.startswith("SigIgn:")).split()[1], 16)
+        ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
         assert not ignored & (1 << (signal.SIGINT - 1))
     finally:
         processes.stop(p, grace=2)

@@ -138,7 +138,7 @@ def test_row_the_model_always_rejects_is_recorded_failed_and_the_rest_seals(tmp_
         rejected = [r for r in fake.requests() if r["fault"] == "400"]
     assert result.state == "sealed"
     assert result.marker["num_rollouts"] == 7 and result.marker["num_failed"] == 1
-    failures = [json.loads(l) for l in store.failures_path(run_dir, 0).read_text().splitlines()]
+    failures = [json.loads(line) for line in store.failures_path(run_dir, 0).read_text().splitlines()]
     assert len(failures) == 1
     row = failures[0]
     assert (row["_ng_task_index"], row["_ng_rollout_index"]) == (1, 1)

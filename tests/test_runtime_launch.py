@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def broken_gym_config(tmp_path: Path, policy_url: str, shards: int, parallelism: int) -> Path:
     input_jsonl = tmp_path / "input.jsonl"
-    input_jsonl.write_text("".join(l + "\n" for l in
+    input_jsonl.write_text("".join(line + "\n" for line in
                                    (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:4]))
     return harness.write_config(tmp_path / "run.yaml", input_jsonl, tmp_path / "run", policy_url, repeats=1,
                                 shards=shards, gym={"venv": str(tmp_path / "no-gym-here")},

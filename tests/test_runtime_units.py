@@ -222,7 +222,7 @@ def test_local_groups_cap_concurrency() -> None:
 
 def plan_run(tmp_path: Path, with_gym: bool = True, shards: int = 2) -> RunConfig:
     input_jsonl = tmp_path / "input.jsonl"
-    input_jsonl.write_text("".join(l + "\n" for l in
+    input_jsonl.write_text("".join(line + "\n" for line in
                                    (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:3]))
     data = {"input_jsonl": str(input_jsonl), "run_dir": str(tmp_path / "run"), "num_repeats": 2,
             "sharding": {"num_shards": shards}}

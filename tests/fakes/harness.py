@@ -52,7 +52,7 @@ class FakePolicy:
     def requests(self) -> list[dict]:
         if not self.request_log.exists():
             return []
-        return [json.loads(l) for l in self.request_log.read_text().splitlines() if l.strip()]
+        return [json.loads(line) for line in self.request_log.read_text().splitlines() if line.strip()]
 
     def stop(self) -> None:
         processes.stop(self.proc, grace=2)
@@ -104,7 +104,7 @@ def load_config(path: Path, overrides: list[str] | None = None) -> config_mod.Ru
 
 def keys(path: Path) -> list[tuple[int, int]]:
     return [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in
-            (json.loads(l) for l in path.read_text().splitlines() if l.strip())]
+            (json.loads(line) for line in path.read_text().splitlines() if line.strip())]
 
 
 TAG_ENV = "SHARDRUN_TEST_TAG"
@@ -132,4 +132,4 @@ def keys_complete(path: Path) -> list[tuple[int, int]]:
     data = path.read_bytes()
     body = data[: data.rfind(b"\n") + 1]
     return [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in
-            (json.loads(l) for l in body.decode().splitlines() if l.strip())]
+            (json.loads(line) for line in body.decode().splitlines() if line.strip())]

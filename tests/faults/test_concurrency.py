@@ -144,7 +144,7 @@ def test_three_plan_writes_at_once_write_one_plan(tmp_path: Path):
     cfg = synthetic.write_config_file(run, tmp_path / "run.yaml")
     reference = faultkit.tree_bytes(run.run_dir / "shards") | {"plan.json": store.plan_path(run.run_dir).read_bytes()}
     fresh = tmp_path / "fresh"
-    for r in range(4):
+    for _ in range(4):
         import shutil
 
         shutil.rmtree(fresh, ignore_errors=True)

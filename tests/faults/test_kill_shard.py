@@ -59,7 +59,7 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
     run_dir = tmp_path / "run-0"
     cfg = ref.config(tmp_path / "run-0.yaml", run_dir)
     fresh = True
-    for attempt in range(3 * sum(quota.values()) + 10):
+    for _attempt in range(3 * sum(quota.values()) + 10):
         todo = [s for s in quota if landed[s] < quota[s]]
         if not todo:
             break

@@ -51,7 +51,7 @@ class ReportData:
 def sealed_markers(run_dir: Path, plan: Plan) -> tuple[list[dict], int]:
     """The markers of the sealed shards, and how many shards are not sealed."""
     states = [seal.check(run_dir, plan, s.index) for s in plan.shards]
-    return [st.marker for st in states if st.sealed], sum(not st.sealed for st in states)
+    return [st.marker for st in states if st.sealed and st.marker is not None], sum(not st.sealed for st in states)
 
 
 def count_lines(path: Path) -> int:

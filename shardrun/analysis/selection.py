@@ -112,13 +112,20 @@ def _filters(rules: Rules) -> list[tuple[str, Any]]:
 
 
 def _max(t: TaskStat, metric: str) -> float:
-    v = t.stat("max", metric)
-    return t.stat("mean", metric) if v is None else v
+    return _stat_or_mean(t, "max", metric)
 
 
 def _min(t: TaskStat, metric: str) -> float:
-    v = t.stat("min", metric)
-    return t.stat("mean", metric) if v is None else v
+    return _stat_or_mean(t, "min", metric)
+
+
+def _stat_or_mean(t: TaskStat, name: str, metric: str) -> float:
+    """The task's `name/metric`, else its mean; NaN (which meets no bound) for a task without the metric, which the
+    first filter has already dropped."""
+    for v in (t.stat(name, metric), t.stat("mean", metric)):
+        if v is not None:
+            return v
+    return math.nan
 
 
 def hardest(tasks: Sequence[TaskStat], k: int, metric: str = "reward") -> list[TaskStat]:

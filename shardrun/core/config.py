@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic_core import ErrorDetails
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shardrun.core.credentials import find_credentials
@@ -394,7 +395,7 @@ def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
         raise BadInput(f"{source}: invalid configuration", [_describe(err, data) for err in e.errors()]) from None
 
 
-def _describe(err: dict[str, Any], data: dict[str, Any]) -> str:
+def _describe(err: ErrorDetails, data: dict[str, Any]) -> str:
     loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "constrained-"))]
     where = ".".join(loc) or "(top level)"
     if err["type"] == "extra_forbidden":

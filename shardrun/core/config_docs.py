@@ -60,7 +60,7 @@ def type_name(annotation: Any) -> str:
 def default_text(field: FieldInfo) -> str:
     if field.is_required():
         return "**required**"
-    value = field.default_factory() if field.default_factory is not None else field.default
+    value = field.get_default(call_default_factory=True, validated_data={})
     if value is PydanticUndefined:
         return "**required**"
     if isinstance(value, BaseModel):

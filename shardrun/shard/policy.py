@@ -38,7 +38,7 @@ def auth(key: str | None) -> dict[str, str]:
 
 def model_ids(body: bytes) -> list[str]:
     try:
-        return [m.get("id") for m in json.loads(body).get("data") or [] if isinstance(m, dict)]
+        return [m["id"] for m in json.loads(body).get("data") or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
     except (ValueError, AttributeError):
         return []
 

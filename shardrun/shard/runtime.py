@@ -30,8 +30,8 @@ from shardrun.shard import policy
 from shardrun.rundir import seal
 from shardrun.rundir import store
 from shardrun.shard import watchdog
-from shardrun.core.config import RunConfig
-from shardrun.core.errors import ShardFailed, ShardrunError
+from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
+from shardrun.core.errors import BadInput, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
 
 
@@ -178,7 +178,10 @@ class Shard:
                  attempt: int):
         self.run_dir, self.index, self.plan, self.cfg, self.log = run_dir, index, plan, cfg, log
         self.job_id, self.attempt = job_id, attempt
-        self.gym = cfg.gym
+        if cfg.gym is None or cfg.policy is None:  # submit and resume refuse such a config before launching
+            raise BadInput(f"shard {index}: the run config has no {'gym' if cfg.gym is None else 'policy'} section")
+        self.gym: GymConfig = cfg.gym
+        self.policy: PolicyConfig = cfg.policy
         self.started_at = time.time()
         self.server_wait_s = 0.0
         self.collect_s = 0.0
@@ -238,7 +241,7 @@ class Shard:
     def start_servers(self, teardown: contextlib.ExitStack) -> tuple[policy.PolicyEndpoint, gym_stack.GymStack]:
         t0 = time.monotonic()
         shard = store.shard_dir(self.run_dir, self.index)
-        endpoint = policy.open_policy(self.cfg.policy, shard)
+        endpoint = policy.open_policy(self.policy, shard)
         teardown.callback(endpoint.stop)
         for note in endpoint.notes:
             self.log(f"note: {note}")

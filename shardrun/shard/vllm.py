@@ -171,7 +171,7 @@ def lists_model(url: str, name: str, api_key: str | None) -> bool:
 def model_ids(body: bytes) -> list[str]:
     try:
         data = json.loads(body).get("data") or []
-        return [m.get("id") for m in data if isinstance(m, dict)]
+        return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
     except (ValueError, AttributeError):
         return []
 

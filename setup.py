@@ -6,5 +6,10 @@ path (same results, slower). Everything else is declared in pyproject.toml.
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("shardrun.merge._jsonlscan", ["shardrun/merge/_jsonlscan.c"], optional=True,
-                             extra_compile_args=["-O2"])])
+setup(
+    ext_modules=[
+        Extension(
+            "shardrun.merge._jsonlscan", ["shardrun/merge/_jsonlscan.c"], optional=True, extra_compile_args=["-O2"]
+        )
+    ]
+)

@@ -36,31 +36,42 @@ from shardrun.rundir import seal
 from shardrun.rundir import store
 
 GYM_VENV = Path(os.environ.get("SHARDRUN_GYM_VENV", Path.home() / ".cache" / "shardrun" / "gym-venv"))
-TEXT = ("Let me work through this step by step. First we restate the problem, then we compute each part and "
-        "check it against the constraints given in the question before committing to a final answer. ") * 40
-ROW = (b'{"responses_create_params":{"input":[{"role":"user","content":"Compute %d + %d and give the answer '
-       b'in a box."}],"metadata":{"extra_body":"{\\"seed\\": %d}"},"temperature":null,"max_output_tokens":null},'
-       b'"response":{"id":"resp_%d_%d","object":"response","model":"policy","status":"completed","output":[{"type":'
-       b'"message","role":"assistant","id":"msg_%d_%d","status":"completed","content":[{"type":"output_text","text":'
-       b'"%s \\\\boxed{%d}","annotations":[]}]}],"usage":{"input_tokens":%d,"input_tokens_details":{"cached_tokens":0},'
-       b'"output_tokens":%d,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":%d}},"reward":%s,'
-       b'"expected_answer":"%d","extracted_answer":"%d","library_reward":%s,"is_correct":%s,"num_turns":%d,'
-       b'"latency_s":%s,"judge_score":%s,"_ng_task_index":%d,"_ng_rollout_index":%d,'
-       b'"agent_ref":{"name":"math_agent"}}\n')
+TEXT = (
+    "Let me work through this step by step. First we restate the problem, then we compute each part and "
+    "check it against the constraints given in the question before committing to a final answer. "
+) * 40
+ROW = (
+    b'{"responses_create_params":{"input":[{"role":"user","content":"Compute %d + %d and give the answer '
+    b'in a box."}],"metadata":{"extra_body":"{\\"seed\\": %d}"},"temperature":null,"max_output_tokens":null},'
+    b'"response":{"id":"resp_%d_%d","object":"response","model":"policy","status":"completed","output":[{"type":'
+    b'"message","role":"assistant","id":"msg_%d_%d","status":"completed","content":[{"type":"output_text","text":'
+    b'"%s \\\\boxed{%d}","annotations":[]}]}],"usage":{"input_tokens":%d,"input_tokens_details":{"cached_tokens":0},'
+    b'"output_tokens":%d,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":%d}},"reward":%s,'
+    b'"expected_answer":"%d","extracted_answer":"%d","library_reward":%s,"is_correct":%s,"num_turns":%d,'
+    b'"latency_s":%s,"judge_score":%s,"_ng_task_index":%d,"_ng_rollout_index":%d,'
+    b'"agent_ref":{"name":"math_agent"}}\n'
+)
 
 
 def write_input(path: Path, tasks: int) -> None:
     with open(path, "wb") as f:
         for start in range(0, tasks, 100_000):
-            f.write(b"".join(
-                b'{"responses_create_params":{"input":[{"role":"user","content":"Compute %d + %d and give the '
-                b'answer in a box."}]},"question":"%d + %d","expected_answer":"%d","agent_ref":{"name":"math_agent"}}\n'
-                % (i, i, i, i, 2 * i) for i in range(start, min(tasks, start + 100_000))))
+            f.write(
+                b"".join(
+                    b'{"responses_create_params":{"input":[{"role":"user","content":"Compute %d + %d and give the '
+                    b'answer in a box."}]},"question":"%d + %d","expected_answer":"%d","agent_ref":{"name":"math_agent"}}\n'
+                    % (i, i, i, i, 2 * i)
+                    for i in range(start, min(tasks, start + 100_000))
+                )
+            )
 
 
 def identities(spec: planner.ShardSpec, repeats: int) -> np.ndarray:
-    ordinals = np.arange(spec.start, spec.stop) if spec.kind == "range" else \
-        np.arange(spec.offset, spec.offset + spec.step * spec.num_rollouts, spec.step)
+    ordinals = (
+        np.arange(spec.start, spec.stop)
+        if spec.kind == "range"
+        else np.arange(spec.offset, spec.offset + spec.step * spec.num_rollouts, spec.step)
+    )
     return ordinals
 
 
@@ -69,18 +80,49 @@ def write_rollouts(path: Path, ordinals: np.ndarray, repeats: int, seed: int) ->
     ordinals = rng.permutation(ordinals)  # completion order
     n = len(ordinals)
     correct = rng.random(n) < 0.5
-    cols = (rng.integers(20, 120, n), rng.integers(30, 800, n), rng.integers(1, 4, n),
-            np.round(rng.uniform(0.3, 30, n), 3), np.round(rng.random(n), 4), rng.integers(0, 2000, n))
+    cols = (
+        rng.integers(20, 120, n),
+        rng.integers(30, 800, n),
+        rng.integers(1, 4, n),
+        np.round(rng.uniform(0.3, 30, n), 3),
+        np.round(rng.random(n), 4),
+        rng.integers(0, 2000, n),
+    )
     with open(path, "wb") as f:
         buf = []
-        for o, ok, inp, out, turns, lat, judge, off in zip(ordinals.tolist(), correct.tolist(),
-                                                           *(c.tolist() for c in cols)):
+        for o, ok, inp, out, turns, lat, judge, off in zip(
+            ordinals.tolist(), correct.tolist(), *(c.tolist() for c in cols)
+        ):
             t, r = divmod(o, repeats)
             reward = b"1.0" if ok else b"0.0"
             answer = 2 * t if ok else 2 * t + 1
-            buf.append(ROW % (t, t, r, t, r, t, r, TEXT[off:off + 200].encode(), answer, inp, out, inp + out,
-                              reward, 2 * t, answer, reward, b"true" if ok else b"false", turns,
-                              repr(lat).encode(), repr(judge).encode(), t, r))
+            buf.append(
+                ROW
+                % (
+                    t,
+                    t,
+                    r,
+                    t,
+                    r,
+                    t,
+                    r,
+                    TEXT[off : off + 200].encode(),
+                    answer,
+                    inp,
+                    out,
+                    inp + out,
+                    reward,
+                    2 * t,
+                    answer,
+                    reward,
+                    b"true" if ok else b"false",
+                    turns,
+                    repr(lat).encode(),
+                    repr(judge).encode(),
+                    t,
+                    r,
+                )
+            )
             if len(buf) >= 20_000:
                 f.write(b"".join(buf))
                 buf.clear()
@@ -90,10 +132,22 @@ def write_rollouts(path: Path, ordinals: np.ndarray, repeats: int, seed: int) ->
 def seal_all(plan: planner.Plan, run_dir: Path) -> None:
     for spec in plan.shards:
         path = store.rollouts_path(run_dir, spec.index)
-        marker = seal.make_marker(plan, spec.index, num_rollouts=spec.num_rollouts, num_failed=0,
-                                  rollouts_sha256=store.sha256_file(path), rollouts_bytes=path.stat().st_size,
-                                  started_at=0.0, finished_at=3600.0, host="bench", job_id=None, attempt=1,
-                                  server_wait_s=0.0, collect_s=3600.0, gpus=1)
+        marker = seal.make_marker(
+            plan,
+            spec.index,
+            num_rollouts=spec.num_rollouts,
+            num_failed=0,
+            rollouts_sha256=store.sha256_file(path),
+            rollouts_bytes=path.stat().st_size,
+            started_at=0.0,
+            finished_at=3600.0,
+            host="bench",
+            job_id=None,
+            attempt=1,
+            server_wait_s=0.0,
+            collect_s=3600.0,
+            gpus=1,
+        )
         seal.write_marker(run_dir, spec.index, marker)
 
 
@@ -101,8 +155,14 @@ def build(tmp: Path, rollouts: int, repeats: int, shards: int, slicing: str) -> 
     tasks = rollouts // repeats
     src = tmp / "input.jsonl"
     write_input(src, tasks)
-    cfg = config.validate({"input_jsonl": str(src), "run_dir": str(tmp / "run"), "num_repeats": repeats,
-                           "sharding": {"num_shards": shards, "slicing": slicing}})
+    cfg = config.validate(
+        {
+            "input_jsonl": str(src),
+            "run_dir": str(tmp / "run"),
+            "num_repeats": repeats,
+            "sharding": {"num_shards": shards, "slicing": slicing},
+        }
+    )
     plan, _ = store.write_plan(cfg)
     for spec in plan.shards:
         write_rollouts(store.rollouts_path(cfg.run_dir, spec.index), identities(spec, repeats), repeats, spec.index)
@@ -134,7 +194,7 @@ class Measured:
         self.rss = max(usage.ru_maxrss / 1024, self.tree)
 
     def line(self, name: str) -> str:
-        return (f"{name:38s} {self.wall:8.1f} s wall  {self.cpu:8.1f} s CPU  {self.rss:8.0f} MiB peak RSS")
+        return f"{name:38s} {self.wall:8.1f} s wall  {self.cpu:8.1f} s CPU  {self.rss:8.0f} MiB peak RSS"
 
 
 def _tree_pss_mib(pid: int) -> float:
@@ -161,7 +221,7 @@ def _tree_pss_mib(pid: int) -> float:
                         break
         except (OSError, ValueError, IndexError):
             pass
-    return total / 2 ** 20
+    return total / 2**20
 
 
 RAW_PARSE = """
@@ -192,12 +252,17 @@ def main() -> int:
     try:
         t0 = time.monotonic()
         run_dir = build(tmp, rollouts, args.repeats, args.shards, args.slicing)
-        files = [p for i in range(args.shards) for p in (store.rollouts_path(run_dir, i),
-                                                         store.materialized_path(run_dir, i))]
+        files = [
+            p
+            for i in range(args.shards)
+            for p in (store.rollouts_path(run_dir, i), store.materialized_path(run_dir, i))
+        ]
         size = sum(p.stat().st_size for p in files)
-        print(f"input: {rollouts // args.repeats:,} tasks x {args.repeats} repeats = {rollouts:,} rollouts, "
-              f"{args.shards} shards ({args.slicing}), {size / 2**30:.2f} GiB of shard files "
-              f"(built in {time.monotonic() - t0:.0f} s)")
+        print(
+            f"input: {rollouts // args.repeats:,} tasks x {args.repeats} repeats = {rollouts:,} rollouts, "
+            f"{args.shards} shards ({args.slicing}), {size / 2**30:.2f} GiB of shard files "
+            f"(built in {time.monotonic() - t0:.0f} s)"
+        )
 
         raw = Measured([sys.executable, "-c", RAW_PARSE, *map(str, files)])
         print(raw.line("raw orjson parse of the shard files:") + f"  ({size / 2**20 / raw.wall:.0f} MiB/s)")
@@ -207,10 +272,14 @@ def main() -> int:
             print("shardrun merge-and-profile failed", file=sys.stderr)
             return 1
         phases = orjson.loads(store.merged_summary_path(run_dir).read_bytes())["timings"]
-        print(ours.line("shardrun merge-and-profile:") + f"  ({size / 2**20 / ours.wall:.0f} MiB/s; read "
-              f"{phases['read_s']:.1f} s, copy {phases['copy_s']:.1f} s, profile {phases['profile_s']:.1f} s)")
-        print(f"  throughput vs raw parse: {raw.wall / ours.wall:.2f} by wall time, {raw.cpu / ours.cpu:.2f} by CPU "
-              f"time (target >= 0.5)")
+        print(
+            ours.line("shardrun merge-and-profile:") + f"  ({size / 2**20 / ours.wall:.0f} MiB/s; read "
+            f"{phases['read_s']:.1f} s, copy {phases['copy_s']:.1f} s, profile {phases['profile_s']:.1f} s)"
+        )
+        print(
+            f"  throughput vs raw parse: {raw.wall / ours.wall:.2f} by wall time, {raw.cpu / ours.cpu:.2f} by CPU "
+            f"time (target >= 0.5)"
+        )
         if big:
             print(f"  peak RSS {ours.rss / 1024:.2f} GiB (target < 2 GiB)")
 
@@ -220,11 +289,19 @@ def main() -> int:
             work.mkdir()
             for name in ("rollouts.jsonl", "rollouts_materialized_inputs.jsonl"):
                 os.link(store.merged_dir(run_dir) / name, work / name)
-            theirs = Measured([str(gym), f"+materialized_inputs_jsonl_fpath={work}/rollouts_materialized_inputs.jsonl",
-                               f"+rollouts_jsonl_fpath={work}/rollouts.jsonl"], cwd=work)
+            theirs = Measured(
+                [
+                    str(gym),
+                    f"+materialized_inputs_jsonl_fpath={work}/rollouts_materialized_inputs.jsonl",
+                    f"+rollouts_jsonl_fpath={work}/rollouts.jsonl",
+                ],
+                cwd=work,
+            )
             print(theirs.line("Gym ng_reward_profile:") + ("" if theirs.rc == 0 else f"  (FAILED, exit {theirs.rc})"))
-            print(f"  shardrun is {theirs.wall / ours.wall:.1f}x faster by wall time ({theirs.cpu / ours.cpu:.1f}x "
-                  f"by CPU time; target >= 30x) with {ours.rss / theirs.rss:.3f} of Gym's peak RSS (target <= 0.2)")
+            print(
+                f"  shardrun is {theirs.wall / ours.wall:.1f}x faster by wall time ({theirs.cpu / ours.cpu:.1f}x "
+                f"by CPU time; target >= 30x) with {ours.rss / theirs.rss:.3f} of Gym's peak RSS (target <= 0.2)"
+            )
             same = _same_profile(store.merged_reward_profiling_path(run_dir), work / "rollouts_reward_profiling.jsonl")
             print(f"  profiles equal row by row: {same}")
         elif not big:

@@ -40,11 +40,16 @@ TEARDOWN = re.compile(r"servers stopped in ([0-9.]+) s")
 def plan(tmp: Path, args: argparse.Namespace, policy_url: str, model: str, gym_venv: Path) -> Path:
     rows = (ROOT / "examples/arith/input.jsonl").read_text().splitlines()[: args.tasks]
     (tmp / "input.jsonl").write_text("".join(r + "\n" for r in rows))
-    cfg_path = harness.write_config(tmp / "run.yaml", tmp / "input.jsonl", tmp / "run", policy_url,
-                                    repeats=args.repeats, shards=1,
-                                    gym={"num_samples_in_parallel": args.parallel, "venv": str(gym_venv),
-                                         "server_venvs": args.server_venvs}
-                                    | ({"uv_venv_dir": args.uv_venv_dir} if args.uv_venv_dir else {}))
+    cfg_path = harness.write_config(
+        tmp / "run.yaml",
+        tmp / "input.jsonl",
+        tmp / "run",
+        policy_url,
+        repeats=args.repeats,
+        shards=1,
+        gym={"num_samples_in_parallel": args.parallel, "venv": str(gym_venv), "server_venvs": args.server_venvs}
+        | ({"uv_venv_dir": args.uv_venv_dir} if args.uv_venv_dir else {}),
+    )
     cfg = config_mod.load(cfg_path, [f"policy.model_name={model}"])
     store.write_plan(cfg)
     return cfg.run_dir
@@ -54,16 +59,27 @@ def one_run(args: argparse.Namespace, policy_url: str, model: str, gym_venv: Pat
     with tempfile.TemporaryDirectory(prefix="bench-shard-") as tmp:
         run_dir = plan(Path(tmp), args, policy_url, model, gym_venv)
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "shardrun.cli", "run-shard", str(run_dir), "0"],
-                              capture_output=True, text=True, timeout=1800, cwd=ROOT)
+        done = subprocess.run(
+            [sys.executable, "-m", "shardrun.cli", "run-shard", str(run_dir), "0"],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            cwd=ROOT,
+        )
         wall = time.monotonic() - t0
         if done.returncode != 0:
             raise SystemExit(f"shard failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
         marker = json.loads(store.done_path(run_dir, 0).read_text())
         teardown = float(TEARDOWN.findall(store.shard_log_path(run_dir, 0).read_text())[-1])
     ready, collect = marker["server_wait_s"], marker["collect_s"]
-    return {"rollouts": marker["num_rollouts"], "wall": wall, "ready": ready, "collect": collect,
-            "teardown": teardown, "overhead": wall - ready - collect - teardown}
+    return {
+        "rollouts": marker["num_rollouts"],
+        "wall": wall,
+        "ready": ready,
+        "collect": collect,
+        "teardown": teardown,
+        "overhead": wall - ready - collect - teardown,
+    }
 
 
 def main() -> None:
@@ -72,8 +88,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--parallel", type=int, default=8, help="gym.num_samples_in_parallel")
     p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--server-venvs", choices=("shared", "uv"), default="shared",
-                   help="gym.server_venvs: shared (symlinks to the Gym venv) or uv (Gym builds per-server venvs)")
+    p.add_argument(
+        "--server-venvs",
+        choices=("shared", "uv"),
+        default="shared",
+        help="gym.server_venvs: shared (symlinks to the Gym venv) or uv (Gym builds per-server venvs)",
+    )
     p.add_argument("--uv-venv-dir", default=None, help="gym.uv_venv_dir for --server-venvs uv")
     p.add_argument("--policy-url", default=None, help="use this endpoint instead of the stand-in server")
     p.add_argument("--model", default="fake-model")
@@ -89,16 +109,20 @@ def main() -> None:
                 runs = [one_run(args, fake.base_url, "fake-model", gym_venv) for _ in range(args.runs)]
         results.extend(runs)
     cols = ("rollouts", "wall", "ready", "collect", "teardown", "overhead")
-    print(f"one shard, {args.tasks} tasks x {args.repeats} repeats, num_samples_in_parallel={args.parallel}, "
-          f"server venvs {args.server_venvs}, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"one shard, {args.tasks} tasks x {args.repeats} repeats, num_samples_in_parallel={args.parallel}, "
+        f"server venvs {args.server_venvs}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print("run  " + "".join(f"{c:>10}" for c in cols))
     for i, r in enumerate(results, 1):
         print(f"{i:<5}" + "".join(f"{r[c]:>10.0f}" if c == "rollouts" else f"{r[c]:>9.2f}s" for c in cols))
     med = {c: statistics.median(r[c] for r in results) for c in cols}
     print("med  " + "".join(f"{med[c]:>10.0f}" if c == "rollouts" else f"{med[c]:>9.2f}s" for c in cols))
-    print(f"servers ready {med['ready']:.2f} s, collection {med['collect']:.2f} s, teardown {med['teardown']:.2f} s, "
-          f"shardrun overhead {med['overhead']:.2f} s (target < 2 s)")
+    print(
+        f"servers ready {med['ready']:.2f} s, collection {med['collect']:.2f} s, teardown {med['teardown']:.2f} s, "
+        f"shardrun overhead {med['overhead']:.2f} s (target < 2 s)"
+    )
 
 
 if __name__ == "__main__":

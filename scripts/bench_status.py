@@ -43,14 +43,22 @@ from shardrun.rundir import store
 
 
 def slurm_available() -> bool:
-    return shutil.which("squeue") is not None and shutil.which("sbatch") is not None and \
-        subprocess.run(["squeue", "--noheader", "--name=nothing"], capture_output=True, timeout=30).returncode == 0
+    return (
+        shutil.which("squeue") is not None
+        and shutil.which("sbatch") is not None
+        and subprocess.run(["squeue", "--noheader", "--name=nothing"], capture_output=True, timeout=30).returncode == 0
+    )
 
 
 def start_slurm() -> None:
     script = ROOT.parent / "shared" / "slurm" / "start-local-slurm.sh"
-    out = subprocess.run(["bash", str(script), "/tmp/shardrun-slurm", "--cpus", "8", "--port-base", "23817"],
-                         capture_output=True, text=True, timeout=900, check=True).stdout
+    out = subprocess.run(
+        ["bash", str(script), "/tmp/shardrun-slurm", "--cpus", "8", "--port-base", "23817"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    ).stdout
     for line in out.splitlines():
         if line.startswith("export "):
             key, _, value = line[7:].partition("=")
@@ -68,15 +76,28 @@ def synthetic_run(tmp: Path, shards: int):
             write_shard(run, i, missing=6, torn=i % 4 == 0, seal_it=False, seed=i)
         elif i < n_sealed + n_partial + n_failed:
             write_shard(run, i, missing=12, seal_it=False, seed=i)
-            store.atomic_write_json(store.shard_failure_path(run.run_dir, i),
-                                    {"job_id": f"900001_{i}", "error": "ServerFailure: vLLM exited with code 1"})
+            store.atomic_write_json(
+                store.shard_failure_path(run.run_dir, i),
+                {"job_id": f"900001_{i}", "error": "ServerFailure: vLLM exited with code 1"},
+            )
         else:
             continue  # never started
         jobs[str(i)] = f"900001_{i}"
-    store.append_launch(run.run_dir, {"executor": "slurm", "submitted_at": time.time() - 3600, "host": "bench",
-                                      "tag": "shardrun-bench0000", "merge_job_name": "shardrun-bench0000-merge",
-                                      "arrays": ["900001"], "jobs": jobs, "max_attempts": 3, "gpus_per_shard": 8,
-                                      "done_at_submit": 0})
+    store.append_launch(
+        run.run_dir,
+        {
+            "executor": "slurm",
+            "submitted_at": time.time() - 3600,
+            "host": "bench",
+            "tag": "shardrun-bench0000",
+            "merge_job_name": "shardrun-bench0000-merge",
+            "arrays": ["900001"],
+            "jobs": jobs,
+            "max_attempts": 3,
+            "gpus_per_shard": 8,
+            "done_at_submit": 0,
+        },
+    )
     return run
 
 
@@ -96,20 +117,27 @@ def bench_status(shards: int, repeats: int) -> None:
         for args in (["status", str(run.run_dir)], ["status", str(run.run_dir), "--json"]):
             for _ in range(repeats):
                 t = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "shardrun.cli", *args], capture_output=True, check=True,
-                               timeout=120)
+                subprocess.run(
+                    [sys.executable, "-m", "shardrun.cli", *args], capture_output=True, check=True, timeout=120
+                )
                 cli.append((args[-1] == "--json", time.perf_counter() - t))
         text_s = statistics.median(t for j, t in cli if not j)
         json_s = statistics.median(t for j, t in cli if j)
         startup = []
         for _ in range(repeats):
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-c", "import shardrun.cli, shardrun.launch.status"], check=True, timeout=120)
+            subprocess.run(
+                [sys.executable, "-c", "import shardrun.cli, shardrun.launch.status"], check=True, timeout=120
+            )
             startup.append(time.perf_counter() - t)
-        print(f"status: {shards:,} shards x 16 rollouts ({st.counts}), {live}; run built in {built:.1f} s; "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-        print(f"  shardrun status RUN_DIR         {text_s * 1000:7.0f} ms  (command, median of {repeats}; "
-              f"target < 1000 ms: {'OK' if text_s < 1 else 'MISSED'})")
+        print(
+            f"status: {shards:,} shards x 16 rollouts ({st.counts}), {live}; run built in {built:.1f} s; "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        )
+        print(
+            f"  shardrun status RUN_DIR         {text_s * 1000:7.0f} ms  (command, median of {repeats}; "
+            f"target < 1000 ms: {'OK' if text_s < 1 else 'MISSED'})"
+        )
         print(f"  shardrun status RUN_DIR --json  {json_s * 1000:7.0f} ms")
         print(f"  status.collect + render         {statistics.median(inproc) * 1000:7.0f} ms  (in-process)")
         print(f"  python start + imports          {statistics.median(startup) * 1000:7.0f} ms  (of the command's time)")
@@ -127,20 +155,41 @@ def bench_sbatch_calls(shards: int, max_array_size: int) -> None:
         src = tmp / "input.jsonl"
         src.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in input_rows(shards)))
         cfg_path = tmp / "run.yaml"
-        cfg_path.write_text(yaml.safe_dump({
-            "input_jsonl": str(src), "run_dir": str(tmp / "run"), "num_repeats": 1,
-            "sharding": {"num_shards": shards},
-            "gym": {"config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"]},
-            "policy": {"base_url": "http://127.0.0.1:9/v1", "model_name": "m"},
-            "cluster": {"executor": "slurm", "partition": os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
-                        "max_array_size": max_array_size, "array_parallelism": 64, "time_limit": "00:10:00",
-                        "cpus_per_task": 1, "mem_gb": 1, "additional_parameters": {"hold": True}}}))
+        cfg_path.write_text(
+            yaml.safe_dump(
+                {
+                    "input_jsonl": str(src),
+                    "run_dir": str(tmp / "run"),
+                    "num_repeats": 1,
+                    "sharding": {"num_shards": shards},
+                    "gym": {"config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"]},
+                    "policy": {"base_url": "http://127.0.0.1:9/v1", "model_name": "m"},
+                    "cluster": {
+                        "executor": "slurm",
+                        "partition": os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
+                        "max_array_size": max_array_size,
+                        "array_parallelism": 64,
+                        "time_limit": "00:10:00",
+                        "cpus_per_task": 1,
+                        "mem_gb": 1,
+                        "additional_parameters": {"hold": True},
+                    },
+                }
+            )
+        )
         if not slurm_available():
-            out = subprocess.run([sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path), "--dry-run"],
-                                 capture_output=True, text=True, check=True, timeout=300).stdout
+            out = subprocess.run(
+                [sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path), "--dry-run"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=300,
+            ).stdout
             n = out.count("# ---- sbatch script for array")
-            print(f"sbatch calls: {shards:,} shards, MaxArraySize {max_array_size}: {n} arrays + 1 merge job "
-                  f"(counted from `submit --dry-run`: no Slurm here; target 3)")
+            print(
+                f"sbatch calls: {shards:,} shards, MaxArraySize {max_array_size}: {n} arrays + 1 merge job "
+                f"(counted from `submit --dry-run`: no Slurm here; target 3)"
+            )
             return
         shim_dir = tmp / "shim"
         shim_dir.mkdir()
@@ -149,19 +198,27 @@ def bench_sbatch_calls(shards: int, max_array_size: int) -> None:
         (shim_dir / "sbatch").chmod(0o755)
         env = dict(os.environ, PATH=f"{shim_dir}:{os.environ['PATH']}")
         t = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path)], capture_output=True,
-                             text=True, env=env, timeout=900)
+        out = subprocess.run(
+            [sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+        )
         took = time.perf_counter() - t
-        subprocess.run([sys.executable, "-m", "shardrun.cli", "cancel", str(tmp / "run")], capture_output=True,
-                       timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "shardrun.cli", "cancel", str(tmp / "run")], capture_output=True, timeout=300
+        )
         if out.returncode != 0:
             raise SystemExit(f"submit failed:\n{out.stdout}\n{out.stderr}")
         calls = log.read_text().splitlines() if log.exists() else []
         rec = store.read_launches(tmp / "run")[-1]
         arrays = len(rec["arrays"])
-        print(f"sbatch calls: {shards:,} shards, MaxArraySize {max_array_size}: {len(calls)} sbatch calls = "
-              f"{arrays} job arrays + {len(calls) - arrays} merge job (real Slurm, jobs held then cancelled; "
-              f"target 3 arrays: {'OK' if arrays == 3 else 'MISSED'}); submit took {took:.1f} s")
+        print(
+            f"sbatch calls: {shards:,} shards, MaxArraySize {max_array_size}: {len(calls)} sbatch calls = "
+            f"{arrays} job arrays + {len(calls) - arrays} merge job (real Slurm, jobs held then cancelled; "
+            f"target 3 arrays: {'OK' if arrays == 3 else 'MISSED'}); submit took {took:.1f} s"
+        )
 
 
 def main() -> None:

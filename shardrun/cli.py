@@ -14,8 +14,11 @@ import typer
 from shardrun.core import config as config_mod
 from shardrun.core.errors import ShardrunError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Plan, launch, resume and profile sharded NeMo Gym rollout collection.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Plan, launch, resume and profile sharded NeMo Gym rollout collection.",
+)
 _state = {"debug": False}
 
 
@@ -79,8 +82,9 @@ def select_cmd(
     top_k_hardest: Optional[int] = typer.Option(None, "--top-k-hardest", help="Then keep the N lowest-mean tasks."),
     metric: str = typer.Option("reward", "--metric", help="Profile field the rules read (mean/<metric>, ...)."),
     attach_stats: bool = typer.Option(False, "--attach-stats", help="Add the task's stats to each row."),
-    stats_key: Optional[str] = typer.Option(None, "--stats-key", help="Key for the stats (implies --attach-stats; "
-                                            "default shardrun_stats)."),
+    stats_key: Optional[str] = typer.Option(
+        None, "--stats-key", help="Key for the stats (implies --attach-stats; default shardrun_stats)."
+    ),
     input_path: Optional[Path] = typer.Option(None, "--input", help="The planned input file, if it moved."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
@@ -90,13 +94,24 @@ def select_cmd(
     from shardrun.analysis import selection
     from shardrun.plan import render
 
-    rules = selection.Rules(metric=metric, agents=tuple(agent or ()), min_mean=min_mean, max_mean=max_mean,
-                         min_std=min_std, drop_unsolved=drop_unsolved, drop_solved=drop_solved,
-                         solved_threshold=solved_threshold, top_k_hardest=top_k_hardest)
+    rules = selection.Rules(
+        metric=metric,
+        agents=tuple(agent or ()),
+        min_mean=min_mean,
+        max_mean=max_mean,
+        min_std=min_std,
+        drop_unsolved=drop_unsolved,
+        drop_solved=drop_solved,
+        solved_threshold=solved_threshold,
+        top_k_hardest=top_k_hardest,
+    )
     key = stats_key or ("shardrun_stats" if attach_stats else None)
     result = run(selection.select_run, run_dir, output, rules, key, input_path)
-    typer.echo(orjson.dumps(selection.summary_json(result), option=orjson.OPT_INDENT_2).decode() if json_out
-               else render.table(selection.summary_rows(result)))
+    typer.echo(
+        orjson.dumps(selection.summary_json(result), option=orjson.OPT_INDENT_2).decode()
+        if json_out
+        else render.table(selection.summary_rows(result))
+    )
 
 
 @app.command()
@@ -136,18 +151,29 @@ def submit(
     config: Path = typer.Argument(..., help="Run config YAML (with gym and policy sections)."),
     overrides: Optional[list[str]] = typer.Argument(None, help="Hydra overrides: key=value, +key=value, cluster=NAME."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Return after submitting (local executor waits by default)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be submitted (Slurm: the array layout and "
-                                 "the sbatch scripts); write and submit nothing."),
-    no_merge_job: bool = typer.Option(False, "--no-merge-job", help="Slurm: do not submit the merge-and-profile job "
-                                      "that runs after the arrays."),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Print what would be submitted (Slurm: the array layout and "
+        "the sbatch scripts); write and submit nothing.",
+    ),
+    no_merge_job: bool = typer.Option(
+        False, "--no-merge-job", help="Slurm: do not submit the merge-and-profile job that runs after the arrays."
+    ),
 ) -> None:
     """Plan the run (refusing a different existing plan), launch every unsealed shard, print the run directory,
     the job ids and, when waiting, each shard's outcome."""
     from shardrun.launch import submission
 
     cfg = run(config_mod.load, config, overrides or [])
-    result = run(submission.submit, cfg, wait_for_jobs=False if no_wait else None, echo=typer.echo,
-                 merge_job=not no_merge_job, dry_run=dry_run)
+    result = run(
+        submission.submit,
+        cfg,
+        wait_for_jobs=False if no_wait else None,
+        echo=typer.echo,
+        merge_job=not no_merge_job,
+        dry_run=dry_run,
+    )
     if result.dry_run is not None:
         typer.echo(result.dry_run)
         return
@@ -164,18 +190,25 @@ def submit(
     for o in result.outcomes or []:
         typer.echo(f"shard {o.index:05d}: {o.state}" + (f" ({o.detail})" if o.detail else ""))
     if result.failed:
-        typer.echo(f"error: {len(result.failed)} shard(s) did not seal; logs in {result.run_dir}/shards/*/logs/",
-                   err=True)
+        typer.echo(
+            f"error: {len(result.failed)} shard(s) did not seal; logs in {result.run_dir}/shards/*/logs/", err=True
+        )
         raise typer.Exit(4)
 
 
 @app.command()
 def resume(
     run_dir: Path = typer.Argument(..., help="Run directory."),
-    overrides: Optional[list[str]] = typer.Argument(None, help="Overrides applied to the saved launch settings (or to "
-                                                    "--config), e.g. cluster.max_attempts=5 cluster.partition=long."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Resume with this run config instead of the "
-                                          "settings the last launch saved (the plan must not change)."),
+    overrides: Optional[list[str]] = typer.Argument(
+        None,
+        help="Overrides applied to the saved launch settings (or to "
+        "--config), e.g. cluster.max_attempts=5 cluster.partition=long.",
+    ),
+    config: Optional[Path] = typer.Option(
+        None,
+        "--config",
+        help="Resume with this run config instead of the settings the last launch saved (the plan must not change).",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be resubmitted; submit nothing."),
     no_merge_job: bool = typer.Option(False, "--no-merge-job", help="Slurm: no merge-and-profile job afterwards."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Local executor: return after submitting."),
@@ -185,8 +218,16 @@ def resume(
     cluster.max_attempts launches and says why."""
     from shardrun.launch import resume as resume_mod
 
-    result = run(resume_mod.resume, run_dir, config, overrides or [], merge_job=not no_merge_job, dry_run=dry_run,
-                 wait_for_jobs=False if no_wait else None, echo=typer.echo)
+    result = run(
+        resume_mod.resume,
+        run_dir,
+        config,
+        overrides or [],
+        merge_job=not no_merge_job,
+        dry_run=dry_run,
+        wait_for_jobs=False if no_wait else None,
+        echo=typer.echo,
+    )
     typer.echo(resume_mod.render(result))
     if result.gave_up or result.failed:
         raise typer.Exit(4)
@@ -215,13 +256,19 @@ def run_shard_cmd(
 @app.command("merge-and-profile")
 def merge_and_profile_cmd(
     run_dir: Path = typer.Argument(..., help="Run directory."),
-    allow_partial: bool = typer.Option(False, "--allow-partial",
-                                       help="Also merge what unsealed shards hold; report completion per task."),
-    answer_field: Optional[str] = typer.Option(None, "--answer-field",
-                                               help="Rollout field with the extracted answer (enables majority@k)."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1,
-                                          help="Processes that read shards and render the profile (default: the "
-                                               "CPUs this process may use, at most 8; one for small runs)."),
+    allow_partial: bool = typer.Option(
+        False, "--allow-partial", help="Also merge what unsealed shards hold; report completion per task."
+    ),
+    answer_field: Optional[str] = typer.Option(
+        None, "--answer-field", help="Rollout field with the extracted answer (enables majority@k)."
+    ),
+    workers: Optional[int] = typer.Option(
+        None,
+        "--workers",
+        min=1,
+        help="Processes that read shards and render the profile (default: the "
+        "CPUs this process may use, at most 8; one for small runs).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the merge summary as JSON."),
 ) -> None:
     """Merge sealed shards into merged/ (sorted rollouts and inputs, failures) and write Gym's reward profile,
@@ -232,8 +279,9 @@ def merge_and_profile_cmd(
     from shardrun.merge import outcome
 
     result = run(driver.merge_and_profile, run_dir, allow_partial, answer_field, workers)
-    typer.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode() if json_out
-               else outcome.render(result))
+    typer.echo(
+        orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode() if json_out else outcome.render(result)
+    )
 
 
 def main() -> None:

@@ -28,12 +28,20 @@ from shardrun.plan import planner
 from shardrun.rundir import seal
 from shardrun.rundir import store
 
-LOREM = ("the answer follows from the given facts so we compute each step carefully and check the result "
-         "against the constraints before writing it in a box ")
+LOREM = (
+    "the answer follows from the given facts so we compute each step carefully and check the result "
+    "against the constraints before writing it in a box "
+)
 
 
-def input_rows(n_tasks: int, agents: Iterable[str] = ("agent_a",), *, explicit_index: bool = False,
-               shuffle_seed: int | None = None, index_base: int = 1000) -> list[dict[str, Any]]:
+def input_rows(
+    n_tasks: int,
+    agents: Iterable[str] = ("agent_a",),
+    *,
+    explicit_index: bool = False,
+    shuffle_seed: int | None = None,
+    index_base: int = 1000,
+) -> list[dict[str, Any]]:
     """Input rows (Gym format): agent_ref cycles over `agents`. With explicit_index, task indices are
     index_base + 7 * i (sparse), and with shuffle_seed the input order is shuffled (so it is not task order)."""
     agents = list(agents)
@@ -41,7 +49,8 @@ def input_rows(n_tasks: int, agents: Iterable[str] = ("agent_a",), *, explicit_i
     for i in range(n_tasks):
         row: dict[str, Any] = {
             "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + {i}?"}]},
-            "question": f"What is {i} + {i}?", "expected_answer": str(2 * i),
+            "question": f"What is {i} + {i}?",
+            "expected_answer": str(2 * i),
             "agent_ref": {"name": agents[i % len(agents)]},
         }
         if explicit_index:
@@ -69,16 +78,30 @@ class Run:
         return [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in self.materialized(shard)]
 
 
-def make_run(tmp: Path, rows: list[dict[str, Any]], *, num_repeats: int | dict[str, int] = 2, num_shards: int = 3,
-             slicing: str = "contiguous", seed_offset: int = 0, name: str = "run") -> Run:
+def make_run(
+    tmp: Path,
+    rows: list[dict[str, Any]],
+    *,
+    num_repeats: int | dict[str, int] = 2,
+    num_shards: int = 3,
+    slicing: str = "contiguous",
+    seed_offset: int = 0,
+    name: str = "run",
+) -> Run:
     """Write the input JSONL, plan it into tmp/<name> and materialize the shards (store.write_plan)."""
     tmp = Path(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     src = tmp / f"{name}-input.jsonl"
     src.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    cfg = config.validate({"input_jsonl": str(src), "run_dir": str(tmp / name), "num_repeats": num_repeats,
-                           "seed_offset": seed_offset,
-                           "sharding": {"num_shards": num_shards, "slicing": slicing}})
+    cfg = config.validate(
+        {
+            "input_jsonl": str(src),
+            "run_dir": str(tmp / name),
+            "num_repeats": num_repeats,
+            "seed_offset": seed_offset,
+            "sharding": {"num_shards": num_shards, "slicing": slicing},
+        }
+    )
     plan, _ = store.write_plan(cfg)
     return Run(cfg.run_dir, cfg, plan)
 
@@ -86,7 +109,7 @@ def make_run(tmp: Path, rows: list[dict[str, Any]], *, num_repeats: int | dict[s
 def _unit(*key: Any) -> float:
     """A deterministic number in [0, 1) from a key."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2 ** 64
+    return int.from_bytes(digest, "little") / 2**64
 
 
 def rollout_row(materialized: dict[str, Any], *, text_chars: int = 200, continuous: bool = False) -> dict[str, Any]:
@@ -94,7 +117,7 @@ def rollout_row(materialized: dict[str, Any], *, text_chars: int = 200, continuo
     t, r = materialized["_ng_task_index"], materialized["_ng_rollout_index"]
     correct = _unit("correct", t, r) < 0.2 + 0.6 * _unit("difficulty", t)
     answer = materialized.get("expected_answer", "0") if correct else str(int(_unit("wrong", t, r) * 3))
-    text = (LOREM * (text_chars // len(LOREM) + 1))[:text_chars - 12] + f"\\boxed{{{answer}}}"
+    text = (LOREM * (text_chars // len(LOREM) + 1))[: text_chars - 12] + f"\\boxed{{{answer}}}"
     inp, out = 20 + int(_unit("in", t) * 50), 30 + int(_unit("out", t, r) * 400)
     reward: Any = round(_unit("score", t, r), 6) if continuous else (1.0 if correct else 0.0)
     rcp = dict(materialized["responses_create_params"])
@@ -102,11 +125,26 @@ def rollout_row(materialized: dict[str, Any], *, text_chars: int = 200, continuo
     return {
         "responses_create_params": rcp,
         "response": {
-            "id": f"resp_{t}_{r}", "object": "response", "model": "policy", "status": "completed",
-            "output": [{"type": "message", "role": "assistant", "id": f"msg_{t}_{r}", "status": "completed",
-                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
-            "usage": {"input_tokens": inp, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": out,
-                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": inp + out},
+            "id": f"resp_{t}_{r}",
+            "object": "response",
+            "model": "policy",
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": f"msg_{t}_{r}",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            ],
+            "usage": {
+                "input_tokens": inp,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": out,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": inp + out,
+            },
         },
         "reward": reward,
         "expected_answer": materialized.get("expected_answer"),
@@ -131,10 +169,23 @@ class ShardWrite:
     foreign: list[tuple[int, int]] = field(default_factory=list)
 
 
-def write_shard(run: Run, shard: int, *, order: str = "shuffled", duplicates: int = 0, torn: bool = False,
-                foreign: int = 0, missing: int = 0, failed: int = 0, renumber: bool = False, seal_it: bool = True,
-                make_row: Callable[[dict[str, Any]], dict[str, Any]] = rollout_row, seed: int = 0,
-                gpus: int = 1, hours: float = 0.5) -> ShardWrite:
+def write_shard(
+    run: Run,
+    shard: int,
+    *,
+    order: str = "shuffled",
+    duplicates: int = 0,
+    torn: bool = False,
+    foreign: int = 0,
+    missing: int = 0,
+    failed: int = 0,
+    renumber: bool = False,
+    seal_it: bool = True,
+    make_row: Callable[[dict[str, Any]], dict[str, Any]] = rollout_row,
+    seed: int = 0,
+    gpus: int = 1,
+    hours: float = 0.5,
+) -> ShardWrite:
     """Write rollouts.jsonl (+ failure sidecar) for a shard and seal it (unless seal_it=False).
 
     order: "shuffled" (completion order) or "planned"; duplicates: rows written twice (a resumed shard);
@@ -148,8 +199,8 @@ def write_shard(run: Run, shard: int, *, order: str = "shuffled", duplicates: in
     if order == "shuffled":
         rng.shuffle(rows)
     result = ShardWrite()
-    dropped = rows[:missing + failed]
-    rows = rows[missing + failed:]
+    dropped = rows[: missing + failed]
+    rows = rows[missing + failed :]
     result.missing = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in dropped[:missing]]
     result.failed = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in dropped[missing:]]
     if renumber:
@@ -159,9 +210,9 @@ def write_shard(run: Run, shard: int, *, order: str = "shuffled", duplicates: in
         twin["reward"] = -1.0  # a later, different copy: the first one must win
         rows.append(twin)
     for f in range(foreign):
-        alien = make_row({**planned[0], "_ng_task_index": 10 ** 9 + f, "_ng_rollout_index": 0})
+        alien = make_row({**planned[0], "_ng_task_index": 10**9 + f, "_ng_rollout_index": 0})
         rows.insert(rng.randrange(len(rows) + 1), alien)
-        result.foreign.append((10 ** 9 + f, 0))
+        result.foreign.append((10**9 + f, 0))
     result.rows = rows
     path = store.rollouts_path(run.run_dir, shard)
     data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
@@ -185,8 +236,9 @@ def _renumbered(rows: list[dict[str, Any]], planned: list[dict[str, Any]]) -> li
     return [{**r, "_ng_rollout_index": local[(r["_ng_task_index"], r["_ng_rollout_index"])]} for r in rows]
 
 
-def _write_failures(run: Run, shard: int, failed: list[tuple[int, int]], renumber: bool,
-                    planned: list[dict[str, Any]]) -> None:
+def _write_failures(
+    run: Run, shard: int, failed: list[tuple[int, int]], renumber: bool, planned: list[dict[str, Any]]
+) -> None:
     if not failed:
         return
     numbering = {}
@@ -197,9 +249,18 @@ def _write_failures(run: Run, shard: int, failed: list[tuple[int, int]], renumbe
     for attempt in range(2):
         for t, r in failed:
             t2, r2 = numbering.get((t, r), (t, r))
-            lines.append(orjson.dumps({"_ng_task_index": t2, "_ng_rollout_index": r2,
-                                       "agent_ref": {"name": "x"}, "_ng_failure_class": "http_500",
-                                       "error": f"attempt {attempt}"}) + b"\n")
+            lines.append(
+                orjson.dumps(
+                    {
+                        "_ng_task_index": t2,
+                        "_ng_rollout_index": r2,
+                        "agent_ref": {"name": "x"},
+                        "_ng_failure_class": "http_500",
+                        "error": f"attempt {attempt}",
+                    }
+                )
+                + b"\n"
+            )
     store.failures_path(run.run_dir, shard).write_bytes(b"".join(lines))
 
 
@@ -209,9 +270,21 @@ def seal_shard(run: Run, shard: int, *, num_failed: int | None = None, gpus: int
     planned = run.plan.shards[shard].num_rollouts
     failed = num_failed if num_failed is not None else 0
     now = time.time()
-    marker = seal.make_marker(run.plan, shard, num_rollouts=planned - failed, num_failed=failed,
-                              rollouts_sha256=store.sha256_file(path), rollouts_bytes=path.stat().st_size,
-                              started_at=now - hours * 3600, finished_at=now, host="testhost", job_id=None,
-                              attempt=1, server_wait_s=1.0, collect_s=hours * 3600 - 1, gpus=gpus)
+    marker = seal.make_marker(
+        run.plan,
+        shard,
+        num_rollouts=planned - failed,
+        num_failed=failed,
+        rollouts_sha256=store.sha256_file(path),
+        rollouts_bytes=path.stat().st_size,
+        started_at=now - hours * 3600,
+        finished_at=now,
+        host="testhost",
+        job_id=None,
+        attempt=1,
+        server_wait_s=1.0,
+        collect_s=hours * 3600 - 1,
+        gpus=gpus,
+    )
     seal.write_marker(run.run_dir, shard, marker)
     return marker

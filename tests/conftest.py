@@ -47,8 +47,12 @@ def tiny_model(vllm_venv: Path) -> Path:
     import subprocess
 
     models = Path(os.environ.get("SHARDRUN_MODELS", CACHE / "models"))
-    subprocess.run([str(REPO / "scripts" / "setup-models.sh"), "tiny"], check=True, timeout=600,
-                   env={**os.environ, "SHARDRUN_VLLM_VENV": str(vllm_venv), "SHARDRUN_MODELS": str(models)})
+    subprocess.run(
+        [str(REPO / "scripts" / "setup-models.sh"), "tiny"],
+        check=True,
+        timeout=600,
+        env={**os.environ, "SHARDRUN_VLLM_VENV": str(vllm_venv), "SHARDRUN_MODELS": str(models)},
+    )
     return models / "tiny-chatml"
 
 

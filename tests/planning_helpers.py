@@ -11,8 +11,11 @@ from shardrun.plan import planner
 
 
 def row(i: int, agent: str | None = "agent_a", **extra: Any) -> dict[str, Any]:
-    r: dict[str, Any] = {"responses_create_params": {"input": [{"role": "user", "content": f"question {i}"}]},
-                         "question": f"q{i}", "expected_answer": str(i)}
+    r: dict[str, Any] = {
+        "responses_create_params": {"input": [{"role": "user", "content": f"question {i}"}]},
+        "question": f"q{i}",
+        "expected_answer": str(i),
+    }
     if agent:
         r["agent_ref"] = {"name": agent}
     r.update(extra)
@@ -34,6 +37,9 @@ def plan_rows(rows: list[Any], **kw: Any) -> tuple[planner.Plan, list[tuple[int,
     c = cfg(**kw)
     summary = planner.scan(lines_of(rows), c, "in.jsonl")
     plan = planner.make_plan(c, planner.InputInfo("in.jsonl", "0" * 64, summary.num_lines), summary)
-    out = [(s, orjson.loads(line)) for s, chunk in planner.materialize(plan, c, lines_of(rows), "in.jsonl")
-           for line in chunk.splitlines()]
+    out = [
+        (s, orjson.loads(line))
+        for s, chunk in planner.materialize(plan, c, lines_of(rows), "in.jsonl")
+        for line in chunk.splitlines()
+    ]
     return plan, out

@@ -24,8 +24,13 @@ Reward = Callable[[int, int], float]
 
 
 def input_row(i: int, agent: str = "agent_a", **extra: Any) -> dict[str, Any]:
-    return {"responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + {i}?"}]},
-            "question": f"What is {i} + {i}?", "expected_answer": str(2 * i), "agent_ref": {"name": agent}, **extra}
+    return {
+        "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + {i}?"}]},
+        "question": f"What is {i} + {i}?",
+        "expected_answer": str(2 * i),
+        "agent_ref": {"name": agent},
+        **extra,
+    }
 
 
 def write_input(path: Path, rows: list[Any]) -> Path:
@@ -36,11 +41,16 @@ def write_input(path: Path, rows: list[Any]) -> Path:
     return path
 
 
-def planned_run(tmp: Path, rows: list[Any], num_repeats: Any = 4, num_shards: int = 3,
-                cluster: dict | None = None) -> tuple[Path, config.RunConfig]:
+def planned_run(
+    tmp: Path, rows: list[Any], num_repeats: Any = 4, num_shards: int = 3, cluster: dict | None = None
+) -> tuple[Path, config.RunConfig]:
     inp = write_input(tmp / "input.jsonl", rows)
-    data = {"input_jsonl": str(inp), "run_dir": str(tmp / "run"), "num_repeats": num_repeats,
-            "sharding": {"num_shards": num_shards}}
+    data = {
+        "input_jsonl": str(inp),
+        "run_dir": str(tmp / "run"),
+        "num_repeats": num_repeats,
+        "sharding": {"num_shards": num_shards},
+    }
     if cluster:
         data["cluster"] = cluster
     cfg_path = tmp / "run.yaml"
@@ -62,42 +72,79 @@ def tokens_of(task: int, r: int) -> int:
     return 20 + 3 * task + r
 
 
-def seal_shards(run_dir: Path, reward: Reward, *, failed: set[tuple[int, int]] = frozenset(),
-                t0: float = 1_700_000_000.0, gpus: int = 2, attempts: dict[int, int] | None = None,
-                unsealed: set[int] = frozenset(), job_prefix: str | None = None) -> list[dict]:
+def seal_shards(
+    run_dir: Path,
+    reward: Reward,
+    *,
+    failed: set[tuple[int, int]] = frozenset(),
+    t0: float = 1_700_000_000.0,
+    gpus: int = 2,
+    attempts: dict[int, int] | None = None,
+    unsealed: set[int] = frozenset(),
+    job_prefix: str | None = None,
+) -> list[dict]:
     """Write every shard's rollouts.jsonl and seal it; returns the markers. `failed` identities go to the shard's
     failure sidecar instead (recorded as failed after their retries, as the runtime does)."""
     plan = store.load_plan(run_dir)
     markers = []
     for s in plan.shards:
         rows = list(store.iter_jsonl_objects(store.materialized_path(run_dir, s.index)))
-        out = [rollout(r, reward(r["_ng_task_index"], r["_ng_rollout_index"]),
-                       tokens_of(r["_ng_task_index"], r["_ng_rollout_index"]))
-               for r in rows if (r["_ng_task_index"], r["_ng_rollout_index"]) not in failed]
+        out = [
+            rollout(
+                r,
+                reward(r["_ng_task_index"], r["_ng_rollout_index"]),
+                tokens_of(r["_ng_task_index"], r["_ng_rollout_index"]),
+            )
+            for r in rows
+            if (r["_ng_task_index"], r["_ng_rollout_index"]) not in failed
+        ]
         data = b"".join(orjson.dumps(o) + b"\n" for o in out)
         store.rollouts_path(run_dir, s.index).write_bytes(data)
-        store.failures_path(run_dir, s.index).write_bytes(b"".join(
-            orjson.dumps({**{k: r[k] for k in ("_ng_task_index", "_ng_rollout_index", "agent_ref")},
-                          "_ng_failure_class": "http_500", "error": "model returned 500"}) + b"\n"
-            for r in rows if (r["_ng_task_index"], r["_ng_rollout_index"]) in failed))
+        store.failures_path(run_dir, s.index).write_bytes(
+            b"".join(
+                orjson.dumps(
+                    {
+                        **{k: r[k] for k in ("_ng_task_index", "_ng_rollout_index", "agent_ref")},
+                        "_ng_failure_class": "http_500",
+                        "error": "model returned 500",
+                    }
+                )
+                + b"\n"
+                for r in rows
+                if (r["_ng_task_index"], r["_ng_rollout_index"]) in failed
+            )
+        )
         if s.index in unsealed:
             continue
         start = t0 + 600 * s.index
         marker = seal.make_marker(
-            plan, s.index, num_rollouts=len(out), num_failed=len(rows) - len(out),
-            rollouts_sha256=hashlib.sha256(data).hexdigest(), rollouts_bytes=len(data), started_at=start,
-            finished_at=start + 1800 + 60 * s.index, host=f"node{s.index}",
-            job_id=f"{job_prefix}_{s.index}" if job_prefix else None, attempt=(attempts or {}).get(s.index, 1),
-            server_wait_s=30.0, collect_s=1700.0 + 60 * s.index, gpus=gpus,
-            extra={"output_tokens": sum(o["response"]["usage"]["output_tokens"] for o in out),
-                   "input_tokens": 10 * len(out), "total_tokens": sum(o["response"]["usage"]["total_tokens"]
-                                                                      for o in out)})
+            plan,
+            s.index,
+            num_rollouts=len(out),
+            num_failed=len(rows) - len(out),
+            rollouts_sha256=hashlib.sha256(data).hexdigest(),
+            rollouts_bytes=len(data),
+            started_at=start,
+            finished_at=start + 1800 + 60 * s.index,
+            host=f"node{s.index}",
+            job_id=f"{job_prefix}_{s.index}" if job_prefix else None,
+            attempt=(attempts or {}).get(s.index, 1),
+            server_wait_s=30.0,
+            collect_s=1700.0 + 60 * s.index,
+            gpus=gpus,
+            extra={
+                "output_tokens": sum(o["response"]["usage"]["output_tokens"] for o in out),
+                "input_tokens": 10 * len(out),
+                "total_tokens": sum(o["response"]["usage"]["total_tokens"] for o in out),
+            },
+        )
         seal.write_marker(run_dir, s.index, marker)
         markers.append(marker)
     return markers
 
 
 # ---------------------------------------------------------------- merged outputs, by the real merge
+
 
 def merge_run(run_dir: Path, allow_partial: bool = False):
     """merged/ written by shardrun's own merge-and-profile (Gym's formats)."""

@@ -107,11 +107,19 @@ def test_ks_and_metric_names() -> None:
     assert aggregate.ks_for(5) == [1, 2, 4, 5]
     m = aggregate.agent_pass_metrics(table([[1, 0, 1, 1, 0]], [["a"] * 5]), 5)
     assert [k for k in m if k.endswith("/accuracy") and "@" in k][:3] == [
-        "pass@1/accuracy", "pass@1[avg-of-1]/accuracy", "majority@1/accuracy"]
+        "pass@1/accuracy",
+        "pass@1[avg-of-1]/accuracy",
+        "majority@1/accuracy",
+    ]
     assert {k.split("/")[0] for k in m} >= {"pass@5", "pass@1[avg-of-5]", "majority@5", "per_sample_aggregate"}
     keys = aggregate.key_metrics({"mean/reward": 0.5, **m})
-    assert list(keys) == ["mean/reward", "pass@1[avg-of-5]/accuracy", "pass@1[avg-of-5]/no_answer",
-                          "pass@5/accuracy", "majority@5/accuracy"]
+    assert list(keys) == [
+        "mean/reward",
+        "pass@1[avg-of-5]/accuracy",
+        "pass@1[avg-of-5]/no_answer",
+        "pass@5/accuracy",
+        "majority@5/accuracy",
+    ]
 
 
 def test_no_k_beyond_the_rollouts_present() -> None:

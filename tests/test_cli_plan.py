@@ -19,11 +19,12 @@ runner = CliRunner()
 def setup_dir(tmp_path, agents=("a", "a", "b")):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "in.jsonl").write_bytes(
-        b"".join(orjson.dumps(row(i, agent=a)) + b"\n" for i, a in enumerate(agents)))
+        b"".join(orjson.dumps(row(i, agent=a)) + b"\n" for i, a in enumerate(agents))
+    )
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "run.yaml").write_text(
-        "input_jsonl: data/in.jsonl\nrun_dir: runs/r1\nnum_repeats: {a: 4, _default: 2}\n"
-        "sharding:\n  num_shards: 3\n")
+        "input_jsonl: data/in.jsonl\nrun_dir: runs/r1\nnum_repeats: {a: 4, _default: 2}\nsharding:\n  num_shards: 3\n"
+    )
     return tmp_path / "conf" / "run.yaml"
 
 
@@ -55,8 +56,18 @@ def test_relative_paths_resolve_against_the_working_directory(tmp_path, monkeypa
 def test_overrides_in_hydra_syntax(tmp_path, monkeypatch):
     cfg = setup_dir(tmp_path)
     monkeypatch.chdir(tmp_path)
-    result = runner.invoke(app, ["plan", str(cfg), "num_repeats=3", "sharding.slicing=round_robin",
-                                 "++sharding.num_shards=9", "+agent_name=a", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "plan",
+            str(cfg),
+            "num_repeats=3",
+            "sharding.slicing=round_robin",
+            "++sharding.num_shards=9",
+            "+agent_name=a",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["rollouts"] == 9 and data["shards"] == 9 and data["tasks"] == 3
@@ -65,8 +76,10 @@ def test_overrides_in_hydra_syntax(tmp_path, monkeypatch):
 def test_cluster_pick_sets_array_size_for_the_table(tmp_path, monkeypatch):
     cfg = setup_dir(tmp_path, agents=["a"] * 30)
     monkeypatch.chdir(tmp_path)
-    result = runner.invoke(app, ["plan", str(cfg), "cluster=slurm-example", "++cluster.max_array_size=4",
-                                 "sharding.num_shards=10", "--json"])
+    result = runner.invoke(
+        app,
+        ["plan", str(cfg), "cluster=slurm-example", "++cluster.max_array_size=4", "sharding.num_shards=10", "--json"],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["array_jobs_needed"] == 3
 

@@ -16,19 +16,45 @@ from shardrun.rundir import store
 
 
 def marker(i: int, start: float, wall: float, gpus: int = 8, rollouts: int = 100, **kw) -> dict:
-    m = {"shard_index": i, "started_at": start, "finished_at": start + wall, "gpus": gpus,
-         "gpu_hours": gpus * wall / 3600, "num_rollouts": rollouts, "num_failed": 0, "attempt": 1,
-         "collect_s": wall - 100, "server_wait_s": 100.0, "host": "n", "job_id": f"77_{i}"}
+    m = {
+        "shard_index": i,
+        "started_at": start,
+        "finished_at": start + wall,
+        "gpus": gpus,
+        "gpu_hours": gpus * wall / 3600,
+        "num_rollouts": rollouts,
+        "num_failed": 0,
+        "attempt": 1,
+        "collect_s": wall - 100,
+        "server_wait_s": 100.0,
+        "host": "n",
+        "job_id": f"77_{i}",
+    }
     m.update(kw)
     return m
 
 
 def test_shard_cost_from_a_real_marker():
     from shardrun.plan.planner import InputInfo, Plan, ShardSpec
+
     plan = Plan("1", InputInfo("x", "0" * 64, 1), {}, {}, 1, 40, {}, (ShardSpec(0, 40, "range", 0, 40),), (), "f")
-    m = seal.make_marker(plan, 0, num_rollouts=38, num_failed=2, rollouts_sha256="0", rollouts_bytes=1,
-                         started_at=1000.0, finished_at=1000.0 + 5400, host="h", job_id="12_0", attempt=2,
-                         server_wait_s=120.0, collect_s=5000.0, gpus=4, extra={"output_tokens": 250_000})
+    m = seal.make_marker(
+        plan,
+        0,
+        num_rollouts=38,
+        num_failed=2,
+        rollouts_sha256="0",
+        rollouts_bytes=1,
+        started_at=1000.0,
+        finished_at=1000.0 + 5400,
+        host="h",
+        job_id="12_0",
+        attempt=2,
+        server_wait_s=120.0,
+        collect_s=5000.0,
+        gpus=4,
+        extra={"output_tokens": 250_000},
+    )
     c = cost.shard_cost(m)
     assert (c.shard_index, c.attempt, c.gpus, c.num_rollouts, c.num_failed) == (0, 2, 4, 38, 2)
     assert c.wall_s == 5400 and c.gpu_hours == pytest.approx(6.0)
@@ -37,15 +63,15 @@ def test_shard_cost_from_a_real_marker():
 
 
 def test_missing_fields_degrade_to_none_not_to_made_up_numbers():
-    c = cost.shard_cost({"shard_index": 3, "started_at": 0.0, "finished_at": 3600.0, "gpus": 0,
-                         "num_rollouts": 10})
+    c = cost.shard_cost({"shard_index": 3, "started_at": 0.0, "finished_at": 3600.0, "gpus": 0, "num_rollouts": 10})
     assert c.gpu_hours == 0 and c.rollouts_per_gpu_hour is None and c.output_tokens_per_s is None
     assert cost.shard_cost({"shard_index": 1, "started_at": 0, "finished_at": 1800, "gpus": 2}).gpu_hours == 1.0
 
 
 def test_run_costs_sum_shards_and_span_first_start_to_last_end():
-    shards = cost.shard_costs([marker(1, 3600, 7200, extra={"output_tokens": 9000}), None,
-                               marker(0, 0, 3600, extra={"output_tokens": 1800})])
+    shards = cost.shard_costs(
+        [marker(1, 3600, 7200, extra={"output_tokens": 9000}), None, marker(0, 0, 3600, extra={"output_tokens": 1800})]
+    )
     assert [s.shard_index for s in shards] == [0, 1]
     run = cost.run_costs(shards)
     assert run.gpu_hours == pytest.approx(8 + 16) and run.rollouts == 200 and run.wall_s == 10800
@@ -62,8 +88,10 @@ def test_run_costs_of_nothing():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.floats(0, 1e5), st.floats(0, 1e4), st.integers(0, 1000)), min_size=1, max_size=12),
-       st.integers(1, 80))
+@given(
+    st.lists(st.tuples(st.floats(0, 1e5), st.floats(0, 1e4), st.integers(0, 1000)), min_size=1, max_size=12),
+    st.integers(1, 80),
+)
 def test_throughput_integrates_to_the_rollouts_done(spec, bins):
     shards = cost.shard_costs([marker(i, s, w, rollouts=n) for i, (s, w, n) in enumerate(spec)])
     tp = cost.throughput(shards, bins)
@@ -95,12 +123,22 @@ def test_parse_sacct_and_attach_gpu_hours():
 
 def test_query_sacct_runs_the_real_command_line(tmp_path, monkeypatch):
     fake = tmp_path / "sacct"
-    fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\" > " + str(tmp_path / "args") + "\ncat <<'EOF'\n" + SACCT + "EOF\n")
+    fake.write_text(
+        "#!/bin/sh\nprintf '%s\\n' \"$@\" > " + str(tmp_path / "args") + "\ncat <<'EOF'\n" + SACCT + "EOF\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     jobs = cost.query_sacct(["77_1", "77_0", "77_1"])
     assert set(jobs) == {"77_0", "77_1"}  # what was asked for, not whatever else sacct printed
-    assert (tmp_path / "args").read_text().split() == ["-n", "-P", "-X", "-j", "77_0,77_1", "-o", cost.SACCT_USAGE_FIELDS]
+    assert (tmp_path / "args").read_text().split() == [
+        "-n",
+        "-P",
+        "-X",
+        "-j",
+        "77_0,77_1",
+        "-o",
+        cost.SACCT_USAGE_FIELDS,
+    ]
     assert cost.query_sacct([]) is None
     assert cost.query_sacct(["1"], which=lambda _: None) is None
     failing = lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "slurmdbd down")  # noqa: E731

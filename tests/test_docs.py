@@ -75,7 +75,7 @@ def blocks(text: str) -> list[Block]:
             j += 1
         prev = next((lines[k] for k in range(start - 1, -1, -1) if lines[k].strip()), "")
         d = DIRECTIVE.match(prev.strip())
-        out.append(Block(m.group(1), "\n".join(lines[start + 1:j]), d.group(1) if d else None, start + 1))
+        out.append(Block(m.group(1), "\n".join(lines[start + 1 : j]), d.group(1) if d else None, start + 1))
         i = j + 1
     return out
 
@@ -110,6 +110,7 @@ def _strip_comment(cmd: str) -> str:
 
 # ---------------------------------------------------------------- the workspace
 
+
 def reward(t: int, r: int) -> float:
     """Task t % 5 == 0 never solved, == 4 always, otherwise r < t % 5 solved: every selection rule has work."""
     return 1.0 if r < t % 5 else 0.0
@@ -122,10 +123,13 @@ def collected(tmp_path_factory) -> Path:
     for d in ("examples", "cluster_configs"):
         shutil.copytree(REPO / d, ws / d)
     (ws / "data").mkdir()
-    row = {"responses_create_params": {"input": [{"role": "user", "content": "What is {i} + 1?"}]},
-           "agent_ref": {"name": "math_with_judge_simple_agent"}}
-    (ws / "data" / "prompts.jsonl").write_bytes(b"".join(
-        orjson.dumps(row).replace(b"{i}", str(i).encode()) + b"\n" for i in range(20_000)))
+    row = {
+        "responses_create_params": {"input": [{"role": "user", "content": "What is {i} + 1?"}]},
+        "agent_ref": {"name": "math_with_judge_simple_agent"},
+    }
+    (ws / "data" / "prompts.jsonl").write_bytes(
+        b"".join(orjson.dumps(row).replace(b"{i}", str(i).encode()) + b"\n" for i in range(20_000))
+    )
     cwd = os.getcwd()
     os.chdir(ws)
     try:
@@ -152,6 +156,7 @@ def workspace(collected, tmp_path, monkeypatch) -> Path:
 
 # ---------------------------------------------------------------- running
 
+
 def run(cmd: str, ws: Path) -> tuple[int, str]:
     """`shardrun ...` in-process through the CLI (fast); anything else, or with shell operators, through bash."""
     try:
@@ -176,8 +181,9 @@ def check_fails(cmds: list[str], directive: str, ws: Path, where: str) -> None:
     assert m, f"{where}: bad directive {directive!r}"
     check_run(cmds[:-1], ws, where)
     code, out = run(cmds[-1], ws)
-    assert code == int(m.group(1)) and m.group(2) in out, \
+    assert code == int(m.group(1)) and m.group(2) in out, (
         f"{where}: `{cmds[-1]}` should exit {m.group(1)} saying {m.group(2)!r}; exited {code}:\n{out}"
+    )
 
 
 def check_dry_run(cmds: list[str], ws: Path, where: str) -> None:
@@ -220,8 +226,10 @@ def check_block(b: Block, ws: Path, where: str) -> None:
     elif mode == "syntax":
         check_syntax(b.code, ws, where)
     else:
-        pytest.fail(f"{where}: a ```bash block needs a <!-- doc-test: run|fails|dry-run|help|syntax --> line "
-                    f"before it (got {b.directive!r})")
+        pytest.fail(
+            f"{where}: a ```bash block needs a <!-- doc-test: run|fails|dry-run|help|syntax --> line "
+            f"before it (got {b.directive!r})"
+        )
 
 
 @pytest.mark.parametrize("page", TESTED)
@@ -232,8 +240,9 @@ def test_every_command_shown_runs(page, workspace):
     n = 0
     for b in blocks(path.read_text()):
         where = f"{page}:{b.line}"
-        assert b.lang not in ("sh", "shell", "console", "zsh", "shell-session"), \
+        assert b.lang not in ("sh", "shell", "console", "zsh", "shell-session"), (
             f"{where}: write commands in ```bash blocks (the harness checks those)"
+        )
         m = re.fullmatch(r"file=(\S+)", b.directive or "")
         if m:
             target = workspace / m.group(1)
@@ -247,6 +256,7 @@ def test_every_command_shown_runs(page, workspace):
 
 
 # ---------------------------------------------------------------- the harness itself can fail
+
 
 def test_harness_parses_directives_and_continuations():
     text = "x\n<!-- doc-test: run -->\n```bash\n# c\nshardrun plan a.yaml \\\n  k=v  # note\n```\n```yaml\na: 1\n```\n"
@@ -267,16 +277,23 @@ def test_harness_catches_a_wrong_command(workspace):
 
 # ---------------------------------------------------------------- reference, links, index
 
+
 def test_config_reference_is_generated_from_the_models():
-    assert (DOCS / "config-reference.md").read_text() == config_docs.reference(), \
+    assert (DOCS / "config-reference.md").read_text() == config_docs.reference(), (
         "docs/config-reference.md is stale: run `python -m shardrun.core.config_docs`"
+    )
 
 
 def test_config_reference_lists_every_key():
     text = config_docs.reference()
-    for prefix, model in [("", config.RunConfig), ("sharding.", config.ShardingConfig), ("gym.", config.GymConfig),
-                          ("policy.", config.PolicyConfig), ("policy.vllm.", config.VllmConfig),
-                          ("cluster.", config.ClusterConfig)]:
+    for prefix, model in [
+        ("", config.RunConfig),
+        ("sharding.", config.ShardingConfig),
+        ("gym.", config.GymConfig),
+        ("policy.", config.PolicyConfig),
+        ("policy.vllm.", config.VllmConfig),
+        ("cluster.", config.ClusterConfig),
+    ]:
         for name in model.model_fields:
             assert f"| `{prefix}{name}` |" in text
 

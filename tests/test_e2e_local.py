@@ -43,14 +43,21 @@ def essentials(rollouts: list[dict]) -> dict[tuple[int, int], tuple]:
         key = (r["_ng_task_index"], r["_ng_rollout_index"])
         assert key not in out, f"identity {key} twice"
         usage = r["response"]["usage"]
-        out[key] = (seed_of(r), r["reward"], r["agent_ref"]["name"], usage["input_tokens"], usage["output_tokens"],
-                    r.get("extracted_answer"))
+        out[key] = (
+            seed_of(r),
+            r["reward"],
+            r["agent_ref"]["name"],
+            usage["input_tokens"],
+            usage["output_tokens"],
+            r.get("extracted_answer"),
+        )
     return out
 
 
 def run_gym(venv: Path, tool: str, *args: str, cwd: Path, env: dict, timeout: float = 300) -> None:
-    proc = subprocess.run([str(venv / "bin" / tool), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [str(venv / "bin" / tool), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{tool} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
@@ -59,19 +66,35 @@ def unsharded_reference(tmp: Path, cfg_path: Path, input_jsonl: Path, gym_venv: 
     cfg = harness.load_config(cfg_path)
     out = tmp / "reference" / "out"
     out.mkdir(parents=True)
-    stack, _ = gym_stack.start_ready(tmp / "reference", 0, cfg.gym, [cfg.policy.base_url], harness.API_KEY,
-                                     cfg.policy.model_name)
+    stack, _ = gym_stack.start_ready(
+        tmp / "reference", 0, cfg.gym, [cfg.policy.base_url], harness.API_KEY, cfg.policy.model_name
+    )
     try:
         env = gym_stack.stack_env(dict(os.environ), gym_venv, stack.ray_tmp, True)
-        run_gym(gym_venv, "ng_collect_rollouts", f"+head_server.host={gym_stack.HEAD_HOST}",
-                f"+head_server.port={stack.port}", f"+input_jsonl_fpath={input_jsonl}",
-                f"+output_jsonl_fpath={out / 'rollouts.jsonl'}", f"+num_repeats={REPEATS}",
-                "+num_repeats_add_seed=true", "+num_samples_in_parallel=4", "+disable_aggregation=true",
-                cwd=out, env=env)
+        run_gym(
+            gym_venv,
+            "ng_collect_rollouts",
+            f"+head_server.host={gym_stack.HEAD_HOST}",
+            f"+head_server.port={stack.port}",
+            f"+input_jsonl_fpath={input_jsonl}",
+            f"+output_jsonl_fpath={out / 'rollouts.jsonl'}",
+            f"+num_repeats={REPEATS}",
+            "+num_repeats_add_seed=true",
+            "+num_samples_in_parallel=4",
+            "+disable_aggregation=true",
+            cwd=out,
+            env=env,
+        )
     finally:
         stack.stop()
-    run_gym(gym_venv, "ng_reward_profile", f"+materialized_inputs_jsonl_fpath={out / 'rollouts_materialized_inputs.jsonl'}",
-            f"+rollouts_jsonl_fpath={out / 'rollouts.jsonl'}", cwd=out, env=dict(os.environ))
+    run_gym(
+        gym_venv,
+        "ng_reward_profile",
+        f"+materialized_inputs_jsonl_fpath={out / 'rollouts_materialized_inputs.jsonl'}",
+        f"+rollouts_jsonl_fpath={out / 'rollouts.jsonl'}",
+        cwd=out,
+        env=dict(os.environ),
+    )
     return out
 
 
@@ -87,11 +110,17 @@ def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv: P
     input_jsonl = harness.example_input(tmp_path / "input.jsonl", gym_venv, math_rows=4, weather_rows=1)
     run_dir = tmp_path / "run"
     with harness.fake_policy(tmp_path, "--correct-share", "0.5") as fake:
-        cfg_path = harness.write_config(tmp_path / "run.yaml", input_jsonl, run_dir, fake.base_url, repeats=REPEATS,
-                                        shards=2)
+        cfg_path = harness.write_config(
+            tmp_path / "run.yaml", input_jsonl, run_dir, fake.base_url, repeats=REPEATS, shards=2
+        )
         t0 = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path)], capture_output=True,
-                              text=True, timeout=900, cwd=tmp_path)
+        done = subprocess.run(
+            [sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=tmp_path,
+        )
         sharded_s = time.monotonic() - t0
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"run directory: {run_dir}" in done.stdout
@@ -103,12 +132,22 @@ def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv: P
 
         # a second submit launches nothing; a foreign marker is reported, ignored, and the shard re-sealed from
         # its files without starting any server
-        again = subprocess.run([sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path)], capture_output=True,
-                               text=True, timeout=120, cwd=tmp_path)
+        again = subprocess.run(
+            [sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         assert again.returncode == 0 and "every shard is sealed" in again.stdout, again.stdout + again.stderr
         shutil.copy(store.done_path(run_dir, 0), store.done_path(run_dir, 1))
-        again = subprocess.run([sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path)], capture_output=True,
-                               text=True, timeout=300, cwd=tmp_path)
+        again = subprocess.run(
+            [sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
         assert again.returncode == 0, again.stdout + again.stderr
         assert "marker is for shard 0" in again.stderr and "shard 00001: sealed" in again.stdout
         assert "sealing without starting servers" in store.shard_log_path(run_dir, 1).read_text()
@@ -131,10 +170,12 @@ def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv: P
 
     driver.merge_and_profile(run_dir)
     merged = store.merged_dir(run_dir)
-    assert profile_rows(merged / "rollouts_reward_profiling.jsonl") == \
-        profile_rows(reference / "rollouts_reward_profiling.jsonl")
-    assert json.loads((merged / "rollouts_agent_metrics.json").read_text()) == \
-        json.loads((reference / "rollouts_agent_metrics.json").read_text())
+    assert profile_rows(merged / "rollouts_reward_profiling.jsonl") == profile_rows(
+        reference / "rollouts_reward_profiling.jsonl"
+    )
+    assert json.loads((merged / "rollouts_agent_metrics.json").read_text()) == json.loads(
+        (reference / "rollouts_agent_metrics.json").read_text()
+    )
 
     # nothing left running, no key on disk, env.yaml deleted
     assert harness.tagged_processes(tag) == []
@@ -145,6 +186,8 @@ def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv: P
             assert harness.API_KEY.encode() not in path.read_bytes(), f"API key written to {path}"
     markers = [json.loads(store.done_path(run_dir, i).read_text()) for i in (0, 1)]
     assert markers[0]["server_wait_s"] > 0 and markers[0]["collect_s"] > 0 and markers[0]["extra"]["output_tokens"] > 0
-    assert markers[1]["server_wait_s"] == 0 and markers[1]["num_rollouts"] + markers[1]["num_failed"] == \
-        markers[1]["planned_rollouts"]  # re-sealed from its files, no servers
+    assert (
+        markers[1]["server_wait_s"] == 0
+        and markers[1]["num_rollouts"] + markers[1]["num_failed"] == markers[1]["planned_rollouts"]
+    )  # re-sealed from its files, no servers
     print(f"sharded submit (2 shards, sequential): {sharded_s:.1f} s")

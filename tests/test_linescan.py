@@ -25,12 +25,15 @@ from shardrun.rundir import store
 from shardrun.core.errors import PlanMismatch
 from tests.builders import input_rows, make_run
 
-pytestmark = pytest.mark.skipif(not linescan.AVAILABLE and shutil.which("cc") is None,
-                                reason="no C compiler here: the scanner cannot be built")
+pytestmark = pytest.mark.skipif(
+    not linescan.AVAILABLE and shutil.which("cc") is None, reason="no C compiler here: the scanner cannot be built"
+)
 
 
 def test_the_scanner_is_built_where_a_compiler_is() -> None:
-    assert linescan.AVAILABLE, "shardrun.merge._jsonlscan is missing though a C compiler is installed: run ./scripts/setup.sh"
+    assert linescan.AVAILABLE, (
+        "shardrun.merge._jsonlscan is missing though a C compiler is installed: run ./scripts/setup.sh"
+    )
 
 
 @contextlib.contextmanager
@@ -53,8 +56,12 @@ def snapshot(r: shardscan.Rollouts) -> dict[str, Any]:
     return {
         "counts": (r.lines, r.unreadable, r.no_identity, r.torn_bytes, r.sha256),
         "rows": [arr(a) for a in (r.task, r.rollout, r.offset, r.length)],
-        "schemas": t.schemas, "per_schema": t.counts, "schema_of": arr(t.schema_array()), "pos": arr(t.pos),
-        "columns": [[arr(c) for c in cols] for cols in t.columns], "answers": arr(t.answer_array()),
+        "schemas": t.schemas,
+        "per_schema": t.counts,
+        "schema_of": arr(t.schema_array()),
+        "pos": arr(t.pos),
+        "columns": [[arr(c) for c in cols] for cols in t.columns],
+        "answers": arr(t.answer_array()),
         "irregular": t.irregular_infos,
     }
 
@@ -69,29 +76,52 @@ def both_paths(path: Path, answer_key: str | None) -> tuple[dict, dict]:
 # ---------------------------------------------------------------- odd rows
 
 KEYS = ["reward", "a", "b", "input_tokens", "ans", "é", "_ng_task_index", "_ng_rollout_index"]
-scalars = (st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 64 - 1) | st.integers(-5, 300)
-           | st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([0.5, -0.0, 1e-310, 1e300, 3.0])
-           | st.text(st.characters(exclude_categories=("Cs",)), max_size=8))
-values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3)
-                      | st.dictionaries(st.sampled_from(KEYS), kids, max_size=3), max_leaves=6)
-usage = st.dictionaries(st.sampled_from(["input_tokens", "output_tokens", "total_tokens", "reward", "a"]),
-                        scalars, max_size=4) | scalars
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.integers(-5, 300)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from([0.5, -0.0, 1e-310, 1e300, 3.0])
+    | st.text(st.characters(exclude_categories=("Cs",)), max_size=8)
+)
+values = st.recursive(
+    scalars,
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.sampled_from(KEYS), kids, max_size=3),
+    max_leaves=6,
+)
+usage = (
+    st.dictionaries(
+        st.sampled_from(["input_tokens", "output_tokens", "total_tokens", "reward", "a"]), scalars, max_size=4
+    )
+    | scalars
+)
 rows = st.fixed_dictionaries(
     {"_ng_task_index": st.integers(-1, 5) | st.just("3"), "_ng_rollout_index": st.integers(-1, 5)},
-    optional={"response": st.fixed_dictionaries({}, optional={"usage": usage, "output": values}) | scalars,
-              "reward": scalars, "a": values, "b": scalars, "input_tokens": scalars, "ans": values, "é": values})
+    optional={
+        "response": st.fixed_dictionaries({}, optional={"usage": usage, "output": values}) | scalars,
+        "reward": scalars,
+        "a": values,
+        "b": scalars,
+        "input_tokens": scalars,
+        "ans": values,
+        "é": values,
+    },
+)
 
 
 @st.composite
 def lines(draw: Any) -> bytes:
     row = draw(st.permutations(list(draw(rows).items())))
     how = draw(st.sampled_from(["orjson", "ascii", "spaced", "duplicate", "escaped-key", "broken"]))
-    if how == "orjson" or any(type(v) is int and not -2 ** 63 <= v < 2 ** 64 for _, v in row):
+    if how == "orjson" or any(type(v) is int and not -(2**63) <= v < 2**64 for _, v in row):
         return orjson.dumps(dict(row))
     if how == "ascii":  # non-ASCII as \\u escapes (surrogate pairs beyond the BMP)
         return json.dumps(dict(row)).encode()
     if how == "spaced":
-        return b" \t" + json.dumps(dict(row), indent=None, separators=(" , ", " : "), ensure_ascii=False).encode() + b" \r"
+        return (
+            b" \t" + json.dumps(dict(row), indent=None, separators=(" , ", " : "), ensure_ascii=False).encode() + b" \r"
+        )
     members = [orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in row]
     if how == "duplicate" and members:
         members.append(members[draw(st.integers(0, len(members) - 1))])
@@ -104,12 +134,17 @@ def lines(draw: Any) -> bytes:
     return line
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
-@given(file_lines=st.lists(lines() | st.sampled_from([b"", b"   ", b"[1,2]", b"7", b"null"]), max_size=30),
-       torn=st.booleans(), answer_key=st.sampled_from([None, "ans", "é", "a\"b"]))
-def test_the_scanner_builds_the_same_table_as_python(tmp_path_factory, file_lines: list[bytes], torn: bool,
-                                                     answer_key: str | None) -> None:
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    file_lines=st.lists(lines() | st.sampled_from([b"", b"   ", b"[1,2]", b"7", b"null"]), max_size=30),
+    torn=st.booleans(),
+    answer_key=st.sampled_from([None, "ans", "é", "a\"b"]),
+)
+def test_the_scanner_builds_the_same_table_as_python(
+    tmp_path_factory, file_lines: list[bytes], torn: bool, answer_key: str | None
+) -> None:
     path = tmp_path_factory.mktemp("scan") / "rollouts.jsonl"
     path.write_bytes(b"".join(x + b"\n" for x in file_lines) + (b'{"_ng_task_index": 1' if torn else b""))
     fast, slow = both_paths(path, answer_key)
@@ -121,9 +156,13 @@ def test_rows_of_many_shapes_across_blocks_match(tmp_path: Path, monkeypatch) ->
     monkeypatch.setattr(shardscan, "BLOCK", 4096)
     out = []
     for i in range(3000):
-        row: dict[str, Any] = {"_ng_task_index": i // 4, "_ng_rollout_index": i % 4, "reward": float(i % 2),
-                               "response": {"usage": {"input_tokens": i, "output_tokens": 2 * i}},
-                               "ans": [None, "x", i % 3, {"v": i % 2}][i % 4]}
+        row: dict[str, Any] = {
+            "_ng_task_index": i // 4,
+            "_ng_rollout_index": i % 4,
+            "reward": float(i % 2),
+            "response": {"usage": {"input_tokens": i, "output_tokens": 2 * i}},
+            "ans": [None, "x", i % 3, {"v": i % 2}][i % 4],
+        }
         if i % 7 == 0:
             row = {"_ng_rollout_index": row.pop("_ng_rollout_index"), **row}  # same schema, other key order
         line = orjson.dumps(row)
@@ -148,6 +187,7 @@ def test_rows_of_many_shapes_across_blocks_match(tmp_path: Path, monkeypatch) ->
 
 # ---------------------------------------------------------------- the scanner itself
 
+
 def scan_one(line: bytes, key: bytes | None = None) -> tuple[int, list[float]]:
     sigs: dict[bytes, int] = {}
     n, _starts, sig, vstart, values, _kid = linescan._jsonlscan.scan(line + b"\n", len(line) + 1, sigs, [], key, {})
@@ -155,23 +195,58 @@ def scan_one(line: bytes, key: bytes | None = None) -> tuple[int, list[float]]:
     return int(np.frombuffer(sig, np.int32)[0]), np.frombuffer(values, np.float64).tolist()
 
 
-@pytest.mark.parametrize("line", [
-    b'{"\\u0061":1}',                             # escaped top-level key
-    b'{"a":"\\ud83d\\ude00"}',                    # surrogate escapes: orjson decides
-    b'{"a":12345678901234567}',                   # more than 15 digits
-    b'{"a":1e400}', b'{"a":1e-400}',              # over- and underflow
-    b'{"a":01}', b'{"a":1.}', b'{"a":-}', b'{"a":.5}', b'{"a":NaN}', b'{"a":tru}',
-    b'{"a":"\x01"}', b'{"a":"\xff"}', b'{"a":"\xed\xa0\x80"}', b'{"a":"\xc0\x80"}', b'{"a":"\\x"}',
-    b'{"a":1}x', b'{"a":1', b'[1]', b'', b'  ', b'{"a":1,}', b'{,}', b'{"a" 1}',
-    b'{"response":{"usage":{}},"response":1}', b'{"response":{"usage":{},"usage":{}}}',
-    b'{"a":' + b"[" * 300 + b"]" * 300 + b"}",  # deeper than the scanner goes
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"\\u0061":1}',  # escaped top-level key
+        b'{"a":"\\ud83d\\ude00"}',  # surrogate escapes: orjson decides
+        b'{"a":12345678901234567}',  # more than 15 digits
+        b'{"a":1e400}',
+        b'{"a":1e-400}',  # over- and underflow
+        b'{"a":01}',
+        b'{"a":1.}',
+        b'{"a":-}',
+        b'{"a":.5}',
+        b'{"a":NaN}',
+        b'{"a":tru}',
+        b'{"a":"\x01"}',
+        b'{"a":"\xff"}',
+        b'{"a":"\xed\xa0\x80"}',
+        b'{"a":"\xc0\x80"}',
+        b'{"a":"\\x"}',
+        b'{"a":1}x',
+        b'{"a":1',
+        b'[1]',
+        b'',
+        b'  ',
+        b'{"a":1,}',
+        b'{,}',
+        b'{"a" 1}',
+        b'{"response":{"usage":{}},"response":1}',
+        b'{"response":{"usage":{},"usage":{}}}',
+        b'{"a":' + b"[" * 300 + b"]" * 300 + b"}",  # deeper than the scanner goes
+    ],
+)
 def test_lines_the_scanner_leaves_to_python(line: bytes) -> None:
     assert scan_one(line)[0] == linescan.SLOW
 
 
-@pytest.mark.parametrize("text", ["0", "-0", "-0.0", "0.1", "1e-7", "2.5E+3", "123456789012345", "-999999999999999",
-                                  "0.30000000000000004", "1.7976931348623157e308", "4.9406564584124654e-300"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0",
+        "-0",
+        "-0.0",
+        "0.1",
+        "1e-7",
+        "2.5E+3",
+        "123456789012345",
+        "-999999999999999",
+        "0.30000000000000004",
+        "1.7976931348623157e308",
+        "4.9406564584124654e-300",
+    ],
+)
 def test_numbers_are_parsed_exactly_as_orjson(text: str) -> None:
     sig, values = scan_one(b'{"x":' + text.encode() + b"}")
     want = float(orjson.loads(text))
@@ -204,9 +279,15 @@ def test_scatter_copies_ranges_and_refuses_ranges_outside_a_buffer() -> None:
 
 # ---------------------------------------------------------------- planned rows
 
+
 def test_planned_rows_read_the_same_on_both_paths(tmp_path: Path, monkeypatch) -> None:
-    run = make_run(tmp_path, input_rows(40, agents=("a", "b", "c")), num_repeats={"a": 3, "_default": 2},
-                   num_shards=3, slicing="round_robin")
+    run = make_run(
+        tmp_path,
+        input_rows(40, agents=("a", "b", "c")),
+        num_repeats={"a": 3, "_default": 2},
+        num_shards=3,
+        slicing="round_robin",
+    )
     for i in range(3):
         path = store.materialized_path(run.run_dir, i)
         by_python = []
@@ -223,10 +304,15 @@ def test_planned_rows_read_the_same_on_both_paths(tmp_path: Path, monkeypatch) -
         assert len(fast.task) == len(run.materialized(i))
 
 
-@pytest.mark.parametrize("bad", [b'{"_ng_task_index": 1, "agent_ref": {"name": "a"}}',
-                                 b'{"_ng_task_index": 1, "_ng_rollout_index": 0, "agent_ref": {"nom": "a"}}',
-                                 b'{"_ng_task_index": -1, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}}',
-                                 b'{"_ng_task_index": 1, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}'])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b'{"_ng_task_index": 1, "agent_ref": {"name": "a"}}',
+        b'{"_ng_task_index": 1, "_ng_rollout_index": 0, "agent_ref": {"nom": "a"}}',
+        b'{"_ng_task_index": -1, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}}',
+        b'{"_ng_task_index": 1, "_ng_rollout_index": 0, "agent_ref": {"name": "a"}',
+    ],
+)
 def test_a_damaged_planned_row_is_named_by_line_on_both_paths(tmp_path: Path, bad: bytes) -> None:
     good = b'{"_ng_task_index": 0, "_ng_rollout_index": %d, "agent_ref": {"name": "a"}}'
     path = tmp_path / "rollouts_materialized_inputs.jsonl"
@@ -241,8 +327,10 @@ def test_a_damaged_planned_row_is_named_by_line_on_both_paths(tmp_path: Path, ba
 
 def test_lines_longer_than_a_block_and_a_torn_tail_read_the_same(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(shardscan, "BLOCK", 64)
-    rows = [orjson.dumps({"_ng_task_index": i, "_ng_rollout_index": 0, "reward": 1.0, "text": "x" * (i * 97)})
-            for i in range(12)]
+    rows = [
+        orjson.dumps({"_ng_task_index": i, "_ng_rollout_index": 0, "reward": 1.0, "text": "x" * (i * 97)})
+        for i in range(12)
+    ]
     path = tmp_path / "rollouts.jsonl"
     torn = b'{"_ng_task_index": 99, "text": "' + b"y" * 300
     path.write_bytes(b"\n".join(rows) + b"\n" + torn)

@@ -37,6 +37,7 @@ KEY = lambda r: (r["_ng_task_index"], r["_ng_rollout_index"])  # noqa: E731
 
 # ---------------------------------------------------------------- an independent, straightforward profile
 
+
 def usage_of(row: dict[str, Any]) -> dict[str, Any]:
     """response.usage; anything but an object counts as none (Gym would crash on it)."""
     usage = (row.get("response") or {}).get("usage")
@@ -96,12 +97,16 @@ def reference_profile(materialized: list[dict], rollouts: list[dict]) -> tuple[l
         done = by_task[t]
         first = min(r["_ng_rollout_index"] for r in done)
         sample = next(m for m in planned[t] if m["_ng_rollout_index"] == first)
-        row = {"_ng_task_index": t, **describe(done, fields),
-               "sample": {k: v for k, v in sample.items() if k not in IDS},
-               "num_rollouts": len(done), "expected_num_rollouts": len(planned[t]),
-               "missing_num_rollouts": len(planned[t]) - len(done),
-               "reward_profile_completion_pct": 100.0 * len(done) / len(planned[t]),
-               "rollout_infos": [info(r) for r in done]}
+        row = {
+            "_ng_task_index": t,
+            **describe(done, fields),
+            "sample": {k: v for k, v in sample.items() if k not in IDS},
+            "num_rollouts": len(done),
+            "expected_num_rollouts": len(planned[t]),
+            "missing_num_rollouts": len(planned[t]) - len(done),
+            "reward_profile_completion_pct": 100.0 * len(done) / len(planned[t]),
+            "rollout_infos": [info(r) for r in done],
+        }
         rows.append(row)
     agents = []
     for a in sorted({agent_of[t] for t in by_task}):
@@ -131,6 +136,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 # ---------------------------------------------------------------- the reference pass@k
 
+
 def reference_pass_at_k(tasks: list[list[float]], k: int) -> float | None:
     values = []
     for vals in tasks:
@@ -150,21 +156,44 @@ SCENARIOS = {  # workers: shards read in this process (1) or a pool of processes
     "contiguous-int": dict(rows=dict(n_tasks=9), num_repeats=4, num_shards=3, slicing="contiguous", workers=1),
     "roundrobin-dict-sparse-shuffled": dict(
         rows=dict(n_tasks=11, agents=("math", "tool"), explicit_index=True, shuffle_seed=5),
-        num_repeats={"math": 4, "_default": 2}, num_shards=4, slicing="round_robin", workers=2),
-    "contiguous-split-tasks": dict(rows=dict(n_tasks=7, agents=("a", "b", "c")),
-                                   num_repeats={"a": 3, "b": 5, "_default": 1}, num_shards=5, slicing="contiguous",
-                                   workers=3),  # 3: profile chunks rendered by the pool too
+        num_repeats={"math": 4, "_default": 2},
+        num_shards=4,
+        slicing="round_robin",
+        workers=2,
+    ),
+    "contiguous-split-tasks": dict(
+        rows=dict(n_tasks=7, agents=("a", "b", "c")),
+        num_repeats={"a": 3, "b": 5, "_default": 1},
+        num_shards=5,
+        slicing="contiguous",
+        workers=3,
+    ),  # 3: profile chunks rendered by the pool too
 }
 
 
 def build(tmp_path: Path, scenario: str) -> tuple[Run, list[ShardWrite]]:
     s = SCENARIOS[scenario]
-    run = make_run(tmp_path, input_rows(**s["rows"]), num_repeats=s["num_repeats"], num_shards=s["num_shards"],
-                   slicing=s["slicing"])
+    run = make_run(
+        tmp_path,
+        input_rows(**s["rows"]),
+        num_repeats=s["num_repeats"],
+        num_shards=s["num_shards"],
+        slicing=s["slicing"],
+    )
     last = run.num_shards - 1
-    writes = [write_shard(run, i, duplicates=2 if i == 0 else 0, torn=i == 1, foreign=1 if i == last else 0,
-                          failed=1 if i == last else 0, missing=1 if i == 2 else 0, seed=i)
-              for i in range(run.num_shards)]
+    writes = [
+        write_shard(
+            run,
+            i,
+            duplicates=2 if i == 0 else 0,
+            torn=i == 1,
+            foreign=1 if i == last else 0,
+            failed=1 if i == last else 0,
+            missing=1 if i == 2 else 0,
+            seed=i,
+        )
+        for i in range(run.num_shards)
+    ]
     return run, writes
 
 
@@ -172,16 +201,21 @@ def build(tmp_path: Path, scenario: str) -> tuple[Run, list[ShardWrite]]:
 @pytest.mark.usefixtures("scan_path")
 def test_merged_files_and_profile_equal_plain_computation(tmp_path: Path, scenario: str) -> None:
     run, writes = build(tmp_path, scenario)
-    summary = driver.merge_and_profile(run.run_dir, answer_field="extracted_answer",
-                                      workers=SCENARIOS[scenario]["workers"])
+    summary = driver.merge_and_profile(
+        run.run_dir, answer_field="extracted_answer", workers=SCENARIOS[scenario]["workers"]
+    )
     merged = store.merged_dir(run.run_dir)
 
     planned = sorted((m for i in range(run.num_shards) for m in run.materialized(i)), key=KEY)
     assert read_jsonl(merged / "rollouts_materialized_inputs.jsonl") == planned
-    planned_lines = {KEY(orjson.loads(x)): x for i in range(run.num_shards)
-                     for x in store.materialized_path(run.run_dir, i).read_bytes().splitlines()}
+    planned_lines = {
+        KEY(orjson.loads(x)): x
+        for i in range(run.num_shards)
+        for x in store.materialized_path(run.run_dir, i).read_bytes().splitlines()
+    }
     assert (merged / "rollouts_materialized_inputs.jsonl").read_bytes() == b"".join(
-        planned_lines[k] + b"\n" for k in sorted(planned_lines))
+        planned_lines[k] + b"\n" for k in sorted(planned_lines)
+    )
 
     first_written: dict[tuple[int, int], dict] = {}
     for w in writes:
@@ -220,8 +254,9 @@ def test_aggregate_metrics_equal_plain_pass_at_k(tmp_path: Path, scenario: str) 
     driver.merge_and_profile(run.run_dir, answer_field="extracted_answer")
     data = store.merged_aggregate_metrics_path(run.run_dir).read_bytes()
     entries = orjson.loads(data)
-    heads = orjson.dumps([{k: v for k, v in e.items() if k != "group_level_metrics"} for e in entries],
-                         option=orjson.OPT_INDENT_2)
+    heads = orjson.dumps(
+        [{k: v for k, v in e.items() if k != "group_level_metrics"} for e in entries], option=orjson.OPT_INDENT_2
+    )
     assert data.startswith(heads.split(b'"key_metrics"')[0])  # entries laid out as Gym's (indented) file
     group_lines = [x for x in data.splitlines() if x.startswith(b"      {")]
     assert len(group_lines) == sum(len(e["group_level_metrics"]) for e in entries)  # one row per line
@@ -251,8 +286,7 @@ def test_aggregate_metrics_equal_plain_pass_at_k(tmp_path: Path, scenario: str) 
         groups = e["group_level_metrics"]
         assert [g["_ng_task_index"] for g in groups] == sorted(tasks)
         assert all(g["sample"] == {"agent_ref": {"name": "agent"}} for g in groups)
-        assert all(g["expected_num_rollouts"] == g["num_rollouts"] == len(tasks[g["_ng_task_index"]])
-                   for g in groups)
+        assert all(g["expected_num_rollouts"] == g["num_rollouts"] == len(tasks[g["_ng_task_index"]]) for g in groups)
         prof = {r["_ng_task_index"]: r for r in profile_rows}
         for g in groups:
             p = prof[g["_ng_task_index"]]
@@ -261,6 +295,7 @@ def test_aggregate_metrics_equal_plain_pass_at_k(tmp_path: Path, scenario: str) 
 
 
 # ---------------------------------------------------------------- sealing
+
 
 def test_unsealed_shards_are_refused_with_resume_hint(tmp_path: Path) -> None:
     run = make_run(tmp_path, input_rows(6), num_repeats=2, num_shards=3)
@@ -294,8 +329,10 @@ def test_allow_partial_merges_unsealed_shards_and_reports_completion(tmp_path: P
     assert {r["reward_profile_completion_pct"] for r in got} <= {25.0, 50.0, 75.0, 100.0}
     assert summary.tasks_partial == len({t for t, _ in w1.missing})
     assert not list(merged.glob(".tmp-*"))
-    assert "unsealed shards merged as partial" in CliRunner().invoke(
-        cli.app, ["merge-and-profile", str(run.run_dir), "--allow-partial"]).output
+    assert (
+        "unsealed shards merged as partial"
+        in CliRunner().invoke(cli.app, ["merge-and-profile", str(run.run_dir), "--allow-partial"]).output
+    )
 
 
 def test_rollouts_changed_after_sealing_count_as_unsealed(tmp_path: Path) -> None:
@@ -338,7 +375,7 @@ def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: 
             rows = read_jsonl(path)
             rows[0]["reward"] = 0.5 if rows[0]["reward"] != 0.5 else 0.25
             data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
-            path.write_bytes(data[:path.stat().st_size].ljust(path.stat().st_size, b" "))
+            path.write_bytes(data[: path.stat().st_size].ljust(path.stat().st_size, b" "))
         return real_scan(path, **kw)
 
     monkeypatch.setattr(shardread, "scan_rollouts", rewriting_scan)
@@ -347,6 +384,7 @@ def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: 
 
 
 # ---------------------------------------------------------------- identity
+
 
 def test_renumbered_shard_is_mapped_back_to_planned_identities(tmp_path: Path) -> None:
     rows = input_rows(5)
@@ -381,9 +419,13 @@ def test_rows_without_identity_or_unreadable_are_rejected(tmp_path: Path) -> Non
 
 # ---------------------------------------------------------------- re-running and being killed
 
+
 def merged_bytes(run_dir: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(store.merged_dir(run_dir).iterdir())
-            if p.name not in (".merge.lock", "merge_summary.json")}
+    return {
+        p.name: p.read_bytes()
+        for p in sorted(store.merged_dir(run_dir).iterdir())
+        if p.name not in (".merge.lock", "merge_summary.json")
+    }
 
 
 def test_rerun_gives_identical_bytes(tmp_path: Path) -> None:
@@ -435,8 +477,10 @@ def test_sigkill_at_any_point_then_rerun_gives_the_clean_result(tmp_path: Path) 
     run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
     driver.merge_and_profile(run.run_dir)
     clean = merged_bytes(run.run_dir)
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); " \
-           f"from shardrun.merge import driver; driver.merge_and_profile({str(run.run_dir)!r})"
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); "
+        f"from shardrun.merge import driver; driver.merge_and_profile({str(run.run_dir)!r})"
+    )
     for attempt, delay in enumerate((0.05, 0.15, 0.3, 0.45, 0.6, 0.8)):
         for p in store.merged_dir(run.run_dir).iterdir():
             p.unlink() if attempt % 2 else None  # every other kill starts from an empty merged/
@@ -462,7 +506,7 @@ def corner_row(m: dict[str, Any]) -> dict[str, Any]:
     elif variant == 2:
         row["reward"] = bool(r % 2)
     elif variant == 3:
-        row["big"] = 2 ** 60 + 1 + r  # beyond float precision: rollout_infos keep the exact integer
+        row["big"] = 2**60 + 1 + r  # beyond float precision: rollout_infos keep the exact integer
     else:
         row["response"] = {"usage": "not a dict"}
     return row
@@ -470,8 +514,13 @@ def corner_row(m: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.usefixtures("scan_path")
 def test_corner_case_rows_equal_plain_computation(tmp_path: Path) -> None:
-    run = make_run(tmp_path, input_rows(8, agents=("a", "b")), num_repeats={"a": 3, "_default": 1}, num_shards=2,
-                   slicing="round_robin")
+    run = make_run(
+        tmp_path,
+        input_rows(8, agents=("a", "b")),
+        num_repeats={"a": 3, "_default": 1},
+        num_shards=2,
+        slicing="round_robin",
+    )
     for i in range(2):
         write_shard(run, i, make_row=corner_row, seed=i)
     driver.merge_and_profile(run.run_dir)
@@ -483,7 +532,7 @@ def test_corner_case_rows_equal_plain_computation(tmp_path: Path) -> None:
     assert_same(got_rows, want_rows)
     assert_same(orjson.loads((merged / "rollouts_agent_metrics.json").read_bytes()), want_agents)
     bigs = [i["big"] for row in got_rows for i in row["rollout_infos"] if "big" in i]
-    assert bigs and all(b > 2 ** 60 and isinstance(b, int) for b in bigs)
+    assert bigs and all(b > 2**60 and isinstance(b, int) for b in bigs)
     assert any(i["reward"] is None for row in got_rows for i in row["rollout_infos"])
     assert any(i["reward"] is True for row in got_rows for i in row["rollout_infos"])
 
@@ -493,10 +542,18 @@ def test_cli_prints_the_summary_and_json(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli.app, ["merge-and-profile", str(run.run_dir), "--answer-field", "extracted_answer"])
     assert result.exit_code == 0, result.output
     out = result.output
-    for text in (r"duplicates dropped +2\n", r"rows rejected +1; 1 not planned for its shard", r"torn last lines +1",
-                 r"GPU-hours \(markers\) +2\.00", r"agent math \(4 repeats\): mean reward 0\.\d{4}",
-                 r"agent tool \(2 repeats\)", r"k +pass@k +pass@1\[avg-of-k\] +majority@k",
-                 r"failed rollouts \(task:rollout, shard, reason\):", "http_500", "rollouts_reward_profiling.jsonl"):
+    for text in (
+        r"duplicates dropped +2\n",
+        r"rows rejected +1; 1 not planned for its shard",
+        r"torn last lines +1",
+        r"GPU-hours \(markers\) +2\.00",
+        r"agent math \(4 repeats\): mean reward 0\.\d{4}",
+        r"agent tool \(2 repeats\)",
+        r"k +pass@k +pass@1\[avg-of-k\] +majority@k",
+        r"failed rollouts \(task:rollout, shard, reason\):",
+        "http_500",
+        "rollouts_reward_profiling.jsonl",
+    ):
         assert re.search(text, out), text
     as_json = CliRunner().invoke(cli.app, ["merge-and-profile", str(run.run_dir), "--json"])
     data = orjson.loads(as_json.output)
@@ -516,8 +573,11 @@ def test_copy_rows_gives_the_rows_in_order_whatever_the_window(tmp_path_factory,
     files = []
     rows = []  # (file, offset, bytes)
     for f in range(data.draw(st.integers(1, 4))):
-        lines = data.draw(st.lists(st.binary(min_size=0, max_size=40).map(lambda b: b.replace(b"\n", b"") + b"\n"),
-                                   min_size=1, max_size=30))
+        lines = data.draw(
+            st.lists(
+                st.binary(min_size=0, max_size=40).map(lambda b: b.replace(b"\n", b"") + b"\n"), min_size=1, max_size=30
+            )
+        )
         path = tmp / f"f{f}"
         path.write_bytes(b"".join(lines))
         files.append(path)
@@ -550,15 +610,17 @@ def test_marker_disagreeing_with_its_file_is_pointed_out(tmp_path: Path) -> None
     write_shard(run, 1, missing=2, seal_it=False)
     seal_shard(run, 1, num_failed=0)  # claims all 4 rollouts; the file holds 2
     summary = driver.merge_and_profile(run.run_dir)
-    assert summary.warnings == ["shard 00001: its marker counts 4 rollouts, 2 planned identities were found in "
-                                "its rollouts.jsonl"]
+    assert summary.warnings == [
+        "shard 00001: its marker counts 4 rollouts, 2 planned identities were found in its rollouts.jsonl"
+    ]
     assert "warning: shard 00001: its marker counts 4" in outcome.render(summary)
     assert summary.rollouts == 6 and summary.tasks_partial + summary.tasks_missing >= 1
 
 
 @pytest.mark.parametrize("slicing, streamed", [("contiguous", True), ("round_robin", False)])
-def test_rows_are_copied_while_read_when_shards_come_in_identity_order(tmp_path: Path, monkeypatch, slicing: str,
-                                                                       streamed: bool) -> None:
+def test_rows_are_copied_while_read_when_shards_come_in_identity_order(
+    tmp_path: Path, monkeypatch, slicing: str, streamed: bool
+) -> None:
     """Contiguous shards are copied shard by shard as they are read; round-robin ones from the sorted table."""
     from shardrun.merge import shardcopy
 

@@ -42,17 +42,27 @@ def explicit_inputs() -> list[dict]:
     return [row(i, agent="math", _ng_task_index=1000 - 7 * i) for i in range(6)]
 
 
-@pytest.mark.parametrize("rows,repeats,slicing,shards", [
-    (inputs, 3, "contiguous", 4),
-    (inputs, {"math": 4, "_default": 2}, "contiguous", 5),
-    (inputs, 2, "round_robin", 3),
-    (explicit_inputs, 3, "contiguous", 2),
-])
+@pytest.mark.parametrize(
+    "rows,repeats,slicing,shards",
+    [
+        (inputs, 3, "contiguous", 4),
+        (inputs, {"math": 4, "_default": 2}, "contiguous", 5),
+        (inputs, 2, "round_robin", 3),
+        (explicit_inputs, 3, "contiguous", 2),
+    ],
+)
 def test_planned_rows_equal_gyms_materialized_rows(tmp_path, gym_venv, rows, repeats, slicing, shards):
     inp = tmp_path / "input.jsonl"
     inp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows()))
-    cfg = config.validate({"input_jsonl": str(inp), "run_dir": str(tmp_path / "run"), "num_repeats": repeats,
-                           "agent_name": "tools", "sharding": {"num_shards": shards, "slicing": slicing}})
+    cfg = config.validate(
+        {
+            "input_jsonl": str(inp),
+            "run_dir": str(tmp_path / "run"),
+            "num_repeats": repeats,
+            "agent_name": "tools",
+            "sharding": {"num_shards": shards, "slicing": slicing},
+        }
+    )
     plan, _ = store.write_plan(cfg)
     ours = [store.materialized_path(cfg.run_dir, s.index).read_bytes() for s in plan.shards]
     theirs = gym_rows(gym_venv, inp, tmp_path / "gym.jsonl", repeats, "tools")

@@ -24,16 +24,19 @@ def seed_of(r):
 @settings(max_examples=150, deadline=None)
 @given(
     agents=st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=40),
-    repeats=st.one_of(st.integers(1, 6), st.fixed_dictionaries({"a": st.integers(1, 5), "b": st.integers(1, 5),
-                                                                  "_default": st.integers(1, 3)})),
+    repeats=st.one_of(
+        st.integers(1, 6),
+        st.fixed_dictionaries({"a": st.integers(1, 5), "b": st.integers(1, 5), "_default": st.integers(1, 3)}),
+    ),
     num_shards=st.integers(1, 50),
     slicing=st.sampled_from(["contiguous", "round_robin"]),
     seed_offset=st.integers(0, 1000),
 )
 def test_every_identity_in_exactly_one_shard(agents, repeats, num_shards, slicing, seed_offset):
     rows = [row(i, agent=a) for i, a in enumerate(agents)]
-    plan, out = plan_rows(rows, num_repeats=repeats, seed_offset=seed_offset,
-                          sharding={"num_shards": num_shards, "slicing": slicing})
+    plan, out = plan_rows(
+        rows, num_repeats=repeats, seed_offset=seed_offset, sharding={"num_shards": num_shards, "slicing": slicing}
+    )
     expected = set()
     for t, a in enumerate(agents):
         k = repeats if isinstance(repeats, int) else repeats.get(a, repeats["_default"])
@@ -69,8 +72,7 @@ def test_contiguous_splits_a_task_only_when_it_must():
 
 
 def test_round_robin_spreads_a_tasks_rollouts_over_shards():
-    _, out = plan_rows([row(i) for i in range(3)], num_repeats=4, sharding={"num_shards": 4,
-                                                                           "slicing": "round_robin"})
+    _, out = plan_rows([row(i) for i in range(3)], num_repeats=4, sharding={"num_shards": 4, "slicing": "round_robin"})
     owners = defaultdict(set)
     for s, r in out:
         owners[r["_ng_task_index"]].add(s)
@@ -115,8 +117,7 @@ def test_seed_merges_into_existing_extra_body_and_offset_applies():
 
 def test_default_agent_and_params_overrides_are_stamped():
     r = row(0, agent=None)
-    _, out = plan_rows([r], num_repeats=1, agent_name="fallback",
-                       gym={"responses_create_params": {"temperature": 0.5}})
+    _, out = plan_rows([r], num_repeats=1, agent_name="fallback", gym={"responses_create_params": {"temperature": 0.5}})
     m = out[0][1]
     assert m["agent_ref"] == {"name": "fallback"}
     assert m["responses_create_params"]["temperature"] == 0.5
@@ -140,8 +141,7 @@ def test_fingerprint_changes_with_settings_and_not_with_run_dir():
 
 
 def test_plan_round_trips_through_json():
-    p, _ = plan_rows([row(i) for i in range(5)], num_repeats=2, sharding={"num_shards": 3,
-                                                                       "slicing": "round_robin"})
+    p, _ = plan_rows([row(i) for i in range(5)], num_repeats=2, sharding={"num_shards": 3, "slicing": "round_robin"})
     assert planner.Plan.from_json(p.to_json()) == p
 
 

@@ -51,8 +51,9 @@ def test_start_missing_binary_is_server_failure(tmp_path: Path) -> None:
 
 def test_wait_http_ready_and_stop(tmp_path: Path) -> None:
     port = 21000 + os.getpid() % 500
-    p = processes.start([PY, "-m", "http.server", str(port), "--bind", "127.0.0.1"], tmp_path / "http.log",
-                        cwd=tmp_path)
+    p = processes.start(
+        [PY, "-m", "http.server", str(port), "--bind", "127.0.0.1"], tmp_path / "http.log", cwd=tmp_path
+    )
     try:
         waited = processes.wait_http(f"http://127.0.0.1:{port}/", watch=[p], timeout=20, what="http.server")
         assert waited < 20
@@ -91,8 +92,9 @@ open({str(pidfile)!r}, "w").write(f"{{a.pid}} {{b.pid}}")
 time.sleep(60)
 """
     p = processes.start([PY, "-c", script], tmp_path / "tree.log")
-    processes.wait_until(lambda: pidfile.exists() and len(pidfile.read_text().split()) == 2, watch=[p],
-                         timeout=20, what="tree")
+    processes.wait_until(
+        lambda: pidfile.exists() and len(pidfile.read_text().split()) == 2, watch=[p], timeout=20, what="tree"
+    )
     a, b = map(int, pidfile.read_text().split())
     assert os.getpgid(b) != p.pgid  # b left the group: only the descendant sweep finds it
     t0 = time.monotonic()
@@ -128,8 +130,9 @@ open({str(pidfile)!r}, "w").write(str(p.pid))
 time.sleep(60)
 """
     parent = processes.start([PY, "-c", script], tmp_path / "parent.log", die_with_parent=False)
-    processes.wait_until(lambda: pidfile.exists() and pidfile.read_text() != "", watch=[parent], timeout=20,
-                         what="parent")
+    processes.wait_until(
+        lambda: pidfile.exists() and pidfile.read_text() != "", watch=[parent], timeout=20, what="parent"
+    )
     child = int(pidfile.read_text())
     os.kill(parent.pid, signal.SIGKILL)
     parent.popen.wait(5)

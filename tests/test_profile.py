@@ -21,8 +21,14 @@ def reference(values: list[float]) -> tuple[float, ...]:
     nan = float("nan")
     if not v:
         return 0, nan, nan, nan, nan, nan
-    return (len(v), statistics.fmean(v), max(v), min(v), statistics.median(v),
-            statistics.stdev(v) if len(v) > 1 else nan)
+    return (
+        len(v),
+        statistics.fmean(v),
+        max(v),
+        min(v),
+        statistics.median(v),
+        statistics.stdev(v) if len(v) > 1 else nan,
+    )
 
 
 def assert_close(got: float, want: float) -> None:
@@ -33,9 +39,14 @@ def assert_close(got: float, want: float) -> None:
 
 
 groups_strategy = st.lists(
-    st.lists(st.one_of(st.just(float("nan")), st.integers(-5, 5).map(float),
-                       st.floats(-1e6, 1e6, allow_nan=False)), min_size=1, max_size=40),
-    min_size=1, max_size=30)
+    st.lists(
+        st.one_of(st.just(float("nan")), st.integers(-5, 5).map(float), st.floats(-1e6, 1e6, allow_nan=False)),
+        min_size=1,
+        max_size=40,
+    ),
+    min_size=1,
+    max_size=30,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -58,7 +69,7 @@ def test_one_huge_segment_and_many_small_ones() -> None:
     starts = np.cumsum(np.r_[0, sizes[:-1]])
     got = reward_profile.segment_stats(values, starts, sizes)
     for j, (s, n) in enumerate(zip(starts, sizes)):
-        for stat, want in zip((COUNT, MEAN, MAX, MIN, MEDIAN, STD), reference(values[s:s + n].tolist())):
+        for stat, want in zip((COUNT, MEAN, MAX, MIN, MEDIAN, STD), reference(values[s : s + n].tolist())):
             assert_close(float(got[stat, j]), float(want))
 
 
@@ -106,17 +117,29 @@ def test_segments_and_buckets() -> None:
 
 def test_task_profile_row_shape() -> None:
     row = reward_profile.task_profile_row(7, {"mean/reward": 0.5}, {"q": 1}, 3, 4, [{"rollout_id": "7:0"}])
-    assert list(row) == ["_ng_task_index", "mean/reward", "sample", "num_rollouts", "expected_num_rollouts",
-                         "missing_num_rollouts", "reward_profile_completion_pct", "rollout_infos"]
+    assert list(row) == [
+        "_ng_task_index",
+        "mean/reward",
+        "sample",
+        "num_rollouts",
+        "expected_num_rollouts",
+        "missing_num_rollouts",
+        "reward_profile_completion_pct",
+        "rollout_infos",
+    ]
     assert row["missing_num_rollouts"] == 1 and row["reward_profile_completion_pct"] == 75.0
     assert reward_profile.sample_of({"a": 1, "_ng_task_index": 7, "_ng_rollout_index": 0, "b": 2}) == {"a": 1, "b": 2}
 
 
-@pytest.mark.parametrize("items, n, expected", [({"mean/reward": 0.5, "max/x": 3}, 3, 4), ({}, 0, 0),
-                                                ({"std/é": float("1e-7"), "min/r": True}, 7, 3)])
+@pytest.mark.parametrize(
+    "items, n, expected",
+    [({"mean/reward": 0.5, "max/x": 3}, 3, 4), ({}, 0, 0), ({"std/é": float("1e-7"), "min/r": True}, 7, 3)],
+)
 def test_task_profile_row_json_is_the_rows_orjson_bytes(items: dict, n: int, expected: int) -> None:
     infos = [{"rollout_id": "7:0", "_ng_task_index": 7, "reward": 1.0}]
     sample = {"q": "ü", "agent_ref": {"name": "a"}}
     want = orjson.dumps(reward_profile.task_profile_row(7, items, sample, n, expected, infos))
-    got = reward_profile.task_profile_row_json(7, orjson.dumps(items), orjson.dumps(sample), n, expected, orjson.dumps(infos))
+    got = reward_profile.task_profile_row_json(
+        7, orjson.dumps(items), orjson.dumps(sample), n, expected, orjson.dumps(infos)
+    )
     assert got == want

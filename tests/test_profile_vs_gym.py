@@ -40,9 +40,11 @@ def gym_profile(gym_venv: Path, merged: Path, work: Path, partial: bool) -> tupl
     work.mkdir()
     for name in ("rollouts.jsonl", "rollouts_materialized_inputs.jsonl"):
         shutil.copy(merged / name, work / name)
-    cmd = [str(gym_venv / "bin" / "ng_reward_profile"),
-           f"+materialized_inputs_jsonl_fpath={work}/rollouts_materialized_inputs.jsonl",
-           f"+rollouts_jsonl_fpath={work}/rollouts.jsonl"] + (["++allow_partial_rollouts=True"] if partial else [])
+    cmd = [
+        str(gym_venv / "bin" / "ng_reward_profile"),
+        f"+materialized_inputs_jsonl_fpath={work}/rollouts_materialized_inputs.jsonl",
+        f"+rollouts_jsonl_fpath={work}/rollouts.jsonl",
+    ] + (["++allow_partial_rollouts=True"] if partial else [])
     done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = [orjson.loads(x) for x in (work / "rollouts_reward_profiling.jsonl").read_bytes().splitlines()]
@@ -60,8 +62,13 @@ def assert_profile_equals_gym(gym_venv: Path, run_dir: Path, work: Path, partial
 
 
 def test_partial_run_with_duplicates_torn_foreign_and_failures(gym_venv: Path, tmp_path: Path) -> None:
-    run = make_run(tmp_path, input_rows(12, agents=("math", "tool"), explicit_index=True, shuffle_seed=2),
-                   num_repeats={"math": 4, "_default": 2}, num_shards=4, slicing="round_robin")
+    run = make_run(
+        tmp_path,
+        input_rows(12, agents=("math", "tool"), explicit_index=True, shuffle_seed=2),
+        num_repeats={"math": 4, "_default": 2},
+        num_shards=4,
+        slicing="round_robin",
+    )
     for i in range(4):
         write_shard(run, i, duplicates=i, torn=i == 1, foreign=i == 2, failed=i == 3, missing=i == 0, seed=i)
     driver.merge_and_profile(run.run_dir)
@@ -100,14 +107,21 @@ def test_corner_case_rows_complete_run(gym_venv: Path, tmp_path: Path) -> None:
 
 def int_row(m: dict[str, Any]) -> dict[str, Any]:
     t, r = m["_ng_task_index"], m["_ng_rollout_index"]
-    return {"response": {"usage": {"input_tokens": 10 + t, "output_tokens": 5 * r + t % 3, "total_tokens": 15}},
-            "reward": (t + r) % 2, "turns": 1 + r, "ok": r % 3 == 0,
-            "_ng_task_index": t, "_ng_rollout_index": r, "agent_ref": m["agent_ref"]}
+    return {
+        "response": {"usage": {"input_tokens": 10 + t, "output_tokens": 5 * r + t % 3, "total_tokens": 15}},
+        "reward": (t + r) % 2,
+        "turns": 1 + r,
+        "ok": r % 3 == 0,
+        "_ng_task_index": t,
+        "_ng_rollout_index": r,
+        "agent_ref": m["agent_ref"],
+    }
 
 
 def test_all_integer_frame_keeps_integer_max_and_min(gym_venv: Path, tmp_path: Path) -> None:
-    run = make_run(tmp_path, input_rows(6, agents=("a", "b")), num_repeats={"a": 4, "b": 1}, num_shards=2,
-                   slicing="round_robin")
+    run = make_run(
+        tmp_path, input_rows(6, agents=("a", "b")), num_repeats={"a": 4, "b": 1}, num_shards=2, slicing="round_robin"
+    )
     for i in range(2):
         write_shard(run, i, make_row=int_row, seed=i)
     driver.merge_and_profile(run.run_dir)
@@ -151,16 +165,36 @@ sys.stdout.buffer.write(orjson.dumps(out))
 
 
 def test_aggregate_metrics_equal_gyms_compute_pass_majority_metrics(gym_venv: Path, tmp_path: Path) -> None:
-    run = make_run(tmp_path, input_rows(10, agents=("math", "tool")), num_repeats={"math": 8, "_default": 4},
-                   num_shards=3, slicing="round_robin")
+    run = make_run(
+        tmp_path,
+        input_rows(10, agents=("math", "tool")),
+        num_repeats={"math": 8, "_default": 4},
+        num_shards=3,
+        slicing="round_robin",
+    )
     for i in range(3):
-        write_shard(run, i, duplicates=1, failed=i == 0, seed=i,
-                    make_row=lambda m: rollout_row(m, continuous=m["agent_ref"]["name"] == "tool"))
+        write_shard(
+            run,
+            i,
+            duplicates=1,
+            failed=i == 0,
+            seed=i,
+            make_row=lambda m: rollout_row(m, continuous=m["agent_ref"]["name"] == "tool"),
+        )
     driver.merge_and_profile(run.run_dir, answer_field="extracted_answer")
     merged = store.merged_dir(run.run_dir)
-    done = subprocess.run([str(gym_venv / "bin" / "python"), "-c", GYM_AGGREGATE, str(merged / "rollouts.jsonl"),
-                           str(merged / "rollouts_materialized_inputs.jsonl"), "extracted_answer"],
-                          capture_output=True, timeout=300)
+    done = subprocess.run(
+        [
+            str(gym_venv / "bin" / "python"),
+            "-c",
+            GYM_AGGREGATE,
+            str(merged / "rollouts.jsonl"),
+            str(merged / "rollouts_materialized_inputs.jsonl"),
+            "extracted_answer",
+        ],
+        capture_output=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     want = orjson.loads(done.stdout)
     got = orjson.loads(store.merged_aggregate_metrics_path(run.run_dir).read_bytes())
@@ -168,15 +202,22 @@ def test_aggregate_metrics_equal_gyms_compute_pass_majority_metrics(gym_venv: Pa
     for g, w in zip(got, want):
         same(g["group_level_metrics"], w["group_level_metrics"], "groups")
         ours, gyms = g["agent_metrics"], w["agent_metrics"]
-        ks = {int(k.split("@")[1].split("/")[0].split("[")[0]) for k in ours if k.startswith(("pass@", "majority@"))
-              and not k.startswith("pass@1[")}
+        ks = {
+            int(k.split("@")[1].split("/")[0].split("[")[0])
+            for k in ours
+            if k.startswith(("pass@", "majority@")) and not k.startswith("pass@1[")
+        }
         assert ks == {1, 2, 4} | ({8} if g["agent_ref"]["name"] == "math" else set())
         for key, value in gyms.items():
             k = key.split("/")[0]
-            k_of = int(k.split("-of-")[1].rstrip("]")) if "avg-of" in k else (int(k.split("@")[1])
-                                                                             if "@" in k else None)
+            k_of = (
+                int(k.split("-of-")[1].rstrip("]")) if "avg-of" in k else (int(k.split("@")[1]) if "@" in k else None)
+            )
             if k_of is None or k_of in ks:
                 assert key in ours, key
                 same(ours[key], value, key)
-        same({k: v for k, v in g["key_metrics"].items() if "@" in k},
-             {k: v for k, v in w["key_metrics"].items() if "@" in k}, "key_metrics")
+        same(
+            {k: v for k, v in g["key_metrics"].items() if "@" in k},
+            {k: v for k, v in w["key_metrics"].items() if "@" in k},
+            "key_metrics",
+        )

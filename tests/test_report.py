@@ -74,8 +74,10 @@ def brute_pass_at_k(scores: list[float], k: int) -> float:
 
 def test_headline_numbers_match_the_rollouts(run):
     page = report.build_report(run).html.read_text()
-    agg = {a["agent_ref"]["name"]: a["agent_metrics"]
-           for a in orjson.loads(store.merged_aggregate_metrics_path(run).read_bytes())}
+    agg = {
+        a["agent_ref"]["name"]: a["agent_metrics"]
+        for a in orjson.loads(store.merged_aggregate_metrics_path(run).read_bytes())
+    }
     for agent, tasks in (("agent_a", range(6)), ("agent_b", range(6, 10))):
         rewards = [[reward(t, r) for r in range(REPEATS) if (t, r) not in FAILED] for t in tasks]
         n = sum(map(len, rewards))
@@ -83,8 +85,10 @@ def test_headline_numbers_match_the_rollouts(run):
         p1 = 100 * sum(sum(rs) / len(rs) for rs in rewards) / len(rewards)
         full = [rs for rs in rewards if len(rs) == REPEATS]  # pass@4 only over tasks with 4 finished rollouts
         pk = 100 * sum(brute_pass_at_k(rs, REPEATS) for rs in full) / len(full)
-        assert f"<td>{agent}</td><td>{len(rewards)}</td><td>{n} / {len(rewards) * REPEATS}</td><td>{mean:.3f}</td>" \
-               f"<td>{p1:.1f}%</td><td>{pk:.1f}% (k=4)</td>" in page
+        assert (
+            f"<td>{agent}</td><td>{len(rewards)}</td><td>{n} / {len(rewards) * REPEATS}</td><td>{mean:.3f}</td>"
+            f"<td>{p1:.1f}%</td><td>{pk:.1f}% (k=4)</td>" in page
+        )
         assert agg[agent]["pass@1/accuracy"] == pytest.approx(p1)  # the merge's aggregate metrics agree
         assert agg[agent]["pass@4/accuracy"] == pytest.approx(pk)
     assert "10 profiled of 10 planned" in page and "38 completed of 40 planned" in page
@@ -136,14 +140,21 @@ def test_partial_run_without_tokens_still_renders_every_figure(tmp_path):
 
 
 def test_slurm_run_adds_sacct_gpu_hours(tmp_path, monkeypatch):
-    run_dir, _ = planned_run(tmp_path, [input_row(i) for i in range(4)], num_repeats=2, num_shards=2,
-                             cluster={"executor": "slurm", "gpus_per_node": 2})
+    run_dir, _ = planned_run(
+        tmp_path,
+        [input_row(i) for i in range(4)],
+        num_repeats=2,
+        num_shards=2,
+        cluster={"executor": "slurm", "gpus_per_node": 2},
+    )
     seal_shards(run_dir, reward, job_prefix="500")
     merge_run(run_dir)
     fake = tmp_path / "bin" / "sacct"
     fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\necho '500_0|7200|cpu=8,gres/gpu=2,node=1|COMPLETED'\n"
-                    "echo '500_1|3600|cpu=8,gres/gpu=2,node=1|COMPLETED'\n")
+    fake.write_text(
+        "#!/bin/sh\necho '500_0|7200|cpu=8,gres/gpu=2,node=1|COMPLETED'\n"
+        "echo '500_1|3600|cpu=8,gres/gpu=2,node=1|COMPLETED'\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     assert "<td>GPU-hours (sacct)</td><td>6.00</td>" in report.build_report(run_dir).html.read_text()
@@ -180,6 +191,7 @@ def test_cli_report(run, tmp_path):
 
 # ---------------------------------------------------------------- against NeMo Gym itself
 
+
 @pytest.mark.gym
 def test_profile_and_pass_at_k_equal_gyms(tmp_path, gym_venv):
     """Gym's own RewardProfiler and pass@k on the same rollouts give the statistics the report and select read."""
@@ -197,9 +209,18 @@ def test_profile_and_pass_at_k_equal_gyms(tmp_path, gym_venv):
     (tmp_path / "gym").mkdir()
     (tmp_path / "m.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in mat_done))
     script = Path(__file__).parent / "gym_scripts" / "profile_and_pass_at_k.py"
-    subprocess.run([str(gym_venv / "bin" / "python"), str(script), str(tmp_path / "m.jsonl"),
-                    str(store.merged_dir(run_dir) / "rollouts.jsonl"), str(tmp_path / "gym")],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            str(gym_venv / "bin" / "python"),
+            str(script),
+            str(tmp_path / "m.jsonl"),
+            str(store.merged_dir(run_dir) / "rollouts.jsonl"),
+            str(tmp_path / "gym"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
 
     gym_tasks = taskstats.task_stats(store.iter_jsonl_objects(tmp_path / "gym" / "rollouts_reward_profiling.jsonl"))
     ours = taskstats.load_profile(run_dir)

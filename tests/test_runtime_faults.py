@@ -34,11 +34,13 @@ def shard_env(tmp_path: Path, gym_venv: Path, monkeypatch) -> str:
     return tag
 
 
-def plan_one_shard(tmp: Path, gym_venv: Path, policy_url: str, *, repeats: int, gym: dict | None = None,
-                   math_rows: int = 3) -> Path:
+def plan_one_shard(
+    tmp: Path, gym_venv: Path, policy_url: str, *, repeats: int, gym: dict | None = None, math_rows: int = 3
+) -> Path:
     input_jsonl = harness.example_input(tmp / "input.jsonl", gym_venv, math_rows=math_rows, weather_rows=1)
-    cfg_path = harness.write_config(tmp / "run.yaml", input_jsonl, tmp / "run", policy_url, repeats=repeats,
-                                    shards=1, gym=gym)
+    cfg_path = harness.write_config(
+        tmp / "run.yaml", input_jsonl, tmp / "run", policy_url, repeats=repeats, shards=1, gym=gym
+    )
     cfg = harness.load_config(cfg_path)
     store.write_plan(cfg)
     return cfg.run_dir
@@ -47,8 +49,10 @@ def plan_one_shard(tmp: Path, gym_venv: Path, policy_url: str, *, repeats: int, 
 def wait_lines(path: Path, n: int, proc: processes.Proc | None, timeout: float) -> int:
     def enough() -> bool:
         return store.count_complete_lines(path) >= n
-    processes.wait_until(enough, watch=[proc] if proc else [], timeout=timeout, interval=0.1,
-                         what=f"{n} rollouts in {path}")
+
+    processes.wait_until(
+        enough, watch=[proc] if proc else [], timeout=timeout, interval=0.1, what=f"{n} rollouts in {path}"
+    )
     return store.count_complete_lines(path)
 
 
@@ -67,8 +71,9 @@ def test_sigkilled_shard_reruns_to_every_identity_exactly_once(tmp_path: Path, g
     with harness.fake_policy(tmp_path, "--delay", "0.5") as fake:
         run_dir = plan_one_shard(tmp_path, gym_venv, fake.base_url, repeats=4, gym={"num_samples_in_parallel": 2})
         rollouts = store.rollouts_path(run_dir, 0)
-        shard = processes.start([sys.executable, "-m", "shardrun.cli", "run-shard", str(run_dir), "0"],
-                                tmp_path / "first-attempt.log")
+        shard = processes.start(
+            [sys.executable, "-m", "shardrun.cli", "run-shard", str(run_dir), "0"], tmp_path / "first-attempt.log"
+        )
         try:
             wait_lines(rollouts, 3, shard, timeout=300)
         finally:
@@ -98,13 +103,16 @@ def test_sigkilled_shard_reruns_to_every_identity_exactly_once(tmp_path: Path, g
     assert not store.env_yaml_path(run_dir, 0).exists()
 
 
-def test_dead_policy_server_fails_the_shard_within_the_stall_timeout(tmp_path: Path, gym_venv: Path,
-                                                                    shard_env: str):
+def test_dead_policy_server_fails_the_shard_within_the_stall_timeout(tmp_path: Path, gym_venv: Path, shard_env: str):
     stall = 60.0
     with harness.fake_policy(tmp_path, "--delay", "0.5") as fake:
-        run_dir = plan_one_shard(tmp_path, gym_venv, fake.base_url, repeats=4,
-                                 gym={"num_samples_in_parallel": 2, "stall_timeout_s": stall,
-                                      "health_interval_s": 2})
+        run_dir = plan_one_shard(
+            tmp_path,
+            gym_venv,
+            fake.base_url,
+            repeats=4,
+            gym={"num_samples_in_parallel": 2, "stall_timeout_s": stall, "health_interval_s": 2},
+        )
         killed_at: list[float] = []
 
         def kill_policy_after_first_rollout() -> None:
@@ -128,12 +136,14 @@ def test_dead_policy_server_fails_the_shard_within_the_stall_timeout(tmp_path: P
     assert harness.tagged_processes(shard_env) == []
 
 
-def test_row_the_model_always_rejects_is_recorded_failed_and_the_rest_seals(tmp_path: Path, gym_venv: Path,
-                                                                           shard_env: str):
+def test_row_the_model_always_rejects_is_recorded_failed_and_the_rest_seals(
+    tmp_path: Path, gym_venv: Path, shard_env: str
+):
     bad_prompt = "What is 1 * 2?"  # examples/arith line 2 -> task 1
     with harness.fake_policy(tmp_path, "--fault", f"400:seed=1,match={bad_prompt}") as fake:
-        run_dir = plan_one_shard(tmp_path, gym_venv, fake.base_url, repeats=2,
-                                 gym={"max_rollout_attempts": 2, "num_samples_in_parallel": 2})
+        run_dir = plan_one_shard(
+            tmp_path, gym_venv, fake.base_url, repeats=2, gym={"max_rollout_attempts": 2, "num_samples_in_parallel": 2}
+        )
         result = runtime.run_shard(run_dir, 0)
         rejected = [r for r in fake.requests() if r["fault"] == "400"]
     assert result.state == "sealed"

@@ -21,17 +21,31 @@ pytestmark = pytest.mark.timeout(300)
 
 def broken_gym_config(tmp_path: Path, policy_url: str, shards: int, parallelism: int) -> Path:
     input_jsonl = tmp_path / "input.jsonl"
-    input_jsonl.write_text("".join(line + "\n" for line in
-                                   (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:4]))
-    return harness.write_config(tmp_path / "run.yaml", input_jsonl, tmp_path / "run", policy_url, repeats=1,
-                                shards=shards, gym={"venv": str(tmp_path / "no-gym-here")},
-                                cluster={"array_parallelism": parallelism})
+    input_jsonl.write_text(
+        "".join(line + "\n" for line in (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:4])
+    )
+    return harness.write_config(
+        tmp_path / "run.yaml",
+        input_jsonl,
+        tmp_path / "run",
+        policy_url,
+        repeats=1,
+        shards=shards,
+        gym={"venv": str(tmp_path / "no-gym-here")},
+        cluster={"array_parallelism": parallelism},
+    )
 
 
 def submit(cfg: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**__import__("os").environ, harness.API_KEY_ENV: harness.API_KEY}
-    return subprocess.run([sys.executable, "-m", "shardrun.cli", "submit", str(cfg), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=cfg.parent, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "shardrun.cli", "submit", str(cfg), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cfg.parent,
+        env=env,
+    )
 
 
 def test_submit_waits_and_reports_every_failed_shard(tmp_path: Path) -> None:
@@ -42,8 +56,7 @@ def test_submit_waits_and_reports_every_failed_shard(tmp_path: Path) -> None:
     assert done.returncode == 4, done.stdout + done.stderr
     assert f"run directory: {run_dir}" in done.stdout
     for i in range(3):
-        assert f"shard 0000{i}: failed (BadInput: gym venv {tmp_path / 'no-gym-here'} has no bin/ng_run" \
-            in done.stdout
+        assert f"shard 0000{i}: failed (BadInput: gym venv {tmp_path / 'no-gym-here'} has no bin/ng_run" in done.stdout
         failure = json.loads(store.shard_failure_path(run_dir, i).read_text())
         assert failure["error"].startswith("BadInput") and failure["job_id"]
     records = store.read_launches(run_dir)
@@ -53,8 +66,11 @@ def test_submit_waits_and_reports_every_failed_shard(tmp_path: Path) -> None:
     assert jobs["0"] == jobs["2"] != jobs["1"]
     assert set(records[0]["pid_start"]) == set(jobs.values())
     for job_id in set(jobs.values()):
-        assert "has no bin/ng_run" in store.job_log_path(run_dir, job_id).read_text() + \
-            store.job_log_path(run_dir, job_id).with_suffix(".err").read_text()
+        assert (
+            "has no bin/ng_run"
+            in store.job_log_path(run_dir, job_id).read_text()
+            + store.job_log_path(run_dir, job_id).with_suffix(".err").read_text()
+        )
     saved = json.loads(store.launch_settings_path(run_dir).read_text())["config"]
     assert saved["policy"]["api_key_env"] == harness.API_KEY_ENV
     for path in run_dir.rglob("*"):

@@ -37,11 +37,17 @@ def row(t: int, r: int, **kw) -> dict:
 
 def test_ledger_gates_failures_like_gym_resume() -> None:
     planned = [row(0, 0, agent_ref={"name": "a"}), row(0, 1), row(1, 0), row(1, 1), row(2, 0)]
-    rollouts = [row(0, 0, response={"usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}}),
-                row(0, 0), row(1, 0, response={"usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}})]
-    failures = [row(0, 1, _ng_failure_class="x"), row(0, 1, _ng_failure_class="x"),  # 2 attempts: maxed at 2
-                row(1, 1, _ng_failure_terminal=True, reason="nope"),  # terminal at once
-                {"no": "identity"}]
+    rollouts = [
+        row(0, 0, response={"usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5}}),
+        row(0, 0),
+        row(1, 0, response={"usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}}),
+    ]
+    failures = [
+        row(0, 1, _ng_failure_class="x"),
+        row(0, 1, _ng_failure_class="x"),  # 2 attempts: maxed at 2
+        row(1, 1, _ng_failure_terminal=True, reason="nope"),  # terminal at once
+        {"no": "identity"},
+    ]
     attempts = [row(2, 0, reason="500"), row(2, 0, reason="500")]
     book = ledger.tally(planned, rollouts, failures, attempts, max_attempts=2)
     assert book.done == {(0, 0), (1, 0)} and book.duplicates == 1
@@ -55,9 +61,15 @@ def test_ledger_gates_failures_like_gym_resume() -> None:
 
 def test_quarantine_row_is_terminal_with_reason_and_no_reward() -> None:
     r = ledger.quarantine_row((4, 2), {"name": "agent"}, "/run failed with HTTP 500", 3)
-    assert r == {"_ng_task_index": 4, "_ng_rollout_index": 2, "_ng_failure_class": "shardrun_max_attempts",
-                 "_ng_failure_terminal": True, "reason": "/run failed with HTTP 500", "attempts": 3,
-                 "agent_ref": {"name": "agent"}}
+    assert r == {
+        "_ng_task_index": 4,
+        "_ng_rollout_index": 2,
+        "_ng_failure_class": "shardrun_max_attempts",
+        "_ng_failure_terminal": True,
+        "reason": "/run failed with HTTP 500",
+        "attempts": 3,
+        "agent_ref": {"name": "agent"},
+    }
     assert ledger.tally([row(4, 2)], [], [r], [], max_attempts=9).failed == {(4, 2)}
 
 
@@ -77,8 +89,10 @@ aiohttp.client_exceptions.ClientResponseError: 500, message='Internal Server Err
 
 def test_failed_identities_and_reasons_from_the_collector_log() -> None:
     got = collector.failed_identities(COLLECTOR_LOG)
-    assert got == {(2, 1): "/run failed with HTTP 500 (VLLMModel___policy_model: injected 400)",
-                   (7, 0): "/run failed with HTTP 502"}
+    assert got == {
+        (2, 1): "/run failed with HTTP 500 (VLLMModel___policy_model: injected 400)",
+        (7, 0): "/run failed with HTTP 502",
+    }
     assert collector.failed_identities("Traceback\nKeyError: 'x'\n") == {}
 
 
@@ -88,8 +102,13 @@ def test_collector_command_resumes_the_shard_files(tmp_path: Path) -> None:
     assert cmd[0] == "/v/bin/ng_collect_rollouts"
     assert f"+input_jsonl_fpath={store.materialized_path(tmp_path, 7)}" in cmd
     assert f"+output_jsonl_fpath={store.rollouts_path(tmp_path, 7)}" in cmd
-    assert {"+resume_from_cache=true", "+disable_aggregation=true", "+head_server.port=4242",
-            "+head_server.host=127.0.0.1", "+num_samples_in_parallel=3"} <= set(cmd)
+    assert {
+        "+resume_from_cache=true",
+        "+disable_aggregation=true",
+        "+head_server.port=4242",
+        "+head_server.host=127.0.0.1",
+        "+num_samples_in_parallel=3",
+    } <= set(cmd)
     assert cmd[-1] == "+x=1"
     assert not any("num_repeats" in c for c in cmd)  # the planned rows already carry identities and seeds
 
@@ -101,15 +120,25 @@ def test_env_yaml_and_ng_run_command(tmp_path: Path) -> None:
     import yaml
 
     assert yaml.safe_load(gym_stack.env_yaml_text(["http://a/v1"], "k", "m")) == {
-        "policy_base_url": "http://a/v1", "policy_api_key": "k", "policy_model_name": "m"}
-    assert yaml.safe_load(gym_stack.env_yaml_text(["http://a/v1", "http://b/v1"], None, "m"))["policy_base_url"] == \
-        ["http://a/v1", "http://b/v1"]
+        "policy_base_url": "http://a/v1",
+        "policy_api_key": "k",
+        "policy_model_name": "m",
+    }
+    assert yaml.safe_load(gym_stack.env_yaml_text(["http://a/v1", "http://b/v1"], None, "m"))["policy_base_url"] == [
+        "http://a/v1",
+        "http://b/v1",
+    ]
     assert gym_stack.hydra_list(["a/b.yaml", "c d.yaml"]) == "[a/b.yaml,'c d.yaml']"
     gym = GymConfig(config_paths=["x.yaml"], overrides=["+foo=1"])
     cmd = gym_stack.ng_run_command(Path("/v"), gym, 5555, tmp_path)
     assert cmd[:2] == ["/v/bin/ng_run", "+config_paths=[x.yaml]"]
-    assert {"+head_server.host=127.0.0.1", "+head_server.port=5555", "+skip_venv_if_present=true",
-            "+global_aiohttp_client_request_debug=true", f"+uv_venv_dir={tmp_path}"} <= set(cmd)
+    assert {
+        "+head_server.host=127.0.0.1",
+        "+head_server.port=5555",
+        "+skip_venv_if_present=true",
+        "+global_aiohttp_client_request_debug=true",
+        f"+uv_venv_dir={tmp_path}",
+    } <= set(cmd)
     assert cmd[-1] == "+foo=1"
 
 
@@ -125,8 +154,12 @@ def fake_venv(root: Path) -> Path:
     (venv / "bin" / "ng_run").write_text("")
     (venv / "pyvenv.cfg").write_text("home = /opt/python3.12/bin\nversion = 3.12.1\n")
     site = venv / "lib" / "python3.12" / "site-packages"
-    for d in ("resources_servers/math", "responses_api_agents/simple_agent", "responses_api_models/vllm_model",
-              "resources_servers/__pycache__"):
+    for d in (
+        "resources_servers/math",
+        "responses_api_agents/simple_agent",
+        "responses_api_models/vllm_model",
+        "resources_servers/__pycache__",
+    ):
         (site / d).mkdir(parents=True)
     return venv
 
@@ -171,16 +204,25 @@ def test_watchdog_stops_on_a_dead_server_after_two_strikes(tmp_path: Path) -> No
 
     t0 = time.monotonic()
     with pytest.raises(ServerFailure, match="policy: down; stopped the collector"):
-        watchdog.watch(p, checks=[watchdog.Check("policy", flaky)], progress=lambda: 0, stall_timeout_s=60,
-                       interval_s=0.2)
+        watchdog.watch(
+            p, checks=[watchdog.Check("policy", flaky)], progress=lambda: 0, stall_timeout_s=60, interval_s=0.2
+        )
     assert time.monotonic() - t0 < 5 and len(calls) == 3 and not p.alive()
 
 
 def test_watchdog_one_failed_check_is_not_enough(tmp_path: Path) -> None:
     p = processes.start(["sleep", "1.5"], tmp_path / "s.log")
     answers = iter(["blip"] + [None] * 100)
-    assert watchdog.watch(p, checks=[watchdog.Check("x", lambda: next(answers))], progress=lambda: 0,
-                          stall_timeout_s=60, interval_s=0.2) == 0
+    assert (
+        watchdog.watch(
+            p,
+            checks=[watchdog.Check("x", lambda: next(answers))],
+            progress=lambda: 0,
+            stall_timeout_s=60,
+            interval_s=0.2,
+        )
+        == 0
+    )
 
 
 def test_watchdog_stall(tmp_path: Path) -> None:
@@ -222,13 +264,20 @@ def test_local_groups_cap_concurrency() -> None:
 
 def plan_run(tmp_path: Path, with_gym: bool = True, shards: int = 2) -> RunConfig:
     input_jsonl = tmp_path / "input.jsonl"
-    input_jsonl.write_text("".join(line + "\n" for line in
-                                   (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:3]))
-    data = {"input_jsonl": str(input_jsonl), "run_dir": str(tmp_path / "run"), "num_repeats": 2,
-            "sharding": {"num_shards": shards}}
+    input_jsonl.write_text(
+        "".join(line + "\n" for line in (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:3])
+    )
+    data = {
+        "input_jsonl": str(input_jsonl),
+        "run_dir": str(tmp_path / "run"),
+        "num_repeats": 2,
+        "sharding": {"num_shards": shards},
+    }
     if with_gym:
-        data |= {"gym": {"config_paths": ["x.yaml"]},
-                 "policy": {"base_url": "http://127.0.0.1:9/v1", "model_name": "m"}}
+        data |= {
+            "gym": {"config_paths": ["x.yaml"]},
+            "policy": {"base_url": "http://127.0.0.1:9/v1", "model_name": "m"},
+        }
     cfg = RunConfig.model_validate(data)
     store.write_plan(cfg)
     return cfg
@@ -257,9 +306,18 @@ def synthesize_rollouts(run_dir: Path, index: int, skip: int = 0) -> None:
     out = []
     for line in lines[skip:]:
         r = orjson.loads(line)
-        out.append(orjson.dumps({"reward": 1.0, "response": {"usage": {"output_tokens": 2}},
-                                 "_ng_task_index": r["_ng_task_index"], "_ng_rollout_index": r["_ng_rollout_index"],
-                                 "agent_ref": r["agent_ref"]}) + b"\n")
+        out.append(
+            orjson.dumps(
+                {
+                    "reward": 1.0,
+                    "response": {"usage": {"output_tokens": 2}},
+                    "_ng_task_index": r["_ng_task_index"],
+                    "_ng_rollout_index": r["_ng_rollout_index"],
+                    "agent_ref": r["agent_ref"],
+                }
+            )
+            + b"\n"
+        )
     store.rollouts_path(run_dir, index).write_bytes(b"".join(out))
 
 

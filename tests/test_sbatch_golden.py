@@ -25,15 +25,31 @@ def render(tmp_path: Path, monkeypatch) -> str:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("SHARDRUN_CLUSTER_CONFIGS", raising=False)
     (tmp_path / "input.jsonl").write_text('{"responses_create_params": {"input": "1+1?"}}\n')
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "input_jsonl": "input.jsonl", "run_dir": str(RUN_DIR), "num_repeats": 1,
-        "gym": {"config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"]},
-        "policy": {"base_url": "http://inference.internal:8000/v1", "model_name": "m", "api_key_env": "MY_KEY"},
-        "cluster": "slurm-example"}))
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "input_jsonl": "input.jsonl",
+                "run_dir": str(RUN_DIR),
+                "num_repeats": 1,
+                "gym": {"config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"]},
+                "policy": {"base_url": "http://inference.internal:8000/v1", "model_name": "m", "api_key_env": "MY_KEY"},
+                "cluster": "slurm-example",
+            }
+        )
+    )
     cfg = config.load(tmp_path / "run.yaml")
-    sp = submission.slurm_plan(cfg, RUN_DIR, FINGERPRINT, range(2500), max_array_size=1001, merge_job=True,
-                           after=["<array 0 job id>", "<array 1 job id>", "<array 2 job id>"])
-    return "".join(f"# ==== {title}\n{script}" for title, script in submission.slurm_scripts(sp, RUN_DIR, python=PYTHON))
+    sp = submission.slurm_plan(
+        cfg,
+        RUN_DIR,
+        FINGERPRINT,
+        range(2500),
+        max_array_size=1001,
+        merge_job=True,
+        after=["<array 0 job id>", "<array 1 job id>", "<array 2 job id>"],
+    )
+    return "".join(
+        f"# ==== {title}\n{script}" for title, script in submission.slurm_scripts(sp, RUN_DIR, python=PYTHON)
+    )
 
 
 def test_sbatch_scripts_for_the_example_cluster_config(tmp_path, monkeypatch):

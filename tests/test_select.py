@@ -35,6 +35,7 @@ def ts(i: int, rewards: list[float], agent: str = "a") -> TaskStat:
 
 # ---------------------------------------------------------------- pass@k
 
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.sampled_from([0.0, 1.0]), min_size=1, max_size=8), st.integers(1, 8))
 def test_pass_at_k_binary_equals_fraction_of_k_subsets_with_a_success(scores, k):
@@ -56,10 +57,17 @@ def test_pass_at_k_continuous_is_max_of_first_k_and_agent_value_is_percent():
 
 
 def test_task_stat_reads_a_gym_profile_row():
-    row = {"_ng_task_index": 7, "mean/reward": 0.5, "std/reward": 0.7, "mean/output_tokens": 12.0,
-           "histogram/reward": None, "sample": {"agent_ref": {"name": "math"}, "question": "q"},
-           "num_rollouts": 2, "expected_num_rollouts": 3,
-           "rollout_infos": [{"_ng_rollout_index": 1, "reward": 0.0}, {"_ng_rollout_index": 0, "reward": 1.0}]}
+    row = {
+        "_ng_task_index": 7,
+        "mean/reward": 0.5,
+        "std/reward": 0.7,
+        "mean/output_tokens": 12.0,
+        "histogram/reward": None,
+        "sample": {"agent_ref": {"name": "math"}, "question": "q"},
+        "num_rollouts": 2,
+        "expected_num_rollouts": 3,
+        "rollout_infos": [{"_ng_rollout_index": 1, "reward": 0.0}, {"_ng_rollout_index": 0, "reward": 1.0}],
+    }
     t = taskstats.task_stat(row)
     assert (t.task_index, t.agent, t.num_rollouts, t.expected_num_rollouts) == (7, "math", 2, 3)
     assert t.stat("mean") == 0.5 and t.stat("mean", "output_tokens") == 12.0 and t.stat("median") is None
@@ -72,8 +80,14 @@ def test_task_stat_reads_a_gym_profile_row():
 
 # ---------------------------------------------------------------- rules
 
-TASKS = [ts(0, [0, 0, 0, 0]), ts(1, [1, 0, 0, 0]), ts(2, [1, 1, 0, 0], "b"), ts(3, [1, 1, 1, 0], "b"),
-         ts(4, [1, 1, 1, 1]), ts(5, [1, 0, 0, 0], "b")]
+TASKS = [
+    ts(0, [0, 0, 0, 0]),
+    ts(1, [1, 0, 0, 0]),
+    ts(2, [1, 1, 0, 0], "b"),
+    ts(3, [1, 1, 1, 0], "b"),
+    ts(4, [1, 1, 1, 1]),
+    ts(5, [1, 0, 0, 0], "b"),
+]
 
 
 def kept(rules: Rules, tasks=TASKS) -> list[int]:
@@ -105,19 +119,28 @@ def test_top_k_hardest_takes_lowest_means_ties_by_higher_std_then_index_and_keep
 
 
 def test_steps_count_what_each_rule_saw_and_kept():
-    sel = selection.choose(TASKS, Rules(agents=("b",), drop_unsolved=True, max_mean=0.6, top_k_hardest=1),
-                        planned_tasks=9)
+    sel = selection.choose(
+        TASKS, Rules(agents=("b",), drop_unsolved=True, max_mean=0.6, top_k_hardest=1), planned_tasks=9
+    )
     assert [(s.before, s.kept) for s in sel.steps] == [(9, 6), (6, 3), (3, 2), (2, 2), (2, 1)]
-    assert [s.rule.split()[0] for s in sel.steps] == ["profiled", "--agent", "--max-mean", "--drop-unsolved",
-                                                      "--top-k-hardest"]
+    assert [s.rule.split()[0] for s in sel.steps] == [
+        "profiled",
+        "--agent",
+        "--max-mean",
+        "--drop-unsolved",
+        "--top-k-hardest",
+    ]
 
 
-@pytest.mark.parametrize("rules, message", [
-    (Rules(min_mean=0.8, max_mean=0.2), "above --max-mean"),
-    (Rules(agents=("bb",)), "did you mean 'b'"),
-    (Rules(top_k_hardest=0), "at least 1"),
-    (Rules(metric="acc"), "known metrics: reward"),
-])
+@pytest.mark.parametrize(
+    "rules, message",
+    [
+        (Rules(min_mean=0.8, max_mean=0.2), "above --max-mean"),
+        (Rules(agents=("bb",)), "did you mean 'b'"),
+        (Rules(top_k_hardest=0), "at least 1"),
+        (Rules(metric="acc"), "known metrics: reward"),
+    ],
+)
 def test_contradictory_or_unknown_rules_are_refused(rules, message):
     with pytest.raises(BadInput, match=message):
         selection.choose(TASKS, rules)
@@ -125,9 +148,11 @@ def test_contradictory_or_unknown_rules_are_refused(rules, message):
 
 # ---------------------------------------------------------------- rows
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
-                           max_leaves=8)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+    max_leaves=8,
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -153,6 +178,7 @@ def test_subset_lines_uses_the_planners_task_index_and_keeps_bytes_and_terminato
 
 
 # ---------------------------------------------------------------- the command on a run directory
+
 
 @pytest.fixture()
 def run(tmp_path):
@@ -184,8 +210,11 @@ def test_select_attaches_stats_under_the_key(run, tmp_path):
     selection.select_run(run_dir, out, Rules(agents=("agent_b",), top_k_hardest=2), stats_key="difficulty")
     rows = [orjson.loads(ln) for ln in out.read_bytes().splitlines()]
     prof = {p["_ng_task_index"]: p for p in profile}
-    b_tasks = sorted((p["mean/reward"], -p["std/reward"], i) for i, p in prof.items()
-                     if p["sample"]["agent_ref"]["name"] == "agent_b")
+    b_tasks = sorted(
+        (p["mean/reward"], -p["std/reward"], i)
+        for i, p in prof.items()
+        if p["sample"]["agent_ref"]["name"] == "agent_b"
+    )
     assert sorted(r["difficulty"]["task_index"] for r in rows) == sorted(i for _, _, i in b_tasks[:2])
     for r in rows:
         i = r["difficulty"]["task_index"]
@@ -219,8 +248,23 @@ def test_select_needs_the_profile_and_the_input(run, tmp_path):
 def test_cli_select_prints_each_rule_and_writes_the_file(run, tmp_path):
     run_dir, _, _, by_index = run
     out = tmp_path / "c.jsonl"
-    res = CliRunner().invoke(app, ["select", str(run_dir), "--output", str(out), "--min-mean", "0.2",
-                                   "--max-mean", "0.8", "--agent", "agent_a", "--min-std", "0.1"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "select",
+            str(run_dir),
+            "--output",
+            str(out),
+            "--min-mean",
+            "0.2",
+            "--max-mean",
+            "0.8",
+            "--agent",
+            "agent_a",
+            "--min-std",
+            "0.1",
+        ],
+    )
     assert res.exit_code == 0, res.output
     expect = [i for i in by_index if i % 2 == 0 and i != 42 and reward(i, 0) == 1.0 and reward(i, 3) == 0.0]
     assert out.read_bytes() == b"".join(by_index[i] for i in expect)

@@ -24,11 +24,27 @@ from shardrun.rundir import store
 
 def make_run(tmp_path: Path, num_tasks: int = 12, repeats: int = 2, shards: int = 6) -> tuple[Path, object]:
     src = tmp_path / "input.jsonl"
-    src.write_bytes(b"".join(orjson.dumps({
-        "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
-        "expected_answer": str(i + 1), "agent_ref": {"name": "agent"}}) + b"\n" for i in range(num_tasks)))
-    cfg = config.validate({"input_jsonl": str(src), "run_dir": str(tmp_path / "run"), "num_repeats": repeats,
-                           "sharding": {"num_shards": shards}})
+    src.write_bytes(
+        b"".join(
+            orjson.dumps(
+                {
+                    "responses_create_params": {"input": [{"role": "user", "content": f"What is {i} + 1?"}]},
+                    "expected_answer": str(i + 1),
+                    "agent_ref": {"name": "agent"},
+                }
+            )
+            + b"\n"
+            for i in range(num_tasks)
+        )
+    )
+    cfg = config.validate(
+        {
+            "input_jsonl": str(src),
+            "run_dir": str(tmp_path / "run"),
+            "num_repeats": repeats,
+            "sharding": {"num_shards": shards},
+        }
+    )
     plan, _ = store.write_plan(cfg)
     return cfg.run_dir, plan
 
@@ -44,17 +60,35 @@ def seal_shard(run_dir: Path, plan, i: int, gpus: int = 2, hours: float = 0.5) -
     planned = plan.shards[i].num_rollouts
     write_rollouts(run_dir, plan, i, planned)
     path = store.rollouts_path(run_dir, i)
-    marker = seal.make_marker(plan, i, num_rollouts=planned, num_failed=0,
-                              rollouts_sha256=store.sha256_file(path), rollouts_bytes=path.stat().st_size,
-                              started_at=1000.0, finished_at=1000.0 + hours * 3600 / gpus, host="h", job_id="7_0",
-                              attempt=1, server_wait_s=1.0, collect_s=2.0, gpus=gpus)
+    marker = seal.make_marker(
+        plan,
+        i,
+        num_rollouts=planned,
+        num_failed=0,
+        rollouts_sha256=store.sha256_file(path),
+        rollouts_bytes=path.stat().st_size,
+        started_at=1000.0,
+        finished_at=1000.0 + hours * 3600 / gpus,
+        host="h",
+        job_id="7_0",
+        attempt=1,
+        server_wait_s=1.0,
+        collect_s=2.0,
+        gpus=gpus,
+    )
     seal.write_marker(run_dir, i, marker)
 
 
 def record(run_dir: Path, jobs: dict[int, str], **kw) -> None:
-    rec = {"executor": "slurm", "submitted_at": kw.pop("submitted_at", time.time() - 60), "tag": "sr-test",
-           "jobs": {str(k): v for k, v in jobs.items()}, "done_at_submit": 0, "max_attempts": 3,
-           "gpus_per_shard": 2}
+    rec = {
+        "executor": "slurm",
+        "submitted_at": kw.pop("submitted_at", time.time() - 60),
+        "tag": "sr-test",
+        "jobs": {str(k): v for k, v in jobs.items()},
+        "done_at_submit": 0,
+        "max_attempts": 3,
+        "gpus_per_shard": 2,
+    }
     rec.update(kw)
     store.append_launch(run_dir, rec)
 
@@ -73,14 +107,22 @@ def test_states_counts_and_reasons(tmp_path):
     seal_shard(run_dir, plan, 1)
     write_rollouts(run_dir, plan, 2, 2, torn=True)  # running, torn tail not counted
     write_rollouts(run_dir, plan, 4, 1, failed=1)  # failed, one rollout and one failed rollout recorded
-    store.atomic_write_json(store.shard_failure_path(run_dir, 4),
-                            {"job_id": "7_4", "error": "ServerFailure: vLLM died", "attempt": 1})
+    store.atomic_write_json(
+        store.shard_failure_path(run_dir, 4), {"job_id": "7_4", "error": "ServerFailure: vLLM died", "attempt": 1}
+    )
     now = time.time()
-    record(run_dir, {0: "7_0", 1: "7_1", 2: "7_2", 3: "7_3", 4: "7_4"}, submitted_at=now - 120,
-           merge_job_name="sr-test-merge", merge_job_id="8")
+    record(
+        run_dir,
+        {0: "7_0", 1: "7_1", 2: "7_2", 3: "7_3", 4: "7_4"},
+        submitted_at=now - 120,
+        merge_job_name="sr-test-merge",
+        merge_job_id="8",
+    )
     start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(now - 1800))
-    live = squeue(f"7_2|RUNNING|None|{start}|sr-test\n7_3|PENDING|JobArrayTaskLimit|N/A|sr-test\n"
-                  f"8|PENDING|Dependency|N/A|sr-test-merge\n")
+    live = squeue(
+        f"7_2|RUNNING|None|{start}|sr-test\n7_3|PENDING|JobArrayTaskLimit|N/A|sr-test\n"
+        f"8|PENDING|Dependency|N/A|sr-test-merge\n"
+    )
     st = status.collect(run_dir, now=now, query_live=live, query_ended=no_sacct)
 
     by = {s.index: s for s in st.shards}
@@ -145,9 +187,16 @@ def test_local_pids_running_and_gone(tmp_path):
     me = os.getpid()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    store.append_launch(run_dir, {"executor": "local", "submitted_at": time.time(), "host": os.uname().nodename,
-                                  "jobs": {"0": str(me), "1": str(dead.pid)},
-                                  "pid_start": {str(me): status.pid_start_ticks(me), str(dead.pid): 1}})
+    store.append_launch(
+        run_dir,
+        {
+            "executor": "local",
+            "submitted_at": time.time(),
+            "host": os.uname().nodename,
+            "jobs": {"0": str(me), "1": str(dead.pid)},
+            "pid_start": {str(me): status.pid_start_ticks(me), str(dead.pid): 1},
+        },
+    )
     store.shard_log_path(run_dir, 0).parent.mkdir(parents=True, exist_ok=True)
     store.shard_log_path(run_dir, 0).write_text("start\n")
     st = status.collect(run_dir, query_live=squeue(""), query_ended=no_sacct)
@@ -158,9 +207,16 @@ def test_local_pids_running_and_gone(tmp_path):
 def test_local_worker_shards_not_started_yet_are_pending(tmp_path):
     run_dir, plan = make_run(tmp_path, shards=2)
     me = os.getpid()
-    store.append_launch(run_dir, {"executor": "local", "submitted_at": time.time() - 5, "host": os.uname().nodename,
-                                  "jobs": {"0": str(me), "1": str(me)},
-                                  "pid_start": {str(me): status.pid_start_ticks(me)}})
+    store.append_launch(
+        run_dir,
+        {
+            "executor": "local",
+            "submitted_at": time.time() - 5,
+            "host": os.uname().nodename,
+            "jobs": {"0": str(me), "1": str(me)},
+            "pid_start": {str(me): status.pid_start_ticks(me)},
+        },
+    )
     log = store.shard_log_path(run_dir, 0)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("start: attempt 1\n")  # the worker started shard 0; shard 1 waits its turn
@@ -172,8 +228,16 @@ def test_local_worker_shards_not_started_yet_are_pending(tmp_path):
 def test_reused_pid_is_not_running(tmp_path):
     run_dir, plan = make_run(tmp_path, shards=1)
     me = os.getpid()
-    store.append_launch(run_dir, {"executor": "local", "submitted_at": time.time(), "host": os.uname().nodename,
-                                  "jobs": {"0": str(me)}, "pid_start": {str(me): status.pid_start_ticks(me) + 1}})
+    store.append_launch(
+        run_dir,
+        {
+            "executor": "local",
+            "submitted_at": time.time(),
+            "host": os.uname().nodename,
+            "jobs": {"0": str(me)},
+            "pid_start": {str(me): status.pid_start_ticks(me) + 1},
+        },
+    )
     st = status.collect(run_dir, query_live=squeue(""), query_ended=no_sacct)
     assert st.shards[0].state == "failed"
 
@@ -215,8 +279,9 @@ def test_cli_status_json_and_watch(tmp_path):
     data = orjson.loads(out.stdout)
     assert [s["state"] for s in data["shards"]] == ["sealed", "never_started"]
     # nothing live: --watch draws once and stops
-    out = subprocess.run(shardrun + ["status", str(run_dir), "--watch", "--interval", "0.1"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        shardrun + ["status", str(run_dir), "--watch", "--interval", "0.1"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "sealed 1" in out.stdout and "[###############" in out.stdout
     out = subprocess.run(shardrun + ["status", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)

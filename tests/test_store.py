@@ -20,8 +20,7 @@ def make(tmp_path: Path, n: int = 6, **kw) -> config.RunConfig:
     inp = tmp_path / "input.jsonl"
     if not inp.exists():
         inp.write_bytes(b"".join(orjson.dumps(row(i)) + b"\n" for i in range(n)))
-    data = {"input_jsonl": str(inp), "run_dir": str(tmp_path / "run"), "num_repeats": 2,
-            "sharding": {"num_shards": 3}}
+    data = {"input_jsonl": str(inp), "run_dir": str(tmp_path / "run"), "num_repeats": 2, "sharding": {"num_shards": 3}}
     data.update(kw)
     return config.validate(data)
 

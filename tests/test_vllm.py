@@ -40,34 +40,69 @@ def all_gone(pids: set[int]) -> bool:
 
 # ---------------------------------------------------------------- pure: command line
 
+
 def test_default_command_is_api_server_module_of_the_configured_venv(tmp_path: Path) -> None:
-    v = VllmConfig(model="/models/SmolLM2-135M-Instruct", python="/opt/vllm-venv", max_model_len=2048,
-                   extra_args=["--enforce-eager", "--tool-call-parser", "hermes"])
+    v = VllmConfig(
+        model="/models/SmolLM2-135M-Instruct",
+        python="/opt/vllm-venv",
+        max_model_len=2048,
+        extra_args=["--enforce-eager", "--tool-call-parser", "hermes"],
+    )
     cmd = vllm.build_command(v, "127.0.0.1", 22100, env={})
-    assert cmd == ["/opt/vllm-venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
-                   "--model", "/models/SmolLM2-135M-Instruct", "--served-model-name", "SmolLM2-135M-Instruct",
-                   "--host", "127.0.0.1", "--port", "22100", "--tensor-parallel-size", "1",
-                   "--data-parallel-size", "1", "--max-model-len", "2048",
-                   "--enforce-eager", "--tool-call-parser", "hermes"]
+    assert cmd == [
+        "/opt/vllm-venv/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/SmolLM2-135M-Instruct",
+        "--served-model-name",
+        "SmolLM2-135M-Instruct",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "22100",
+        "--tensor-parallel-size",
+        "1",
+        "--data-parallel-size",
+        "1",
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--tool-call-parser",
+        "hermes",
+    ]
 
 
 def test_vllm_serve_prefix_takes_the_model_positionally_with_parallel_sizes() -> None:
-    v = VllmConfig(model="org/Model-7B", served_model_name="policy", command=["vllm", "serve"],
-                   tensor_parallel_size=4, data_parallel_size=2)
+    v = VllmConfig(
+        model="org/Model-7B",
+        served_model_name="policy",
+        command=["vllm", "serve"],
+        tensor_parallel_size=4,
+        data_parallel_size=2,
+    )
     cmd = vllm.build_command(v, "0.0.0.0", 8000, env={})
     assert cmd[:3] == ["vllm", "serve", "org/Model-7B"]
     assert "--model" not in cmd and "--max-model-len" not in cmd
     flags = dict(zip(cmd[3::2], cmd[4::2]))
-    assert flags == {"--served-model-name": "policy", "--host": "0.0.0.0", "--port": "8000",
-                     "--tensor-parallel-size": "4", "--data-parallel-size": "2"}
+    assert flags == {
+        "--served-model-name": "policy",
+        "--host": "0.0.0.0",
+        "--port": "8000",
+        "--tensor-parallel-size": "4",
+        "--data-parallel-size": "2",
+    }
 
 
-@pytest.mark.parametrize("python, env, expected", [
-    ("/venvs/v", {}, "/venvs/v/bin/python"),
-    ("/usr/bin/python3.11", {}, "/usr/bin/python3.11"),
-    (None, {"SHARDRUN_VLLM_VENV": "/cache/vllm-venv"}, "/cache/vllm-venv/bin/python"),
-    (None, {}, "python3"),
-])
+@pytest.mark.parametrize(
+    "python, env, expected",
+    [
+        ("/venvs/v", {}, "/venvs/v/bin/python"),
+        ("/usr/bin/python3.11", {}, "/usr/bin/python3.11"),
+        (None, {"SHARDRUN_VLLM_VENV": "/cache/vllm-venv"}, "/cache/vllm-venv/bin/python"),
+        (None, {}, "python3"),
+    ],
+)
 def test_interpreter_choice(python, env, expected) -> None:
     assert vllm.python_for(VllmConfig(model="m", python=python), env) == expected
 
@@ -84,6 +119,7 @@ def test_urls_reach_a_wildcard_bind_through_loopback() -> None:
 
 
 # ---------------------------------------------------------------- pure: environment
+
 
 def test_env_puts_scratch_under_the_shard_and_config_env_cannot_override_it(tmp_path: Path) -> None:
     shard = tmp_path / "shards" / "00003"
@@ -116,8 +152,11 @@ def test_long_shard_paths_move_ipc_sockets_to_a_short_directory(tmp_path: Path) 
 
 
 def test_config_refuses_an_api_key_in_extra_args() -> None:
-    data = {"input_jsonl": "in.jsonl", "run_dir": "r",
-            "policy": {"vllm": {"model": "m", "extra_args": ["--enforce-eager", "--api-key=abc"]}}}
+    data = {
+        "input_jsonl": "in.jsonl",
+        "run_dir": "r",
+        "policy": {"vllm": {"model": "m", "extra_args": ["--enforce-eager", "--api-key=abc"]}},
+    }
     with pytest.raises(BadInput, match="api_key_env"):
         config.validate(data)
 
@@ -126,7 +165,8 @@ def test_yaml_numbers_in_env_and_extra_args_become_strings(tmp_path: Path) -> No
     (tmp_path / "run.yaml").write_text(
         "input_jsonl: in.jsonl\nrun_dir: r\npolicy:\n  vllm:\n    model: m\n"
         "    env: {VLLM_CPU_KVCACHE_SPACE: 1, HF_HUB_OFFLINE: '1', SOME_FLAG: true}\n"
-        "    extra_args: [--max-num-seqs, 64]\n")
+        "    extra_args: [--max-num-seqs, 64]\n"
+    )
     v = config.load(tmp_path / "run.yaml").policy.vllm
     assert v.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "SOME_FLAG": "true"}
     assert v.extra_args == ["--max-num-seqs", "64"]
@@ -134,9 +174,9 @@ def test_yaml_numbers_in_env_and_extra_args_become_strings(tmp_path: Path) -> No
 
 # ---------------------------------------------------------------- start / ready / stop against the stand-in
 
+
 def fake_cfg(**kw) -> VllmConfig:
-    return VllmConfig(model="/models/fake", served_model_name="fake-policy", command=[sys.executable, str(FAKE)],
-                      **kw)
+    return VllmConfig(model="/models/fake", served_model_name="fake-policy", command=[sys.executable, str(FAKE)], **kw)
 
 
 def test_start_waits_for_health_and_model_then_stop_cleans_up(tmp_path: Path, monkeypatch) -> None:
@@ -212,6 +252,7 @@ def test_long_shard_path_gets_a_private_short_socket_dir_removed_on_stop(tmp_pat
 
 # ---------------------------------------------------------------- the real vLLM CPU build
 
+
 def post_json(url: str, body: dict, key: str | None = None, timeout: float = 120) -> dict:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
@@ -222,24 +263,38 @@ def post_json(url: str, body: dict, key: str | None = None, timeout: float = 120
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_real_vllm_cpu_serves_the_tiny_model_and_stops_cleanly(tmp_path: Path, vllm_venv: Path,
-                                                               tiny_model: Path) -> None:
-    v = VllmConfig(model=str(tiny_model), served_model_name="tiny", python=str(vllm_venv), max_model_len=512,
-                   extra_args=["--enforce-eager"], ready_timeout_s=240,
-                   env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+def test_real_vllm_cpu_serves_the_tiny_model_and_stops_cleanly(
+    tmp_path: Path, vllm_venv: Path, tiny_model: Path
+) -> None:
+    v = VllmConfig(
+        model=str(tiny_model),
+        served_model_name="tiny",
+        python=str(vllm_venv),
+        max_model_len=512,
+        extra_args=["--enforce-eager"],
+        ready_timeout_s=240,
+        env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+    )
     shard = tmp_path / "run" / "shards" / "00000"
     t0 = time.monotonic()
     server = vllm.start_vllm(v, shard, free_port(), api_key="test-key-123")
     try:
         pids = family(server)
-        print(f"\nvLLM tiny model ready in {server.ready_s:.1f} s ({time.monotonic() - t0:.1f} s with start); "
-              f"{len(pids)} processes")
+        print(
+            f"\nvLLM tiny model ready in {server.ready_s:.1f} s ({time.monotonic() - t0:.1f} s with start); "
+            f"{len(pids)} processes"
+        )
         assert server.ready_s > 0 and server.alive()
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(server.base_url + "/models", timeout=10)
         assert e.value.code == 401  # the key reached the server through its environment
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "What is 2 + 3?"}],
-                "max_tokens": 12, "temperature": 1.0, "seed": 7}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+            "max_tokens": 12,
+            "temperature": 1.0,
+            "seed": 7,
+        }
         first = post_json(server.base_url + "/chat/completions", body, "test-key-123")
         second = post_json(server.base_url + "/chat/completions", body, "test-key-123")
         assert first["object"] == "chat.completion" and first["model"] == "tiny"
@@ -270,12 +325,19 @@ def test_tiny_model_template_renders_tool_call_turns(vllm_venv: Path, tiny_model
         "        {'role': 'assistant', 'content': None, 'tool_calls': [{'id': 'c1', 'type': 'function',\n"
         "         'function': {'name': 'get_weather', 'arguments': '{\"city\": \"Berlin\"}'}}]},\n"
         "        {'role': 'tool', 'tool_call_id': 'c1', 'content': 'sunny'}]\n"
-        "print(json.dumps(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)))\n")
-    out = subprocess.run([str(vllm_venv / "bin" / "python"), "-c", script, str(tiny_model)], capture_output=True,
-                         text=True, timeout=120, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+        "print(json.dumps(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)))\n"
+    )
+    out = subprocess.run(
+        [str(vllm_venv / "bin" / "python"), "-c", script, str(tiny_model)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == (
         "<|im_start|>user\nweather in Berlin?<|im_end|>\n"
         "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Berlin\"}}\n"
         "</tool_call><|im_end|>\n"
-        "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n"
+    )

@@ -33,15 +33,28 @@ def rows(path: Path) -> list[dict]:
 
 def write_vllm_config(path: Path, input_jsonl: Path, run_dir: Path, model: Path, vllm_venv: Path) -> Path:
     data = {
-        "input_jsonl": str(input_jsonl), "run_dir": str(run_dir), "num_repeats": REPEATS,
+        "input_jsonl": str(input_jsonl),
+        "run_dir": str(run_dir),
+        "num_repeats": REPEATS,
         "sharding": {"num_shards": 1},
-        "gym": {"config_paths": harness.CONFIG_PATHS, "num_samples_in_parallel": 4, "stall_timeout_s": 180,
-                "ready_timeout_s": 300},
-        "policy": {"vllm": {
-            "model": str(model), "served_model_name": "tiny", "python": str(vllm_venv), "max_model_len": 1024,
-            "extra_args": ["--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-            "env": {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
-            "ready_timeout_s": 240, "port": free_port()}},
+        "gym": {
+            "config_paths": harness.CONFIG_PATHS,
+            "num_samples_in_parallel": 4,
+            "stall_timeout_s": 180,
+            "ready_timeout_s": 300,
+        },
+        "policy": {
+            "vllm": {
+                "model": str(model),
+                "served_model_name": "tiny",
+                "python": str(vllm_venv),
+                "max_model_len": 1024,
+                "extra_args": ["--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                "env": {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                "ready_timeout_s": 240,
+                "port": free_port(),
+            }
+        },
         "cluster": {"executor": "local", "array_parallelism": 1},
     }
     path.write_text(yaml.safe_dump(data))
@@ -49,9 +62,9 @@ def write_vllm_config(path: Path, input_jsonl: Path, run_dir: Path, model: Path,
 
 
 @pytest.mark.timeout(600)
-def test_one_shard_with_self_hosted_vllm_seals_every_identity_once(tmp_path: Path, gym_venv: Path,
-                                                                   vllm_venv: Path, tiny_model: Path,
-                                                                   monkeypatch) -> None:
+def test_one_shard_with_self_hosted_vllm_seals_every_identity_once(
+    tmp_path: Path, gym_venv: Path, vllm_venv: Path, tiny_model: Path, monkeypatch
+) -> None:
     tag = uuid.uuid4().hex
     monkeypatch.setenv(harness.TAG_ENV, tag)
     monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
@@ -86,5 +99,7 @@ def test_one_shard_with_self_hosted_vllm_seals_every_identity_once(tmp_path: Pat
     shard_log = store.shard_log_path(run_dir, 0).read_text()
     assert "policy ready in" in shard_log and "model tiny" in shard_log
     assert harness.tagged_processes(tag) == []  # vLLM, Ray, Gym servers and the collector are all gone
-    print(f"\nself-hosted vLLM shard: {elapsed:.1f} s ({state.marker['server_wait_s']:.1f} s servers, "
-          f"{state.marker['collect_s']:.1f} s collecting)")
+    print(
+        f"\nself-hosted vLLM shard: {elapsed:.1f} s ({state.marker['server_wait_s']:.1f} s servers, "
+        f"{state.marker['collect_s']:.1f} s collecting)"
+    )

@@ -47,8 +47,14 @@ def mean_histogram(means: Mapping[str, Sequence[float]], path: Path, metric: str
         lo, hi = min(values), max(values)
         bins = 20 if hi > lo else 1
         for agent, vs in means.items():
-            ax.hist(vs, bins=bins, range=(lo, hi) if hi > lo else None, histtype="step", linewidth=1.6,
-                    label=f"{agent} ({len(vs):,} tasks)")
+            ax.hist(
+                vs,
+                bins=bins,
+                range=(lo, hi) if hi > lo else None,
+                histtype="step",
+                linewidth=1.6,
+                label=f"{agent} ({len(vs):,} tasks)",
+            )
         ax.legend(fontsize=8)
     else:
         _note(ax, "no profiled tasks")
@@ -98,8 +104,9 @@ def pass_at_k(curves: Mapping[str, Mapping[int, float]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def tokens_vs_reward(points: Mapping[str, Sequence[tuple[float, float]]], path: Path,
-                     token_field: str | None, metric: str = "reward") -> Path:
+def tokens_vs_reward(
+    points: Mapping[str, Sequence[tuple[float, float]]], path: Path, token_field: str | None, metric: str = "reward"
+) -> Path:
     """Per-task mean tokens vs mean <metric>, one colour per agent."""
     fig = Figure(figsize=SIZE)
     ax = fig.add_subplot()
@@ -126,9 +133,14 @@ def shard_timeline(shards: Sequence[ShardCost], path: Path) -> Path:
         colours = {a: f"C{i % 10}" for i, a in enumerate(attempts)}
         for a in attempts:
             mine = [s for s in shards if s.attempt == a]
-            ax.barh([s.shard_index for s in mine], [s.wall_s / 3600 for s in mine],
-                    left=[(s.started_at - t0) / 3600 for s in mine], height=0.8, color=colours[a],
-                    label=f"attempt {a}")
+            ax.barh(
+                [s.shard_index for s in mine],
+                [s.wall_s / 3600 for s in mine],
+                left=[(s.started_at - t0) / 3600 for s in mine],
+                height=0.8,
+                color=colours[a],
+                label=f"attempt {a}",
+            )
         ax.legend(fontsize=8)
         ax.invert_yaxis()
     else:

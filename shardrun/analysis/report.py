@@ -48,6 +48,7 @@ class ReportData:
 
 # ---------------------------------------------------------------- reading (edge)
 
+
 def sealed_markers(run_dir: Path, plan: Plan) -> tuple[list[dict], int]:
     """The markers of the sealed shards, and how many shards are not sealed."""
     states = [seal.check(run_dir, plan, s.index) for s in plan.shards]
@@ -91,11 +92,18 @@ def gather(run_dir: Path, use_sacct: bool = True) -> ReportData:
     if use_sacct:
         jobs = cost.query_sacct(slurm_job_ids(store.read_launches(run_dir), plan, shards))
         shards = cost.with_sacct(shards, jobs) if jobs else shards
-    return ReportData(plan, tasks, shards, count_lines(store.merged_failures_path(run_dir)),
-                      read_key_metrics(store.merged_aggregate_metrics_path(run_dir)), unsealed)
+    return ReportData(
+        plan,
+        tasks,
+        shards,
+        count_lines(store.merged_failures_path(run_dir)),
+        read_key_metrics(store.merged_aggregate_metrics_path(run_dir)),
+        unsealed,
+    )
 
 
 # ---------------------------------------------------------------- headline (pure)
+
 
 def _pct(v: float | None) -> str:
     return "—" if v is None else f"{v:.1f}%"
@@ -111,8 +119,11 @@ def headline_rows(data: ReportData) -> list[tuple[str, str]]:
     rows = [
         ("tasks", f"{len(data.tasks):,} profiled of {data.plan.num_tasks:,} planned"),
         ("rollouts", f"{completed:,} completed of {data.plan.num_rollouts:,} planned"),
-        ("failures", f"{data.failures:,} rows in the failures file; {data.plan.num_rollouts - completed:,} "
-                     f"planned rollouts without a result"),
+        (
+            "failures",
+            f"{data.failures:,} rows in the failures file; {data.plan.num_rollouts - completed:,} "
+            f"planned rollouts without a result",
+        ),
         ("shards", f"{run.shards:,} sealed of {len(data.plan.shards):,}"),
     ]
     rows += [r for r in cost.cost_rows(run) if r[0] != "sealed shards"]
@@ -120,22 +131,54 @@ def headline_rows(data: ReportData) -> list[tuple[str, str]]:
 
 
 def agent_rows(summaries: Sequence[AgentSummary]) -> list[list[str]]:
-    return [[s.agent, f"{s.tasks:,}", f"{s.rollouts:,} / {s.expected_rollouts:,}", _num(s.mean_reward),
-             _pct(s.pass_at_1), f"{_pct(s.pass_at_k)} (k={s.k})" if s.k else "—"] for s in summaries]
+    return [
+        [
+            s.agent,
+            f"{s.tasks:,}",
+            f"{s.rollouts:,} / {s.expected_rollouts:,}",
+            _num(s.mean_reward),
+            _pct(s.pass_at_1),
+            f"{_pct(s.pass_at_k)} (k={s.k})" if s.k else "—",
+        ]
+        for s in summaries
+    ]
 
 
 AGENT_HEADER = ["agent", "tasks", "rollouts (done / planned)", "mean reward", "pass@1", "pass@k"]
-SHARD_HEADER = ["shard", "attempt", "host", "job", "GPUs", "wall", "GPU-hours", "rollouts", "rollouts/GPU-h",
-                "output tok/s"]
+SHARD_HEADER = [
+    "shard",
+    "attempt",
+    "host",
+    "job",
+    "GPUs",
+    "wall",
+    "GPU-hours",
+    "rollouts",
+    "rollouts/GPU-h",
+    "output tok/s",
+]
 
 
 def shard_rows(shards: Sequence[cost.ShardCost]) -> list[list[str]]:
-    return [[f"{s.shard_index:05d}", str(s.attempt), s.host or "—", s.job_id or "—", str(s.gpus),
-             cost.hours(s.wall_s), _num(s.gpu_hours), f"{s.num_rollouts:,}", _num(s.rollouts_per_gpu_hour, ",.1f"),
-             _num(s.output_tokens_per_s, ",.1f")] for s in shards]
+    return [
+        [
+            f"{s.shard_index:05d}",
+            str(s.attempt),
+            s.host or "—",
+            s.job_id or "—",
+            str(s.gpus),
+            cost.hours(s.wall_s),
+            _num(s.gpu_hours),
+            f"{s.num_rollouts:,}",
+            _num(s.rollouts_per_gpu_hour, ",.1f"),
+            _num(s.output_tokens_per_s, ",.1f"),
+        ]
+        for s in shards
+    ]
 
 
 # ---------------------------------------------------------------- figure data (pure)
+
 
 def token_field(tasks: Sequence[TaskStat]) -> str | None:
     return next((f for f in TOKEN_FIELDS if any(t.stat("mean", f) is not None for t in tasks)), None)
@@ -146,12 +189,19 @@ def figure_data(tasks: Sequence[TaskStat]) -> dict[str, Any]:
     tok = token_field(tasks)
     return {
         "means": {a: [m for t in ts if (m := t.stat("mean")) is not None] for a, ts in groups.items()},
-        "mean_std": {a: [(t.stat("mean"), t.stat("std") or 0.0) for t in ts if t.stat("mean") is not None]
-                     for a, ts in groups.items()},
+        "mean_std": {
+            a: [(t.stat("mean"), t.stat("std") or 0.0) for t in ts if t.stat("mean") is not None]
+            for a, ts in groups.items()
+        },
         "curves": {a: taskstats.pass_at_k_curve(ts) for a, ts in groups.items()},
-        "tokens": {a: [(t.stat("mean", tok), t.stat("mean")) for t in ts
-                       if tok and t.stat("mean", tok) is not None and t.stat("mean") is not None]
-                   for a, ts in groups.items()},
+        "tokens": {
+            a: [
+                (t.stat("mean", tok), t.stat("mean"))
+                for t in ts
+                if tok and t.stat("mean", tok) is not None and t.stat("mean") is not None
+            ]
+            for a, ts in groups.items()
+        },
         "token_field": tok,
     }
 
@@ -161,8 +211,9 @@ def draw_figures(run_dir: Path, data: ReportData) -> list[Path]:
     try:
         from shardrun.analysis import figures
     except ImportError as e:
-        raise ShardrunError(f"the report needs matplotlib ({e}); install it with: pip install 'shardrun[report]'") \
-            from None
+        raise ShardrunError(
+            f"the report needs matplotlib ({e}); install it with: pip install 'shardrun[report]'"
+        ) from None
     fd = figure_data(data.tasks)
     path = lambda name: store.report_figure_path(run_dir, name)  # noqa: E731
     return [
@@ -192,31 +243,47 @@ def _table(header: Sequence[str] | None, rows: Sequence[Sequence[str]]) -> str:
 def _key_metrics_html(key_metrics: dict[str, dict[str, Any]]) -> str:
     if not key_metrics:
         return ""
-    rows = [[agent, k, f"{v:.4g}" if isinstance(v, (int, float)) else str(v)]
-            for agent, km in sorted(key_metrics.items()) for k, v in sorted(km.items())]
+    rows = [
+        [agent, k, f"{v:.4g}" if isinstance(v, (int, float)) else str(v)]
+        for agent, km in sorted(key_metrics.items())
+        for k, v in sorted(km.items())
+    ]
     return "<h2>Gym key metrics</h2>" + _table(["agent", "metric", "value"], rows)
 
 
 def render_html(data: ReportData, figure_srcs: Sequence[tuple[str, str, str]], generated_at: str) -> str:
     """The whole page. figure_srcs: (name, title, src) where src is a relative file name or a data URI."""
-    warn = (f"<p class='warn'>{data.unsealed} shard(s) are not sealed: this report covers a partial run.</p>"
-            if data.unsealed else "")
-    figs = "".join(f"<figure id='{html.escape(n)}'><img src='{html.escape(src)}' alt='{html.escape(t)}'>"
-                   f"<figcaption>{html.escape(t)}</figcaption></figure>" for n, t, src in figure_srcs)
-    return "".join([
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
-        f"<title>shardrun report {html.escape(data.plan.fingerprint[:12])}</title><style>{CSS}</style></head><body>",
-        "<h1>shardrun report</h1>",
-        f"<p>plan <code>{html.escape(data.plan.fingerprint[:12])}</code> · input "
-        f"<code>{html.escape(data.plan.input.path)}</code> · generated {html.escape(generated_at)}</p>", warn,
-        "<h2>Headline</h2>", _table(None, headline_rows(data)),
-        "<h2>Per agent</h2>", _table(AGENT_HEADER, agent_rows(taskstats.agent_summaries(data.tasks))),
-        _key_metrics_html(data.key_metrics),
-        "<h2>Figures</h2>", figs,
-        "<h2>Shards</h2><details><summary>cost per sealed shard</summary>",
-        _table(SHARD_HEADER, shard_rows(data.shards)), "</details>",
-        "</body></html>\n",
-    ])
+    warn = (
+        f"<p class='warn'>{data.unsealed} shard(s) are not sealed: this report covers a partial run.</p>"
+        if data.unsealed
+        else ""
+    )
+    figs = "".join(
+        f"<figure id='{html.escape(n)}'><img src='{html.escape(src)}' alt='{html.escape(t)}'>"
+        f"<figcaption>{html.escape(t)}</figcaption></figure>"
+        for n, t, src in figure_srcs
+    )
+    return "".join(
+        [
+            "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+            f"<title>shardrun report {html.escape(data.plan.fingerprint[:12])}</title><style>{CSS}</style></head><body>",
+            "<h1>shardrun report</h1>",
+            f"<p>plan <code>{html.escape(data.plan.fingerprint[:12])}</code> · input "
+            f"<code>{html.escape(data.plan.input.path)}</code> · generated {html.escape(generated_at)}</p>",
+            warn,
+            "<h2>Headline</h2>",
+            _table(None, headline_rows(data)),
+            "<h2>Per agent</h2>",
+            _table(AGENT_HEADER, agent_rows(taskstats.agent_summaries(data.tasks))),
+            _key_metrics_html(data.key_metrics),
+            "<h2>Figures</h2>",
+            figs,
+            "<h2>Shards</h2><details><summary>cost per sealed shard</summary>",
+            _table(SHARD_HEADER, shard_rows(data.shards)),
+            "</details>",
+            "</body></html>\n",
+        ]
+    )
 
 
 def data_uri(png: bytes) -> str:
@@ -224,6 +291,7 @@ def data_uri(png: bytes) -> str:
 
 
 # ---------------------------------------------------------------- the command (edge)
+
 
 @dataclass(frozen=True)
 class ReportResult:
@@ -237,8 +305,7 @@ def build_report(run_dir: Path, embed: bool = False, use_sacct: bool = True) -> 
     run_dir = Path(run_dir)
     data = gather(run_dir, use_sacct)
     paths = draw_figures(run_dir, data)
-    srcs = [(name, title, data_uri(p.read_bytes()) if embed else p.name)
-            for (name, title), p in zip(FIGURES, paths)]
+    srcs = [(name, title, data_uri(p.read_bytes()) if embed else p.name) for (name, title), p in zip(FIGURES, paths)]
     page = render_html(data, srcs, time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     out = store.report_path(run_dir)
     store.atomic_write_bytes(out, page.encode())
@@ -257,7 +324,11 @@ def _shareable(paths: Sequence[Path]) -> None:
 def summary_rows(result: ReportResult) -> list[tuple[str, str]]:
     rows = headline_rows(result.data)
     for s in taskstats.agent_summaries(result.data.tasks):
-        rows.append((f"  agent {s.agent}", f"mean reward {_num(s.mean_reward)}, pass@1 {_pct(s.pass_at_1)}, "
-                                          f"pass@{s.k} {_pct(s.pass_at_k)}"))
+        rows.append(
+            (
+                f"  agent {s.agent}",
+                f"mean reward {_num(s.mean_reward)}, pass@1 {_pct(s.pass_at_1)}, pass@{s.k} {_pct(s.pass_at_k)}",
+            )
+        )
     rows.append(("report", str(result.html)))
     return rows

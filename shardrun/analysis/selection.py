@@ -60,10 +60,15 @@ class Selection:
 
 # ---------------------------------------------------------------- rules (pure)
 
+
 def check_bounds(rules: Rules) -> None:
     """BadInput for rules no task can meet whatever the profile holds: a bound that is not a number, min above max."""
-    for flag, value in (("--min-mean", rules.min_mean), ("--max-mean", rules.max_mean), ("--min-std", rules.min_std),
-                        ("--solved-threshold", rules.solved_threshold)):
+    for flag, value in (
+        ("--min-mean", rules.min_mean),
+        ("--max-mean", rules.max_mean),
+        ("--min-std", rules.min_std),
+        ("--solved-threshold", rules.solved_threshold),
+    ):
         if value is not None and not math.isfinite(value):
             raise BadInput(f"{flag} {value}: must be a finite number")
     if rules.min_mean is not None and rules.max_mean is not None and rules.min_mean > rules.max_mean:
@@ -81,8 +86,10 @@ def check_rules(rules: Rules, tasks: Sequence[TaskStat]) -> None:
     for a in rules.agents:
         if a not in known:
             hint = difflib.get_close_matches(a, known, n=1)
-            raise BadInput(f"--agent {a!r}: no task in the profile belongs to it"
-                           + (f" (did you mean {hint[0]!r}?)" if hint else f" (agents: {', '.join(known)})"))
+            raise BadInput(
+                f"--agent {a!r}: no task in the profile belongs to it"
+                + (f" (did you mean {hint[0]!r}?)" if hint else f" (agents: {', '.join(known)})")
+            )
     taskstats.require_metric(tasks, rules.metric)
 
 
@@ -152,16 +159,22 @@ def choose(tasks: Sequence[TaskStat], rules: Rules, planned_tasks: int | None = 
 
 # ---------------------------------------------------------------- rows (pure)
 
+
 def stats_payload(t: TaskStat) -> dict[str, Any]:
-    return {"task_index": t.task_index, "agent": t.agent, "num_rollouts": t.num_rollouts,
-            "expected_num_rollouts": t.expected_num_rollouts, **dict(sorted(t.stats.items()))}
+    return {
+        "task_index": t.task_index,
+        "agent": t.agent,
+        "num_rollouts": t.num_rollouts,
+        "expected_num_rollouts": t.expected_num_rollouts,
+        **dict(sorted(t.stats.items())),
+    }
 
 
 def split_terminator(raw: bytes) -> tuple[bytes, bytes]:
     """(content, line terminator); a last line without one gets b'\\n' so the output stays JSONL."""
     for term in (b"\r\n", b"\n"):
         if raw.endswith(term):
-            return raw[:-len(term)], term
+            return raw[: -len(term)], term
     return raw, b"\n"
 
 
@@ -175,8 +188,9 @@ def attach(content: bytes, key: str, payload: Mapping[str, Any]) -> bytes:
     return inner + sep + orjson.dumps(key) + b":" + orjson.dumps(payload, option=orjson.OPT_SORT_KEYS) + b"}"
 
 
-def subset_lines(lines: Iterable[bytes], chosen: Mapping[int, TaskStat], stats_key: str | None,
-                 source: str = "input") -> Iterator[tuple[int, bytes]]:
+def subset_lines(
+    lines: Iterable[bytes], chosen: Mapping[int, TaskStat], stats_key: str | None, source: str = "input"
+) -> Iterator[tuple[int, bytes]]:
     """Yield (task index, output line) for the input lines whose task is chosen, in input order.
 
     The task index is the planner's: an explicit `_ng_task_index`, else the position among non-blank lines.
@@ -195,8 +209,7 @@ def subset_lines(lines: Iterable[bytes], chosen: Mapping[int, TaskStat], stats_k
             yield index, content + term
             continue
         if stats_key in row:
-            raise BadInput(f"{source}:{line_no}: the row already has a field {stats_key!r}; pick another "
-                           f"--stats-key")
+            raise BadInput(f"{source}:{line_no}: the row already has a field {stats_key!r}; pick another --stats-key")
         yield index, attach(content, stats_key, stats_payload(chosen[index])) + term
 
 
@@ -211,6 +224,7 @@ def _parse(content: bytes, where: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- the command (edge)
+
 
 @dataclass(frozen=True)
 class SelectResult:
@@ -231,8 +245,13 @@ def _hashed_lines(path: Path, hasher: "hashlib._Hash") -> Iterator[bytes]:
             yield raw
 
 
-_SPECIAL_FILES = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
-                  (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+_SPECIAL_FILES = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
 
 
 def output_target(output: Path, run_dir: Path, source: Path) -> Path:
@@ -249,16 +268,20 @@ def output_target(output: Path, run_dir: Path, source: Path) -> Path:
         if mode is not None and is_kind(mode):
             raise BadInput(f"--output {output}{via} is {kind}, not a file; name a regular file. Nothing was written")
     if target.is_relative_to(Path(os.path.realpath(run_dir))):
-        raise BadInput(f"--output {output}{via} is inside the run directory {run_dir}, whose files shardrun owns; "
-                       f"write the subset somewhere else. Nothing was written")
+        raise BadInput(
+            f"--output {output}{via} is inside the run directory {run_dir}, whose files shardrun owns; "
+            f"write the subset somewhere else. Nothing was written"
+        )
     if target == Path(os.path.realpath(source)):
-        raise BadInput(f"--output {output}{via} is the input file itself; write the subset somewhere else. "
-                       f"Nothing was written")
+        raise BadInput(
+            f"--output {output}{via} is the input file itself; write the subset somewhere else. Nothing was written"
+        )
     return target
 
 
-def select_run(run_dir: Path, output: Path, rules: Rules, stats_key: str | None = None,
-               input_path: Path | None = None) -> SelectResult:
+def select_run(
+    run_dir: Path, output: Path, rules: Rules, stats_key: str | None = None, input_path: Path | None = None
+) -> SelectResult:
     """Choose tasks from RUN_DIR's profile and write their original input rows to `output` (atomically)."""
     check_bounds(rules)
     plan = store.load_plan(run_dir)
@@ -275,13 +298,17 @@ def select_run(run_dir: Path, output: Path, rules: Rules, stats_key: str | None 
             found.add(index)
             f.write(line)
         if hasher.hexdigest() != plan.input.sha256:
-            raise PlanMismatch(f"{source}: the input changed since it was planned (sha256 "
-                               f"{hasher.hexdigest()[:12]}…, plan {plan.input.sha256[:12]}…); select needs the "
-                               f"exact input the run was planned from. Nothing was written")
+            raise PlanMismatch(
+                f"{source}: the input changed since it was planned (sha256 "
+                f"{hasher.hexdigest()[:12]}…, plan {plan.input.sha256[:12]}…); select needs the "
+                f"exact input the run was planned from. Nothing was written"
+            )
         missing = sorted(set(chosen) - found)
         if missing:
-            raise PlanMismatch(f"{source}: task(s) {missing[:10]} of the profile are not in the input; the "
-                               f"profile belongs to another input. Nothing was written")
+            raise PlanMismatch(
+                f"{source}: task(s) {missing[:10]} of the profile are not in the input; the "
+                f"profile belongs to another input. Nothing was written"
+            )
     return SelectResult(selection, output, len(found), source)
 
 
@@ -292,6 +319,9 @@ def summary_rows(result: SelectResult) -> list[tuple[str, str]]:
 
 
 def summary_json(result: SelectResult) -> dict[str, Any]:
-    return {"steps": [{"rule": s.rule, "before": s.before, "kept": s.kept} for s in result.selection.steps],
-            "rows_written": result.rows_written, "output": str(result.output),
-            "task_indices": [t.task_index for t in result.selection.kept]}
+    return {
+        "steps": [{"rule": s.rule, "before": s.before, "kept": s.kept} for s in result.selection.steps],
+        "rows_written": result.rows_written,
+        "output": str(result.output),
+        "task_indices": [t.task_index for t in result.selection.kept],
+    }

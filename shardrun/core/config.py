@@ -29,7 +29,9 @@ class StrictModel(BaseModel):
 
 
 class ShardingConfig(StrictModel):
-    num_shards: int | None = Field(None, ge=1, le=10_000_000, description="Number of shards (exclusive with rollouts_per_shard).")
+    num_shards: int | None = Field(
+        None, ge=1, le=10_000_000, description="Number of shards (exclusive with rollouts_per_shard)."
+    )
     rollouts_per_shard: int | None = Field(None, ge=1, le=2**40, description="Target rollouts per shard.")
     slicing: Literal["contiguous", "round_robin"] = Field(
         "contiguous",
@@ -59,7 +61,9 @@ class GymConfig(StrictModel):
     stall_timeout_s: float = Field(
         600.0, gt=0, description="Stop a shard when no rollout lands for this long or a server is dead."
     )
-    max_rollout_attempts: int = Field(3, ge=1, le=100_000, description="Attempts per rollout before it is recorded as failed.")
+    max_rollout_attempts: int = Field(
+        3, ge=1, le=100_000, description="Attempts per rollout before it is recorded as failed."
+    )
     server_venvs: Literal["shared", "uv"] = Field(
         "shared",
         description="shared: every Gym server runs from gym.venv (which must hold the servers' requirements; "
@@ -93,22 +97,29 @@ class VllmConfig(StrictModel):
     def _env_values_as_strings(cls, v: Any) -> Any:
         """YAML (and override parsing) turn `1` into a number; environment values are strings."""
         if isinstance(v, dict):
-            return {k: (str(x).lower() if isinstance(x, bool) else str(x)) if isinstance(x, (int, float)) else x
-                    for k, x in v.items()}
+            return {
+                k: (str(x).lower() if isinstance(x, bool) else str(x)) if isinstance(x, (int, float)) else x
+                for k, x in v.items()
+            }
         return v
 
     @field_validator("extra_args", mode="before")
     @classmethod
     def _args_as_strings(cls, v: Any) -> Any:
-        return [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in v] \
-            if isinstance(v, list) else v
+        return (
+            [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in v]
+            if isinstance(v, list)
+            else v
+        )
 
     @field_validator("extra_args")
     @classmethod
     def _no_key_on_command_line(cls, v: list[str]) -> list[str]:
         if any(a == "--api-key" or a.startswith("--api-key=") for a in v):
-            raise ValueError("secrets are not allowed in config files or on the logged command line; set "
-                             "policy.api_key_env to the NAME of the environment variable holding the key")
+            raise ValueError(
+                "secrets are not allowed in config files or on the logged command line; set "
+                "policy.api_key_env to the NAME of the environment variable holding the key"
+            )
         return v
 
 
@@ -154,13 +165,25 @@ class ClusterConfig(StrictModel):
     cpus_per_task: int | None = Field(None, ge=1, le=100_000)
     mem_gb: float | None = Field(None, gt=0)
     setup: list[str] = Field(default_factory=list, description="Shell lines run before each shard (module load).")
-    array_parallelism: int = Field(64, ge=1, le=4_000_001, description="Max shards running at once (array throttle / local cap).")
+    array_parallelism: int = Field(
+        64, ge=1, le=4_000_001, description="Max shards running at once (array throttle / local cap)."
+    )
     max_array_size: int | None = Field(None, ge=2, le=4_000_001, description="Override the cluster's MaxArraySize.")
     max_attempts: int = Field(3, ge=1, le=100_000, description="Attempts per shard before resume gives up on it.")
-    max_requeues: int = Field(10, ge=0, le=1000, description="Times a shard job is requeued after reaching its time limit "
-                              "(submitit checkpoint); a preemption counts only near the time limit.")
-    signal_delay_s: int = Field(120, ge=1, le=7 * 86400, description="Seconds before the time limit at which the shard is asked "
-                                "to stop and requeue (USR2); capped at half the time limit.")
+    max_requeues: int = Field(
+        10,
+        ge=0,
+        le=1000,
+        description="Times a shard job is requeued after reaching its time limit "
+        "(submitit checkpoint); a preemption counts only near the time limit.",
+    )
+    signal_delay_s: int = Field(
+        120,
+        ge=1,
+        le=7 * 86400,
+        description="Seconds before the time limit at which the shard is asked "
+        "to stop and requeue (USR2); capped at half the time limit.",
+    )
     merge_partition: str | None = Field(None, description="Partition of the CPU merge job (default: partition).")
     merge_time_limit: str = Field("01:00:00", description="Time limit of the merge job.")
     merge_cpus_per_task: int = Field(4, ge=1, le=100_000, description="CPUs of the merge job.")
@@ -219,6 +242,7 @@ class RunConfig(StrictModel):
 
 
 # ---------------------------------------------------------------- composition (YAML + Hydra overrides)
+
 
 def cluster_config_dirs(config_file: Path | None) -> list[Path]:
     dirs = [Path.cwd() / "cluster_configs"]
@@ -291,8 +315,10 @@ def check_yaml_file(path: Path, what: str = "config file") -> None:
         sys.setrecursionlimit(limit)
     if total > MAX_YAML_NODES:
         line = next((n.start_mark.line + 1 for n in nodes if n is not None), 1)
-        raise BadInput(f"{path}:{line}: the YAML expands to more than {MAX_YAML_NODES:,} values through its aliases "
-                       f"(&anchor / *alias); a config this large is refused")
+        raise BadInput(
+            f"{path}:{line}: the YAML expands to more than {MAX_YAML_NODES:,} values through its aliases "
+            f"(&anchor / *alias); a config this large is refused"
+        )
 
 
 _CLUSTER_PICK = re.compile(r"^\+{0,2}cluster=([A-Za-z0-9_.\-]+)$")
@@ -384,9 +410,12 @@ _SECRET_KEYS = re.compile(r"(api_key|token|password|secret)$", re.IGNORECASE)
 def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
     """Validate a composed dict; one BadInput listing every problem, with 'did you mean' hints. A value that looks
     like a credential is refused wherever it is (also when an ${oc.env:...} interpolation put it there)."""
-    secrets = [f"{where}: {reason}; secrets are not allowed in configs or overrides (they would be stored in "
-               f"plan.json or a job script): keep it in an environment variable and name that variable instead "
-               f"(policy.api_key_env, or a bare NAME in cluster.env_vars)" for where, reason in find_credentials(data)]
+    secrets = [
+        f"{where}: {reason}; secrets are not allowed in configs or overrides (they would be stored in "
+        f"plan.json or a job script): keep it in an environment variable and name that variable instead "
+        f"(policy.api_key_env, or a bare NAME in cluster.env_vars)"
+        for where, reason in find_credentials(data)
+    ]
     if secrets:
         raise BadInput(f"{source}: invalid configuration", secrets)
     try:
@@ -401,15 +430,23 @@ def _describe(err: ErrorDetails, data: dict[str, Any]) -> str:
     if err["type"] == "extra_forbidden":
         key = loc[-1] if loc else ""
         if _SECRET_KEYS.search(key):
-            return f"{where}: secrets are not allowed in config files; name the environment variable instead " \
-                   f"(e.g. api_key_env: MY_KEY_VAR)"
+            return (
+                f"{where}: secrets are not allowed in config files; name the environment variable instead "
+                f"(e.g. api_key_env: MY_KEY_VAR)"
+            )
         model = _model_at(loc[:-1])
         known = list(model.model_fields) if model else []
         hint = difflib.get_close_matches(key, known, n=1)
-        return f"{where}: unknown key" + (f" (did you mean {'.'.join(loc[:-1] + [hint[0]])!r}?)" if hint else
-                                          (f" (known keys: {', '.join(known)})" if known else ""))
-    return f"{where}: {err['msg']} (got {err.get('input')!r})" if "input" in err and err["type"] != "missing" \
+        return f"{where}: unknown key" + (
+            f" (did you mean {'.'.join(loc[:-1] + [hint[0]])!r}?)"
+            if hint
+            else (f" (known keys: {', '.join(known)})" if known else "")
+        )
+    return (
+        f"{where}: {err['msg']} (got {err.get('input')!r})"
+        if "input" in err and err["type"] != "missing"
         else f"{where}: {err['msg']}"
+    )
 
 
 def _model_at(loc: list[str]) -> type[BaseModel] | None:

@@ -108,8 +108,10 @@ def model_section(prefix: str, model: type[BaseModel]) -> list[str]:
         key = f"{prefix}.{name}" if prefix else name
         subs = submodels(field.annotation)
         text = field.description or (f"see [`{key}`](#{key.replace('.', '')})" if subs else "")
-        lines.append(f"| `{key}` | {_cell(type_name(field.annotation))} | {_cell(default_text(field))} | "
-                     f"{_cell(constraints(field))} | {_cell(text)} |")
+        lines.append(
+            f"| `{key}` | {_cell(type_name(field.annotation))} | {_cell(default_text(field))} | "
+            f"{_cell(constraints(field))} | {_cell(text)} |"
+        )
         nested += [(key, m) for m in subs]
     lines.append("")
     for key, m in nested:

@@ -50,8 +50,13 @@ def secret_reason(name: str, value: str) -> str | None:
     kind = token_shape(value)
     if kind:
         return f"holds what looks like {kind}"
-    if (SECRET_NAME.search(name) and len(value) >= MIN_SECRET_LENGTH and not _PATH_OR_URL.match(value)
-            and not any(c.isspace() for c in value) and entropy(value) >= MIN_SECRET_ENTROPY):
+    if (
+        SECRET_NAME.search(name)
+        and len(value) >= MIN_SECRET_LENGTH
+        and not _PATH_OR_URL.match(value)
+        and not any(c.isspace() for c in value)
+        and entropy(value) >= MIN_SECRET_ENTROPY
+    ):
         return f"{name!r} names a secret and its value looks like one (long and random)"
     return None
 

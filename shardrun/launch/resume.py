@@ -46,8 +46,10 @@ def resume_config(run_dir: Path, config_file: Path | None, overrides: Sequence[s
     if config_file is None:
         saved = store.read_launch_settings(run_dir)
         if saved is None:
-            raise RunDirError(f"{run_dir}: nothing was launched from here (no launch settings); use "
-                              f"`shardrun submit CONFIG` or `shardrun resume {run_dir} --config CONFIG`")
+            raise RunDirError(
+                f"{run_dir}: nothing was launched from here (no launch settings); use "
+                f"`shardrun submit CONFIG` or `shardrun resume {run_dir} --config CONFIG`"
+            )
         if not overrides:
             return saved.model_copy(update={"run_dir": Path(run_dir)})
         with tempfile.TemporaryDirectory() as tmp:
@@ -65,15 +67,25 @@ def check_plan(cfg: RunConfig, plan: Plan) -> None:
     if fresh.fingerprint == plan.fingerprint:
         return
     diffs = planner.plan_differences(plan, fresh)
-    raise PlanMismatch(f"{cfg.run_dir}: the input or the config no longer match the plan of this run "
-                       f"(fingerprint {plan.fingerprint[:12]}…, now {fresh.fingerprint[:12]}…):\n"
-                       + "\n".join(f"  - {d}" for d in diffs)
-                       + "\nRestore the original input and settings, or plan into a new run directory.")
+    raise PlanMismatch(
+        f"{cfg.run_dir}: the input or the config no longer match the plan of this run "
+        f"(fingerprint {plan.fingerprint[:12]}…, now {fresh.fingerprint[:12]}…):\n"
+        + "\n".join(f"  - {d}" for d in diffs)
+        + "\nRestore the original input and settings, or plan into a new run directory."
+    )
 
 
-def resume(run_dir: Path, config_file: Path | None = None, overrides: Sequence[str] = (), *, merge_job: bool = True,
-           dry_run: bool = False, wait_for_jobs: bool | None = None, lock_timeout: float = LOCK_TIMEOUT_S,
-           echo: Callable[[str], None] = print):
+def resume(
+    run_dir: Path,
+    config_file: Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    merge_job: bool = True,
+    dry_run: bool = False,
+    wait_for_jobs: bool | None = None,
+    lock_timeout: float = LOCK_TIMEOUT_S,
+    echo: Callable[[str], None] = print,
+):
     """Check the plan, then submission.launch_unsealed with the attempt cap. Returns submission.SubmitResult."""
     from shardrun.launch import submission
 
@@ -85,12 +97,22 @@ def resume(run_dir: Path, config_file: Path | None = None, overrides: Sequence[s
     if wait_for_jobs is None:
         wait_for_jobs = cfg.cluster_or_default.executor == "local"
     try:
-        return submission.launch_unsealed(cfg, run_dir, plan, wait_for_jobs=wait_for_jobs, echo=echo,
-                                      merge_job=merge_job, max_attempts=cfg.cluster_or_default.max_attempts,
-                                      dry_run=dry_run, lock_timeout=lock_timeout)
+        return submission.launch_unsealed(
+            cfg,
+            run_dir,
+            plan,
+            wait_for_jobs=wait_for_jobs,
+            echo=echo,
+            merge_job=merge_job,
+            max_attempts=cfg.cluster_or_default.max_attempts,
+            dry_run=dry_run,
+            lock_timeout=lock_timeout,
+        )
     except Timeout:
-        raise RunBusy(f"{run_dir} is locked by another shardrun command (submit, resume or cancel) for over "
-                      f"{lock_timeout:.0f} s; try again when it is done") from None
+        raise RunBusy(
+            f"{run_dir} is locked by another shardrun command (submit, resume or cancel) for over "
+            f"{lock_timeout:.0f} s; try again when it is done"
+        ) from None
 
 
 def render(result) -> str:
@@ -101,8 +123,10 @@ def render(result) -> str:
     if result.dry_run is not None:
         lines.append(result.dry_run)
     if result.jobs:
-        lines.append(f"resubmitted {len(result.jobs)} shard(s): {slurm.format_ranges(result.jobs)} "
-                     f"({submission.describe_jobs(result.jobs)})")
+        lines.append(
+            f"resubmitted {len(result.jobs)} shard(s): {slurm.format_ranges(result.jobs)} "
+            f"({submission.describe_jobs(result.jobs)})"
+        )
     if result.merge_job_id:
         lines.append(f"merge job {result.merge_job_id} runs when they have ended")
     if result.live:
@@ -122,6 +146,7 @@ def render(result) -> str:
 
 
 # ---------------------------------------------------------------- cancel
+
 
 @dataclass
 class CancelResult:

@@ -43,6 +43,7 @@ class SlurmError(ShardrunError):
 
 # ---------------------------------------------------------------- naming
 
+
 def job_tag(prefix: str, run_dir: Path | str, fingerprint: str) -> str:
     """The job name every shard job of this run carries; `status`, `resume` and `cancel` find jobs by it.
 
@@ -57,6 +58,7 @@ def merge_job_name(tag: str) -> str:
 
 
 # ---------------------------------------------------------------- array layout
+
 
 @dataclass(frozen=True)
 class ArrayChunk:
@@ -79,7 +81,7 @@ def array_layout(shards: Sequence[int], max_array_size: int, parallelism: int) -
         raise BadInput(f"MaxArraySize must be >= 1, got {max_array_size}")
     if parallelism < 1:
         raise BadInput(f"array_parallelism must be >= 1, got {parallelism}")
-    groups = [tuple(shards[i:i + max_array_size]) for i in range(0, len(shards), max_array_size)]
+    groups = [tuple(shards[i : i + max_array_size]) for i in range(0, len(shards), max_array_size)]
     if not groups:
         return []
     total = len(shards)
@@ -100,8 +102,10 @@ def array_layout(shards: Sequence[int], max_array_size: int, parallelism: int) -
 
 def describe_layout(layout: Sequence[ArrayChunk]) -> str:
     """Human-readable array layout for `submit --dry-run`."""
-    lines = [f"{len(layout)} job array(s), {sum(c.size for c in layout)} shard(s); "
-             f"at most {sum(c.parallelism for c in layout)} running at once"]
+    lines = [
+        f"{len(layout)} job array(s), {sum(c.size for c in layout)} shard(s); "
+        f"at most {sum(c.parallelism for c in layout)} running at once"
+    ]
     for k, c in enumerate(layout):
         lines.append(f"  array {k}: --array=0-{c.size - 1}%{c.parallelism}  shards {format_ranges(c.shards)}")
     return "\n".join(lines)
@@ -178,8 +182,10 @@ def env_setup_lines(env_vars: Sequence[str], pass_through: Sequence[str] = ()) -
         name, sep, value = item.partition("=")
         if sep:
             if _SECRET_NAME.search(name):
-                raise BadInput(f"cluster.env_vars: {name} looks like a secret; list it as a bare {name} so it is "
-                               f"passed through from your shell instead of written into the job script")
+                raise BadInput(
+                    f"cluster.env_vars: {name} looks like a secret; list it as a bare {name} so it is "
+                    f"passed through from your shell instead of written into the job script"
+                )
             lines.append(f"export {name}={shlex.quote(value)}")
         else:
             lines.append(_require_env(name))
@@ -212,8 +218,9 @@ def container_srun_args(cluster: ClusterConfig) -> list[str]:
     return args
 
 
-def shard_parameters(cluster: ClusterConfig, *, job_name: str, comment: str,
-                     pass_through_env: Sequence[str] = ()) -> dict:
+def shard_parameters(
+    cluster: ClusterConfig, *, job_name: str, comment: str, pass_through_env: Sequence[str] = ()
+) -> dict:
     """sbatch parameters (submitit SlurmExecutor names) for the shard job arrays. Pure."""
     time_min = shard_time_minutes(cluster)
     params: dict = {
@@ -256,8 +263,11 @@ def merge_parameters(cluster: ClusterConfig, *, job_name: str, comment: str, aft
         "comment": comment,
         "setup": [line for line in env_setup_lines(cluster.env_vars) if line.startswith("export ")]
         + list(cluster.setup),
-        "additional_parameters": {"kill-on-invalid-dep": "yes", "export": "ALL",
-                                  **({"dependency": "afterany:" + ":".join(after)} if after else {})},
+        "additional_parameters": {
+            "kill-on-invalid-dep": "yes",
+            "export": "ALL",
+            **({"dependency": "afterany:" + ":".join(after)} if after else {}),
+        },
     }
     partition = cluster.merge_partition or cluster.partition
     if partition:
@@ -272,6 +282,7 @@ def merge_parameters(cluster: ClusterConfig, *, job_name: str, comment: str, aft
 
 
 # ---------------------------------------------------------------- parsing (pure)
+
 
 def parse_max_array_size(scontrol_show_config: str) -> int | None:
     m = re.search(r"^\s*MaxArraySize\s*=\s*(\d+)\s*$", scontrol_show_config, re.MULTILINE)
@@ -373,12 +384,12 @@ def describe_ended(job: EndedJob) -> str:
 
 # ---------------------------------------------------------------- side effects (thin)
 
+
 def _run(cmd: list[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError:
-        raise SlurmError(f"{cmd[0]} not found: is this a Slurm login node (and SLURM_CONF set if needed)?") \
-            from None
+        raise SlurmError(f"{cmd[0]} not found: is this a Slurm login node (and SLURM_CONF set if needed)?") from None
     except subprocess.TimeoutExpired:
         raise SlurmError(f"{shlex.join(cmd)} did not answer in {timeout:.0f} s") from None
     if res.returncode != 0:
@@ -397,8 +408,7 @@ def max_array_size(cluster: ClusterConfig) -> int:
 
 
 def squeue_command(names: Iterable[str]) -> list[str]:
-    return ["squeue", "--noheader", "--array", f"--name={','.join(sorted(set(names)))}",
-            f"--format={SQUEUE_FORMAT}"]
+    return ["squeue", "--noheader", "--array", f"--name={','.join(sorted(set(names)))}", f"--format={SQUEUE_FORMAT}"]
 
 
 def query_live_jobs(names: Iterable[str]) -> dict[str, LiveJob]:
@@ -427,4 +437,3 @@ def cancel(job_ids: Iterable[str]) -> list[str]:
     if ids:
         _run(["scancel", *ids])
     return ids
-

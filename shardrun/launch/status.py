@@ -86,6 +86,7 @@ class RunStatus:
 
 # ---------------------------------------------------------------- launch records (pure)
 
+
 @dataclass
 class Launches:
     """The launch records folded per shard."""
@@ -131,6 +132,7 @@ def fold_launches(records: Iterable[Mapping]) -> Launches:
 
 # ---------------------------------------------------------------- live jobs
 
+
 @dataclass(frozen=True)
 class Live:
     state: str  # RUNNING or PENDING
@@ -144,7 +146,7 @@ def pid_start_ticks(pid: int) -> int | None:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    fields = raw[raw.rindex(b")") + 2:].split()
+    fields = raw[raw.rindex(b")") + 2 :].split()
     if fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])
@@ -167,8 +169,9 @@ def local_live(launches: Launches) -> tuple[dict[str, Live], list[str]]:
     return live, warnings
 
 
-def slurm_live(launches: Launches,
-               query: Callable[[Iterable[str]], dict[str, slurm.LiveJob]]) -> tuple[dict[str, Live], str | None]:
+def slurm_live(
+    launches: Launches, query: Callable[[Iterable[str]], dict[str, slurm.LiveJob]]
+) -> tuple[dict[str, Live], str | None]:
     if not launches.names:
         return {}, None
     try:
@@ -177,8 +180,9 @@ def slurm_live(launches: Launches,
         return {}, f"cannot ask Slurm which jobs are live ({e}); launched shards that are not sealed show as failed"
     live = {}
     for job_id, j in jobs.items():
-        live[job_id] = Live("RUNNING" if j.running else "PENDING", j.reason, _parse_start(j.start) if j.running
-                            else None)
+        live[job_id] = Live(
+            "RUNNING" if j.running else "PENDING", j.reason, _parse_start(j.start) if j.running else None
+        )
     return live, None
 
 
@@ -191,18 +195,41 @@ def _parse_start(text: str) -> float | None:
 
 # ---------------------------------------------------------------- one shard (pure)
 
-def classify(index: int, planned: int, seal_state: seal.SealState, launches: Launches, live: Mapping[str, Live],
-             failure: Mapping | None, ended: Mapping[str, slurm.EndedJob], counts: tuple[int, int], *,
-             max_attempts: int, gpus_per_shard: int, now: float, run_dir: Path,
-             queued_locally: bool = False) -> ShardStatus:
+
+def classify(
+    index: int,
+    planned: int,
+    seal_state: seal.SealState,
+    launches: Launches,
+    live: Mapping[str, Live],
+    failure: Mapping | None,
+    ended: Mapping[str, slurm.EndedJob],
+    counts: tuple[int, int],
+    *,
+    max_attempts: int,
+    gpus_per_shard: int,
+    now: float,
+    run_dir: Path,
+    queued_locally: bool = False,
+) -> ShardStatus:
     job_id = launches.last_job.get(index)
     attempts = launches.attempts.get(index, 0)
     log = str(store.job_log_path(run_dir, job_id)) if job_id else None
     marker = seal_state.marker or {}
     if seal_state.sealed:
-        return ShardStatus(index, SEALED, planned, int(marker.get("num_rollouts", 0)),
-                           int(marker.get("num_failed", 0)), attempts, job_id, "", log,
-                           float(marker.get("gpu_hours") or 0.0), False)
+        return ShardStatus(
+            index,
+            SEALED,
+            planned,
+            int(marker.get("num_rollouts", 0)),
+            int(marker.get("num_failed", 0)),
+            attempts,
+            job_id,
+            "",
+            log,
+            float(marker.get("gpu_hours") or 0.0),
+            False,
+        )
     rollouts, failed = counts
     ignored = "" if seal_state.reason == "no marker" else seal_state.reason
     if job_id is not None and job_id in live:
@@ -218,8 +245,9 @@ def classify(index: int, planned: int, seal_state: seal.SealState, launches: Lau
     reason = failure_reason(job_id, failure, ended)
     if ignored:
         reason = f"{reason}; {ignored}"
-    return ShardStatus(index, FAILED, planned, rollouts, failed, attempts, job_id, reason, log, 0.0,
-                       attempts >= max_attempts)
+    return ShardStatus(
+        index, FAILED, planned, rollouts, failed, attempts, job_id, reason, log, 0.0, attempts >= max_attempts
+    )
 
 
 def failure_reason(job_id: str, failure: Mapping | None, ended: Mapping[str, slurm.EndedJob]) -> str:
@@ -282,9 +310,15 @@ def failed_rollouts(run_dir: Path, plan: Plan) -> list[FailedRollout]:
 
 # ---------------------------------------------------------------- the run
 
-def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None,
-            query_live: Callable[[Iterable[str]], dict[str, slurm.LiveJob]] = slurm.query_live_jobs,
-            query_ended: Callable[[Iterable[str]], dict[str, slurm.EndedJob]] = slurm.query_ended_jobs) -> RunStatus:
+
+def collect(
+    run_dir: Path,
+    *,
+    now: float | None = None,
+    plan: Plan | None = None,
+    query_live: Callable[[Iterable[str]], dict[str, slurm.LiveJob]] = slurm.query_live_jobs,
+    query_ended: Callable[[Iterable[str]], dict[str, slurm.EndedJob]] = slurm.query_ended_jobs,
+) -> RunStatus:
     """Read the run directory, ask Slurm once for the run's live jobs, and classify every shard."""
     run_dir = Path(run_dir)
     plan = plan or store.load_plan(run_dir)
@@ -303,23 +337,38 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
         live.update(slurm_jobs)
         if problem:
             warnings.append(problem)
-        gone = [i for i, s in seals.items() if not s.sealed and i in launches.last_job
-                and launches.last_job[i] not in live]
+        gone = [
+            i for i, s in seals.items() if not s.sealed and i in launches.last_job and launches.last_job[i] not in live
+        ]
         failures = {i: _read_failure(run_dir, i) for i in gone}
-        slurm_gone = {launches.last_job[i].split("_", 1)[0] for i in gone
-                      if launches.last_executor.get(i) == "slurm"
-                      and str((failures[i] or {}).get("job_id")) != launches.last_job[i]}
+        slurm_gone = {
+            launches.last_job[i].split("_", 1)[0]
+            for i in gone
+            if launches.last_executor.get(i) == "slurm"
+            and str((failures[i] or {}).get("job_id")) != launches.last_job[i]
+        }
         ending = pool.submit(query_ended, slurm_gone) if slurm_gone else None
-        lines = {i: (store.count_complete_lines(store.rollouts_path(run_dir, i)),
-                      store.count_complete_lines(store.failures_path(run_dir, i)))
-                  for i, st in seals.items() if not st.sealed}
+        lines = {
+            i: (
+                store.count_complete_lines(store.rollouts_path(run_dir, i)),
+                store.count_complete_lines(store.failures_path(run_dir, i)),
+            )
+            for i, st in seals.items()
+            if not st.sealed
+        }
         ended: dict[str, slurm.EndedJob] = ending.result() if ending else {}
     # a local worker runs its shards one after another: those it has not started since the launch are waiting
-    queued_locally = {i for i, j in launches.last_job.items()
-                      if launches.last_executor.get(i) == "local" and j in live and not seals[i].sealed
-                      and _mtime(store.shard_log_path(run_dir, i)) < launches.last_submitted.get(i, 0.0)}
-    merge_jobs = [{"job_id": j, "state": live[j].state, "reason": live[j].reason}
-                  for j in launches.merge_jobs if j in live]
+    queued_locally = {
+        i
+        for i, j in launches.last_job.items()
+        if launches.last_executor.get(i) == "local"
+        and j in live
+        and not seals[i].sealed
+        and _mtime(store.shard_log_path(run_dir, i)) < launches.last_submitted.get(i, 0.0)
+    }
+    merge_jobs = [
+        {"job_id": j, "state": live[j].state, "reason": live[j].reason} for j in launches.merge_jobs if j in live
+    ]
     sources = []
     if launches.names:
         sources.append(f"squeue --name={','.join(sorted(launches.names))}: {len(slurm_jobs)} live")
@@ -329,9 +378,23 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
     shards = []
     for spec in plan.shards:
         i = spec.index
-        shards.append(classify(i, spec.num_rollouts, seals[i], launches, live, failures.get(i), ended,
-                               lines.get(i, (0, 0)), max_attempts=max_attempts, gpus_per_shard=gpus_per_shard,
-                               now=now, run_dir=run_dir, queued_locally=i in queued_locally))
+        shards.append(
+            classify(
+                i,
+                spec.num_rollouts,
+                seals[i],
+                launches,
+                live,
+                failures.get(i),
+                ended,
+                lines.get(i, (0, 0)),
+                max_attempts=max_attempts,
+                gpus_per_shard=gpus_per_shard,
+                now=now,
+                run_dir=run_dir,
+                queued_locally=i in queued_locally,
+            )
+        )
 
     failed = failed_rollouts(run_dir, plan)
     done = sum(s.done for s in shards)
@@ -349,12 +412,25 @@ def collect(run_dir: Path, *, now: float | None = None, plan: Plan | None = None
             if counts[RUNNING] + counts[PENDING] > 0 and remaining > 0:
                 eta = remaining / (rate / 60)
     return RunStatus(
-        run_dir=str(run_dir), fingerprint=plan.fingerprint, checked_at=now, shards=shards,
-        planned=plan.num_rollouts, done=done, failed_rollouts=sum(s.failed_rollouts for s in shards), counts=counts,
-        gave_up=sum(1 for s in shards if s.gave_up), throughput_per_min=rate, eta_s=eta,
-        gpu_hours=sum(s.gpu_hours for s in shards), live_source="; ".join(sources) or "nothing launched yet",
-        warnings=warnings, merge_jobs=merge_jobs, failed=failed[:MAX_FAILED], failed_listed_of=len(failed),
-        sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))))
+        run_dir=str(run_dir),
+        fingerprint=plan.fingerprint,
+        checked_at=now,
+        shards=shards,
+        planned=plan.num_rollouts,
+        done=done,
+        failed_rollouts=sum(s.failed_rollouts for s in shards),
+        counts=counts,
+        gave_up=sum(1 for s in shards if s.gave_up),
+        throughput_per_min=rate,
+        eta_s=eta,
+        gpu_hours=sum(s.gpu_hours for s in shards),
+        live_source="; ".join(sources) or "nothing launched yet",
+        warnings=warnings,
+        merge_jobs=merge_jobs,
+        failed=failed[:MAX_FAILED],
+        failed_listed_of=len(failed),
+        sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))),
+    )
 
 
 def _mtime(path: Path) -> float:
@@ -373,6 +449,7 @@ def _read_failure(run_dir: Path, index: int) -> dict | None:
 
 
 # ---------------------------------------------------------------- rendering (pure)
+
 
 def progress_bar(done: int, total: int, width: int = 30) -> str:
     frac = 1.0 if total <= 0 else min(1.0, done / total)
@@ -402,8 +479,11 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
     rows = [
         ("run", f"{st.run_dir} ({n:,} shards, plan {st.fingerprint[:12]}…)"),
         ("shards", " · ".join(f"{_LABEL[k]} {st.counts[k]:,}" for k in STATES)),
-        ("rollouts", f"{st.done:,} / {st.planned:,} {progress_bar(st.done, st.planned)}"
-                     + (f" ({st.failed_rollouts:,} recorded as failed)" if st.failed_rollouts else "")),
+        (
+            "rollouts",
+            f"{st.done:,} / {st.planned:,} {progress_bar(st.done, st.planned)}"
+            + (f" ({st.failed_rollouts:,} recorded as failed)" if st.failed_rollouts else ""),
+        ),
         ("throughput", f"{st.throughput_per_min:,.1f} rollouts/min" if st.throughput_per_min else "-"),
         ("ETA", _duration(st.eta_s) if st.eta_s is not None else ("done" if st.complete else "-")),
         ("GPU-hours", f"{st.gpu_hours:,.2f} (sealed shards + running jobs)"),
@@ -411,8 +491,13 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
         ("jobs", st.live_source),
     ]
     for m in st.merge_jobs:
-        rows.append(("merge job", f"{m['job_id']} {m['state'].lower()}"
-                                  + (f" ({m['reason']})" if m["reason"] not in ("", "None") else "")))
+        rows.append(
+            (
+                "merge job",
+                f"{m['job_id']} {m['state'].lower()}"
+                + (f" ({m['reason']})" if m["reason"] not in ("", "None") else ""),
+            )
+        )
     out = [table(rows), ""]
     for k in STATES:
         idx = st.indices(k)
@@ -426,20 +511,25 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
             detail = s.reason
             if s.state == FAILED:
                 detail = f"{s.reason}{' [gave up]' if s.gave_up else ''}; log {s.log}"
-            out.append(f"{s.index:>5}  {_LABEL[s.state]:<13} {f'{s.done:,}/{s.planned:,}':>15}  {s.attempts:>8}  "
-                       f"{s.job_id or '-':<14} {detail}".rstrip())
+            out.append(
+                f"{s.index:>5}  {_LABEL[s.state]:<13} {f'{s.done:,}/{s.planned:,}':>15}  {s.attempts:>8}  "
+                f"{s.job_id or '-':<14} {detail}".rstrip()
+            )
         if len(listed) < len(not_sealed):
             out.append(f"... {len(not_sealed) - len(listed)} more (--all to list every shard, --json for machines)")
     if st.failed:
         out += ["", "rollouts recorded as failed (task:rollout, shard, attempts, reason):"]
-        out += [f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {f.reason}"
-                for f in st.failed[:MAX_LISTED]]
+        out += [
+            f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {f.reason}" for f in st.failed[:MAX_LISTED]
+        ]
         if st.failed_listed_of > MAX_LISTED:
-            out.append(f"  ... and {st.failed_listed_of - MAX_LISTED:,} more (--json, or the shards' "
-                       f"{store.FAILURES})")
+            out.append(f"  ... and {st.failed_listed_of - MAX_LISTED:,} more (--json, or the shards' {store.FAILURES})")
     if st.gave_up:
-        out += ["", f"{st.gave_up} shard(s) failed max_attempts times; resume will not retry them (see reasons "
-                    f"above; raise cluster.max_attempts to try again)"]
+        out += [
+            "",
+            f"{st.gave_up} shard(s) failed max_attempts times; resume will not retry them (see reasons "
+            f"above; raise cluster.max_attempts to try again)",
+        ]
     elif st.counts[FAILED] or st.counts[NEVER_STARTED]:
         out += ["", "run `shardrun resume RUN_DIR` to resubmit the failed and never-started shards"]
     for w in st.warnings:
@@ -457,8 +547,14 @@ def render_json(st: RunStatus) -> str:
 
 # ---------------------------------------------------------------- watch
 
-def watch(run_dir: Path, interval_s: float = 5.0, echo: Callable[[str], None] = print,
-          clear: bool | None = None, max_updates: int | None = None) -> RunStatus:
+
+def watch(
+    run_dir: Path,
+    interval_s: float = 5.0,
+    echo: Callable[[str], None] = print,
+    clear: bool | None = None,
+    max_updates: int | None = None,
+) -> RunStatus:
     """Redraw the status every `interval_s` until every shard is sealed or nothing is live any more."""
     clear = sys.stdout.isatty() if clear is None else clear
     plan = store.load_plan(run_dir)
@@ -466,11 +562,15 @@ def watch(run_dir: Path, interval_s: float = 5.0, echo: Callable[[str], None] = 
     while True:
         st = collect(run_dir, plan=plan)
         text = render(st)
-        echo(("\x1b[2J\x1b[H" if clear else "") + text + f"\n\n(updated {time.strftime('%H:%M:%S')}; "
-             f"every {interval_s:g} s; Ctrl-C to stop)")
+        echo(
+            ("\x1b[2J\x1b[H" if clear else "") + text + f"\n\n(updated {time.strftime('%H:%M:%S')}; "
+            f"every {interval_s:g} s; Ctrl-C to stop)"
+        )
         updates += 1
-        if st.complete or not (st.counts[RUNNING] + st.counts[PENDING]) or \
-                (max_updates is not None and updates >= max_updates):
+        if (
+            st.complete
+            or not (st.counts[RUNNING] + st.counts[PENDING])
+            or (max_updates is not None and updates >= max_updates)
+        ):
             return st
         time.sleep(interval_s)
-

@@ -51,6 +51,7 @@ POLL_S = 1.0
 
 # ---------------------------------------------------------------- job functions (run inside the job)
 
+
 def current_job_id() -> str | None:
     try:
         import submitit
@@ -82,12 +83,15 @@ def shard_worker(run_dir: str, indices: Sequence[int]) -> list[dict[str, Any]]:
             outcomes.append({"index": int(i), "state": "failed", "error": f"{type(e).__name__}: {e}"})
     failed = [o for o in outcomes if o["state"] == "failed"]
     if failed:
-        raise ShardFailed(f"{len(failed)} of {len(outcomes)} shard(s) failed: "
-                          + "; ".join(f"shard {o['index']}: {o['error'].splitlines()[0]}" for o in failed))
+        raise ShardFailed(
+            f"{len(failed)} of {len(outcomes)} shard(s) failed: "
+            + "; ".join(f"shard {o['index']}: {o['error'].splitlines()[0]}" for o in failed)
+        )
     return outcomes
 
 
 # ---------------------------------------------------------------- executor and submission
+
 
 def make_executor(cfg: RunConfig, run_dir: Path):
     """The local submitit executor, with its folder in the run directory (Slurm: `slurm_executor`)."""
@@ -132,8 +136,9 @@ class Launch:
     merge_job_id: str | None = None
 
 
-def submit_shards(cfg: RunConfig, run_dir: Path, indices: Sequence[int], *, merge_job: bool = True,
-                  locked: bool = False) -> Launch:
+def submit_shards(
+    cfg: RunConfig, run_dir: Path, indices: Sequence[int], *, merge_job: bool = True, locked: bool = False
+) -> Launch:
     """Submit the shards `indices` (Slurm: and, with `merge_job`, the merge job after them); records the launch in
     RUN_DIR/launches.jsonl, even when a later sbatch of the launch failed. Holds the run lock unless the caller
     does (`locked`). Returns shard -> job id."""
@@ -159,14 +164,18 @@ def submit_shards(cfg: RunConfig, run_dir: Path, indices: Sequence[int], *, merg
 def launch_record(cfg: RunConfig, run_dir: Path, launch: Launch) -> dict[str, Any]:
     cluster = cfg.cluster_or_default
     record: dict[str, Any] = {
-        "executor": cluster.executor, "submitted_at": time.time(), "host": socket.gethostname(),
+        "executor": cluster.executor,
+        "submitted_at": time.time(),
+        "host": socket.gethostname(),
         "jobs": {str(i): j for i, j in sorted(launch.jobs.items())},
-        "max_attempts": cluster.max_attempts, "gpus_per_shard": cluster.nodes * cluster.gpus_per_node,
+        "max_attempts": cluster.max_attempts,
+        "gpus_per_shard": cluster.nodes * cluster.gpus_per_node,
         "done_at_submit": rollouts_done(run_dir),
     }
     if cluster.executor == "slurm":
-        record.update(tag=launch.tag, merge_job_name=launch.merge_name, arrays=launch.arrays,
-                      merge_job_id=launch.merge_job_id)
+        record.update(
+            tag=launch.tag, merge_job_name=launch.merge_name, arrays=launch.arrays, merge_job_id=launch.merge_job_id
+        )
     if cluster.executor == "local":
         pids = sorted({int(j) for j in launch.jobs.values()})
         record["pid_start"] = {str(p): processes.start_ticks(p) for p in pids}
@@ -178,9 +187,14 @@ def rollouts_done(run_dir: Path) -> int:
     done = 0
     for spec in plan.shards:
         st = seal.check(run_dir, plan, spec.index)
-        done += spec.num_rollouts if st.sealed else (
-            store.count_complete_lines(store.rollouts_path(run_dir, spec.index))
-            + store.count_complete_lines(store.failures_path(run_dir, spec.index)))
+        done += (
+            spec.num_rollouts
+            if st.sealed
+            else (
+                store.count_complete_lines(store.rollouts_path(run_dir, spec.index))
+                + store.count_complete_lines(store.failures_path(run_dir, spec.index))
+            )
+        )
     return done
 
 
@@ -200,6 +214,7 @@ def wait(launch: Launch, echo: Callable[[str], None] = print, poll_s: float = PO
 
 
 # ---------------------------------------------------------------- outcomes and `shardrun submit`
+
 
 @dataclass(frozen=True)
 class ShardOutcome:
@@ -234,8 +249,10 @@ def describe_jobs(jobs: dict[int, str], listed: int = 12) -> str:
     groups: dict[str, list[int]] = {}
     for i, j in jobs.items():
         groups.setdefault(j.split("_", 1)[0], []).append(i)
-    return ", ".join(f"{'array ' if len(g) > 1 else 'job '}{a}: shard{'s' if len(g) > 1 else ''} "
-                     f"{slurm.format_ranges(g)}" for a, g in groups.items())
+    return ", ".join(
+        f"{'array ' if len(g) > 1 else 'job '}{a}: shard{'s' if len(g) > 1 else ''} {slurm.format_ranges(g)}"
+        for a, g in groups.items()
+    )
 
 
 def shard_outcomes(run_dir: Path, plan: Plan, indices: Sequence[int]) -> list[ShardOutcome]:
@@ -275,9 +292,18 @@ def unsealed(run_dir: Path, plan: Plan) -> tuple[list[int], list[int], list[str]
     return todo, done, ignored
 
 
-def launch_unsealed(cfg: RunConfig, run_dir: Path, plan: Plan, *, wait_for_jobs: bool,
-                    echo: Callable[[str], None] = print, merge_job: bool = True, max_attempts: int | None = None,
-                    dry_run: bool = False, lock_timeout: float = -1) -> SubmitResult:
+def launch_unsealed(
+    cfg: RunConfig,
+    run_dir: Path,
+    plan: Plan,
+    *,
+    wait_for_jobs: bool,
+    echo: Callable[[str], None] = print,
+    merge_job: bool = True,
+    max_attempts: int | None = None,
+    dry_run: bool = False,
+    lock_timeout: float = -1,
+) -> SubmitResult:
     """Save the launch settings and launch every unsealed shard that is not queued or running already (what submit
     and resume share); with `max_attempts`, not the shards launched that many times (they are listed in gave_up).
     Holds the run lock from the check to the launch record, so two submits or resumes launch once."""
@@ -287,12 +313,14 @@ def launch_unsealed(cfg: RunConfig, run_dir: Path, plan: Plan, *, wait_for_jobs:
         live = set(st.indices(*status.LIVE_STATES)) if st else set()
         result = SubmitResult(run_dir, plan, False, {}, done, ignored, None, live=sorted(live & set(todo)))
         if st is not None and max_attempts is not None:
-            result.gave_up = [s for s in st.shards if s.index in todo and s.index not in live
-                              and s.attempts >= max_attempts]
+            result.gave_up = [
+                s for s in st.shards if s.index in todo and s.index not in live and s.attempts >= max_attempts
+            ]
         todo = [i for i in todo if i not in live and i not in {s.index for s in result.gave_up}]
         if dry_run:
-            result.dry_run = describe_submission(cfg, run_dir, todo, merge_job=merge_job) if todo \
-                else "nothing to submit"
+            result.dry_run = (
+                describe_submission(cfg, run_dir, todo, merge_job=merge_job) if todo else "nothing to submit"
+            )
             return result
         store.write_launch_settings(run_dir, cfg)
         if not todo:
@@ -309,8 +337,14 @@ def launch_unsealed(cfg: RunConfig, run_dir: Path, plan: Plan, *, wait_for_jobs:
     return result
 
 
-def submit(cfg: RunConfig, *, wait_for_jobs: bool | None = None, echo: Callable[[str], None] = print,
-           merge_job: bool = True, dry_run: bool = False) -> SubmitResult:
+def submit(
+    cfg: RunConfig,
+    *,
+    wait_for_jobs: bool | None = None,
+    echo: Callable[[str], None] = print,
+    merge_job: bool = True,
+    dry_run: bool = False,
+) -> SubmitResult:
     """`shardrun submit`: plan + launch every unsealed shard (+ wait, by default for the local executor; on Slurm
     + the merge job unless `merge_job` is off). `dry_run` writes and submits nothing: it describes the launch."""
     if dry_run:
@@ -332,8 +366,11 @@ def dry_run_submit(cfg: RunConfig, *, merge_job: bool) -> SubmitResult:
     existing = store.existing_plan_matches(run_dir, plan)  # PlanMismatch if the run directory holds another plan
     todo, done, ignored = unsealed(run_dir, plan) if existing else ([s.index for s in plan.shards], [], [])
     result = SubmitResult(run_dir, plan, False, {}, done, ignored, None)
-    text = describe_submission(cfg, run_dir, todo, merge_job=merge_job, fingerprint=plan.fingerprint) if todo \
+    text = (
+        describe_submission(cfg, run_dir, todo, merge_job=merge_job, fingerprint=plan.fingerprint)
+        if todo
         else "every shard is sealed; nothing would be submitted"
+    )
     missing = [name for name in ("gym", "policy") if getattr(cfg, name) is None]
     if missing:
         text += f"\nnote: the config has no {' or '.join(missing)} section; submit needs them"
@@ -342,6 +379,7 @@ def dry_run_submit(cfg: RunConfig, *, merge_job: bool) -> SubmitResult:
 
 
 # ---------------------------------------------------------------- Slurm: job arrays, the merge job, checkpoints
+
 
 class CheckpointRequested(BaseException):
     """Raised inside a Slurm shard job by the checkpoint signal (USR2: the time limit is near, or a preemption).
@@ -380,8 +418,11 @@ class ShardJob(Checkpointable):
         try:
             return shard_job(self.run_dir, index)
         except CheckpointRequested as e:
-            print(f"[shardrun] shard {index}: {e}: collector and servers stopped, completed rollouts kept; "
-                  f"handing over to submitit to requeue", flush=True)
+            print(
+                f"[shardrun] shard {index}: {e}: collector and servers stopped, completed rollouts kept; "
+                f"handing over to submitit to requeue",
+                flush=True,
+            )
             signal.signal(sig, submitit_handler)
             if callable(submitit_handler):
                 submitit_handler(e.signum, None)  # checkpoint -> scontrol requeue -> exit
@@ -409,8 +450,7 @@ def render_sbatch(params: dict[str, Any], folder: Path, *, map_count: int | None
     from submitit.slurm.slurm import _make_sbatch_string
 
     folder = Path(folder).absolute()
-    command = " ".join([shlex.quote(python or sys.executable), "-u -m submitit.core._submit",
-                        shlex.quote(str(folder))])
+    command = " ".join([shlex.quote(python or sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
     return _make_sbatch_string(command=command, folder=folder, map_count=map_count, **params)
 
 
@@ -428,18 +468,33 @@ class SlurmPlan:
         return {**self.shard_params, "array_parallelism": chunk.parallelism}
 
 
-def slurm_plan(cfg: RunConfig, run_dir: Path, fingerprint: str, indices: Sequence[int], *, max_array_size: int,
-               merge_job: bool, after: Sequence[str] = ()) -> SlurmPlan:
+def slurm_plan(
+    cfg: RunConfig,
+    run_dir: Path,
+    fingerprint: str,
+    indices: Sequence[int],
+    *,
+    max_array_size: int,
+    merge_job: bool,
+    after: Sequence[str] = (),
+) -> SlurmPlan:
     cluster = cfg.cluster_or_default
     tag = slurm.job_tag(cluster.job_name_prefix, run_dir, fingerprint)
     comment = f"shardrun {run_dir}"
-    shard_params = slurm.shard_parameters(cluster, job_name=tag, comment=comment,
-                                          pass_through_env=pass_through_env(cfg))
+    shard_params = slurm.shard_parameters(
+        cluster, job_name=tag, comment=comment, pass_through_env=pass_through_env(cfg)
+    )
     merge_name = slurm.merge_job_name(tag)
-    merge_params = slurm.merge_parameters(cluster, job_name=merge_name, comment=comment, after=after) \
-        if merge_job else None
-    return SlurmPlan(tag, merge_name, slurm.array_layout(list(indices), max_array_size, cluster.array_parallelism),
-                     shard_params, merge_params)
+    merge_params = (
+        slurm.merge_parameters(cluster, job_name=merge_name, comment=comment, after=after) if merge_job else None
+    )
+    return SlurmPlan(
+        tag,
+        merge_name,
+        slurm.array_layout(list(indices), max_array_size, cluster.array_parallelism),
+        shard_params,
+        merge_params,
+    )
 
 
 def pass_through_env(cfg: RunConfig) -> list[str]:
@@ -458,12 +513,21 @@ def slurm_scripts(sp: SlurmPlan, run_dir: Path, *, python: str | None = None) ->
     folder = store.jobs_dir(run_dir)
     out = []
     for k, chunk in enumerate(sp.layout):
-        out.append((f"array {k}: shards {slurm.format_ranges(chunk.shards)}",
-                    render_sbatch(sp.array_params(chunk), folder, map_count=chunk.size if chunk.size > 1 else None,
-                                  python=python)))
+        out.append(
+            (
+                f"array {k}: shards {slurm.format_ranges(chunk.shards)}",
+                render_sbatch(
+                    sp.array_params(chunk), folder, map_count=chunk.size if chunk.size > 1 else None, python=python
+                ),
+            )
+        )
     if sp.merge_params is not None:
-        out.append((f"merge job: shardrun merge-and-profile {shlex.quote(str(run_dir))}",
-                    render_sbatch(sp.merge_params, folder, map_count=None, python=python)))
+        out.append(
+            (
+                f"merge job: shardrun merge-and-profile {shlex.quote(str(run_dir))}",
+                render_sbatch(sp.merge_params, folder, map_count=None, python=python),
+            )
+        )
     return out
 
 
@@ -476,21 +540,34 @@ def max_array_size_for_dry_run(cluster: ClusterConfig) -> tuple[int, str]:
         return DEFAULT_MAX_ARRAY_SIZE, "Slurm's default; scontrol is not available here"
 
 
-def describe_submission(cfg: RunConfig, run_dir: Path, indices: Sequence[int], *, merge_job: bool = True,
-                        fingerprint: str | None = None) -> str:
+def describe_submission(
+    cfg: RunConfig, run_dir: Path, indices: Sequence[int], *, merge_job: bool = True, fingerprint: str | None = None
+) -> str:
     """`--dry-run`: the array layout and every sbatch script that would be submitted (Slurm), or the worker
     groups (local). Nothing is submitted or written."""
     cluster = cfg.cluster_or_default
     if cluster.executor == "local":
         groups = local_groups(list(indices), cluster.array_parallelism)
-        return "\n".join([f"local executor: {len(indices)} shard(s) in {len(groups)} worker job(s) at once"]
-                         + [f"  worker {w}: shards {slurm.format_ranges(g)}" for w, g in enumerate(groups)])
+        return "\n".join(
+            [f"local executor: {len(indices)} shard(s) in {len(groups)} worker job(s) at once"]
+            + [f"  worker {w}: shards {slurm.format_ranges(g)}" for w, g in enumerate(groups)]
+        )
     fingerprint = fingerprint or store.load_plan(run_dir).fingerprint
     size, source = max_array_size_for_dry_run(cluster)
-    sp = slurm_plan(cfg, run_dir, fingerprint, indices, max_array_size=size, merge_job=merge_job,
-                    after=[f"<array {k} job id>" for k in range(-(-len(indices) // size))])
-    lines = [f"job name: {sp.tag} (status, resume and cancel find the run's jobs by it)",
-             f"MaxArraySize: {size} ({source})", slurm.describe_layout(sp.layout)]
+    sp = slurm_plan(
+        cfg,
+        run_dir,
+        fingerprint,
+        indices,
+        max_array_size=size,
+        merge_job=merge_job,
+        after=[f"<array {k} job id>" for k in range(-(-len(indices) // size))],
+    )
+    lines = [
+        f"job name: {sp.tag} (status, resume and cancel find the run's jobs by it)",
+        f"MaxArraySize: {size} ({source})",
+        slurm.describe_layout(sp.layout),
+    ]
     if merge_job:
         lines.append(f"merge job: {sp.merge_name}, after every array ends (afterany, --kill-on-invalid-dep=yes)")
     for title, script in slurm_scripts(sp, run_dir):
@@ -498,8 +575,9 @@ def describe_submission(cfg: RunConfig, run_dir: Path, indices: Sequence[int], *
     return "\n".join(lines)
 
 
-def submit_slurm(cfg: RunConfig, run_dir: Path, plan: Plan, indices: Sequence[int], launch: Launch, *,
-                 merge_job: bool) -> None:
+def submit_slurm(
+    cfg: RunConfig, run_dir: Path, plan: Plan, indices: Sequence[int], launch: Launch, *, merge_job: bool
+) -> None:
     """Submit the shards as job arrays (one sbatch per array) and the merge job after them (one more sbatch),
     filling `launch` as each sbatch succeeds."""
     from submitit.helpers import CommandFunction
@@ -507,10 +585,13 @@ def submit_slurm(cfg: RunConfig, run_dir: Path, plan: Plan, indices: Sequence[in
     cluster = cfg.cluster_or_default
     missing = slurm.missing_pass_through(cluster.env_vars, pass_through_env(cfg), os.environ)
     if missing:
-        raise BadInput(f"{', '.join(missing)} not set in this shell: Slurm jobs get these from the environment "
-                       f"they are submitted from (sbatch --export=ALL); export them and submit again")
-    sp = slurm_plan(cfg, run_dir, plan.fingerprint, indices, max_array_size=slurm.max_array_size(cluster),
-                    merge_job=False)
+        raise BadInput(
+            f"{', '.join(missing)} not set in this shell: Slurm jobs get these from the environment "
+            f"they are submitted from (sbatch --export=ALL); export them and submit again"
+        )
+    sp = slurm_plan(
+        cfg, run_dir, plan.fingerprint, indices, max_array_size=slurm.max_array_size(cluster), merge_job=False
+    )
     launch.tag, launch.merge_name = sp.tag, sp.merge_name
     job = ShardJob(str(run_dir))
     for chunk in sp.layout:
@@ -525,10 +606,14 @@ def submit_slurm(cfg: RunConfig, run_dir: Path, plan: Plan, indices: Sequence[in
         live = slurm.query_live_jobs(names)
         merges = {j.job_id for j in live.values() if j.name.endswith(slurm.MERGE_SUFFIX)}
         slurm.cancel(merges)
-        after = sorted({j.array_id for j in live.values() if j.job_id not in merges} | set(launch.arrays),
-                       key=lambda s: (len(s), s))
-        merge_params = slurm.merge_parameters(cluster, job_name=sp.merge_name, comment=f"shardrun {run_dir}",
-                                              after=after)
-        merge = slurm_executor(run_dir, cluster, merge_params).submit(CommandFunction(merge_command(run_dir),
-                                                                                      verbose=True))
+        after = sorted(
+            {j.array_id for j in live.values() if j.job_id not in merges} | set(launch.arrays),
+            key=lambda s: (len(s), s),
+        )
+        merge_params = slurm.merge_parameters(
+            cluster, job_name=sp.merge_name, comment=f"shardrun {run_dir}", after=after
+        )
+        merge = slurm_executor(run_dir, cluster, merge_params).submit(
+            CommandFunction(merge_command(run_dir), verbose=True)
+        )
         launch.merge_job_id = str(merge.job_id)

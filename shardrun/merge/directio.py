@@ -35,7 +35,7 @@ class DirectWriter:
         pos, n, cap = 0, len(view), len(self._buf)
         while pos < n:
             take = min(n - pos, cap - self._used)
-            self._view[self._used:self._used + take] = view[pos:pos + take]
+            self._view[self._used : self._used + take] = view[pos : pos + take]
             self._used += take
             pos += take
             if self._used == cap:
@@ -82,7 +82,7 @@ class DirectWriter:
                 self._plain()
         rest = self._used - size
         if rest:
-            self._view[:rest] = self._view[size:self._used]
+            self._view[:rest] = self._view[size : self._used]
         self._used = rest
 
     def _plain(self) -> None:

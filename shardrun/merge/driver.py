@@ -36,8 +36,7 @@ from shardrun.merge import shardread
 from shardrun.rundir import store
 from shardrun.merge.directio import DirectWriter
 from shardrun.core.errors import IncompleteRun
-from shardrun.merge.outcome import (MAX_LISTED_FAILED, AgentResult, FailedRollout, MergeSummary,
-                                    ShardResult)
+from shardrun.merge.outcome import MAX_LISTED_FAILED, AgentResult, FailedRollout, MergeSummary, ShardResult
 from shardrun.merge.merged_table import MergedTable, TableBuilder
 from shardrun.profile.writers import TaskInfo
 from shardrun.plan.planner import Plan
@@ -46,15 +45,15 @@ from shardrun.merge.shardcopy import ShardStreamer
 from shardrun.merge.shardscan import FailureRow
 
 
-
 RENDER_POOL_MIN = 3  # with fewer CPUs the copy thread (when the rows are copied after reading) gets one
 # the row copies overlap the profile (in a thread) up to this many rollouts: the rows' locations are then held
 # while the profile runs, beside its own memory (about 30 bytes a row, plus the copy's 64 MiB window)
 OVERLAP_MAX_ROWS = 2_000_000
 
 
-def merge_and_profile(run_dir: Path | str, allow_partial: bool = False, answer_field: str | None = None,
-                      workers: int | None = None) -> MergeSummary:
+def merge_and_profile(
+    run_dir: Path | str, allow_partial: bool = False, answer_field: str | None = None, workers: int | None = None
+) -> MergeSummary:
     """Merge the run's shards and profile them. IncompleteRun if a shard is unsealed and not allow_partial.
 
     `answer_field` names the rollout field holding the extracted answer (enables majority@k); `workers` is how
@@ -68,8 +67,15 @@ def merge_and_profile(run_dir: Path | str, allow_partial: bool = False, answer_f
     with store.merge_lock(run_dir):
         store.remove_stale_temps(store.merged_dir(run_dir))
         try:
-            summary = _merge(run_dir, plan, states, allow_partial, answer_field,
-                             workers or shardread.default_workers(plan.num_rollouts), started)
+            summary = _merge(
+                run_dir,
+                plan,
+                states,
+                allow_partial,
+                answer_field,
+                workers or shardread.default_workers(plan.num_rollouts),
+                started,
+            )
         finally:
             store.remove_stale_temps(store.merged_dir(run_dir))
     return summary
@@ -81,11 +87,19 @@ def refuse_unsealed(run_dir: Path, states: list[seal.SealState], allow_partial: 
         raise IncompleteRun(shardread.unsealed_message(run_dir, unsealed, len(states)))
 
 
-def _read_shards(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partial: bool,
-                 answer_field: str | None, workers: int, streamer: ShardStreamer
-                 ) -> tuple[MergedTable, list[ShardResult], list[tuple[int, FailureRow]], list[Path]]:
-    jobs = [shardread.ShardJob(run_dir, spec.index, spec.num_rollouts, state, allow_partial, answer_field)
-            for spec, state in zip(plan.shards, states)]
+def _read_shards(
+    run_dir: Path,
+    plan: Plan,
+    states: list[seal.SealState],
+    allow_partial: bool,
+    answer_field: str | None,
+    workers: int,
+    streamer: ShardStreamer,
+) -> tuple[MergedTable, list[ShardResult], list[tuple[int, FailureRow]], list[Path]]:
+    jobs = [
+        shardread.ShardJob(run_dir, spec.index, spec.num_rollouts, state, allow_partial, answer_field)
+        for spec, state in zip(plan.shards, states)
+    ]
     builder = TableBuilder(plan.num_rollouts, answers=answer_field is not None)
     results, failures, sources = [], [], []
     for scan in shardread.scan_shards(jobs, workers):
@@ -93,10 +107,24 @@ def _read_shards(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_
         streamer.add(scan)
         failures += [(scan.index, f) for f in scan.failures]
         r, res, state = scan.rollouts, scan.resolution, scan.state
-        results.append(ShardResult(
-            scan.index, state.sealed, state.reason, r.lines, len(res.keep), res.duplicates, res.foreign,
-            r.no_identity, r.unreadable, r.torn_bytes, res.renumbered, len(scan.failures),
-            state.marker if state.sealed else None, scan.failures_rejected))
+        results.append(
+            ShardResult(
+                scan.index,
+                state.sealed,
+                state.reason,
+                r.lines,
+                len(res.keep),
+                res.duplicates,
+                res.foreign,
+                r.no_identity,
+                r.unreadable,
+                r.torn_bytes,
+                res.renumbered,
+                len(scan.failures),
+                state.marker if state.sealed else None,
+                scan.failures_rejected,
+            )
+        )
         sources.append(r.source)
     return builder.finish(), results, failures, sources
 
@@ -107,39 +135,61 @@ def shard_warnings(shards: list[ShardResult]) -> list[str]:
     for s in shards:
         claimed = (s.marker or {}).get("num_rollouts")
         if s.sealed and isinstance(claimed, int) and claimed != s.kept:
-            out.append(f"shard {s.index:05d}: its marker counts {claimed:,} rollouts, {s.kept:,} planned "
-                       f"identities were found in its rollouts.jsonl")
+            out.append(
+                f"shard {s.index:05d}: its marker counts {claimed:,} rollouts, {s.kept:,} planned "
+                f"identities were found in its rollouts.jsonl"
+            )
         if s.failure_rows_rejected:
-            out.append(f"shard {s.index:05d}: {s.failure_rows_rejected:,} failure-sidecar rows without a planned "
-                       f"identity were left out")
+            out.append(
+                f"shard {s.index:05d}: {s.failure_rows_rejected:,} failure-sidecar rows without a planned "
+                f"identity were left out"
+            )
     return out
 
 
 # ---------------------------------------------------------------- the merge
 
-def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partial: bool,
-           answer_field: str | None, workers: int, started: float) -> MergeSummary:
+
+def _merge(
+    run_dir: Path,
+    plan: Plan,
+    states: list[seal.SealState],
+    allow_partial: bool,
+    answer_field: str | None,
+    workers: int,
+    started: float,
+) -> MergeSummary:
     timings: dict[str, float] = {}
     outputs = _output_paths(run_dir)
     materialized_sources = [store.materialized_path(run_dir, s.index) for s in plan.shards]
     with contextlib.ExitStack() as stack:
         # the summary's writer is entered first, so it is renamed last: a merge_summary.json in place means every
         # output beside it comes from the same merge (one killed while renaming leaves the earlier summary)
-        out: dict[str, Any] = {k: stack.enter_context(store.atomic_writer(outputs[k]))
-                               for k in sorted(outputs, key=lambda k: k != "summary")}
+        out: dict[str, Any] = {
+            k: stack.enter_context(store.atomic_writer(outputs[k]))
+            for k in sorted(outputs, key=lambda k: k != "summary")
+        }
         for k in ("reward_profiling", "aggregate_metrics"):  # large: written past the page cache (directio)
             out[k] = stack.enter_context(DirectWriter(out[k].fileno()))
         tick = time.monotonic()
         # forked now, before any thread or pool: copies the shards' rows while they are read and profiled
-        streamer = stack.enter_context(ShardStreamer(out["materialized_inputs"], out["rollouts"],
-                                                     lambda name: store.merge_scratch(run_dir, name)))
-        table, shards, failures, rollout_sources = _read_shards(run_dir, plan, states, allow_partial, answer_field,
-                                                                workers, streamer)
+        streamer = stack.enter_context(
+            ShardStreamer(out["materialized_inputs"], out["rollouts"], lambda name: store.merge_scratch(run_dir, name))
+        )
+        table, shards, failures, rollout_sources = _read_shards(
+            run_dir, plan, states, allow_partial, answer_field, workers, streamer
+        )
         streamed = streamer.end_of_shards()
         timings["read_s"] = time.monotonic() - tick
         trim_heap()
-        summary = MergeSummary(str(run_dir), plan.fingerprint, allow_partial, shards=shards, timings=timings,
-                               warnings=shard_warnings(shards))
+        summary = MergeSummary(
+            str(run_dir),
+            plan.fingerprint,
+            allow_partial,
+            shards=shards,
+            timings=timings,
+            warnings=shard_warnings(shards),
+        )
         summary.outputs = {k: str(p) for k, p in outputs.items()}
         tasks = TaskInfo(table)
         copier = None if streamed else _start_copier(out, table, materialized_sources, rollout_sources, workers)
@@ -149,8 +199,16 @@ def _merge(run_dir: Path, plan: Plan, states: list[seal.SealState], allow_partia
             _write_failures(out["failures"], table, failures, summary)
             tick = time.monotonic()
             # chunks are rendered by a pool of forked workers, unless the copy thread runs (no fork beside it)
-            _profile(run_dir, plan, table, tasks, summary, out, materialized_sources,
-                     1 if copier is not None and copier.is_alive() else workers)
+            _profile(
+                run_dir,
+                plan,
+                table,
+                tasks,
+                summary,
+                out,
+                materialized_sources,
+                1 if copier is not None and copier.is_alive() else workers,
+            )
             timings["profile_s"] = time.monotonic() - tick
         finally:
             if copier is not None and copier.is_alive():
@@ -176,8 +234,9 @@ def _output_paths(run_dir: Path) -> dict[str, Path]:
     }
 
 
-def _start_copier(out: dict[str, Any], table: MergedTable, materialized_sources: list[Path],
-                  rollout_sources: list[Path], workers: int) -> "_Copier":
+def _start_copier(
+    out: dict[str, Any], table: MergedTable, materialized_sources: list[Path], rollout_sources: list[Path], workers: int
+) -> "_Copier":
     """Shards out of identity order: the row copies are made from the sorted table, on the locations taken here
     (the caller then lets the table drop its own references). Mostly kernel time (pread, write, fsync), so they run in a thread
     beside the profile (up to OVERLAP_MAX_ROWS, and only where the profile renders without a pool, which forks);
@@ -190,8 +249,16 @@ def _start_copier(out: dict[str, Any], table: MergedTable, materialized_sources:
     return copier
 
 
-def _profile(run_dir: Path, plan: Plan, table: MergedTable, tasks: TaskInfo, summary: MergeSummary,
-             out: dict[str, IO[bytes]], materialized_sources: list[Path], workers: int) -> None:
+def _profile(
+    run_dir: Path,
+    plan: Plan,
+    table: MergedTable,
+    tasks: TaskInfo,
+    summary: MergeSummary,
+    out: dict[str, IO[bytes]],
+    materialized_sources: list[Path],
+    workers: int,
+) -> None:
     _count_tasks(summary, table, tasks, plan)
     agents = writers.AgentStats(table, tasks)
     trim_heap()
@@ -199,10 +266,10 @@ def _profile(run_dir: Path, plan: Plan, table: MergedTable, tasks: TaskInfo, sum
     entries = writers.aggregate_entries(table, agents, plan)
     trim_heap()
     _summarize_agents(summary, entries)
-    groups = writers.AggregateWriter(out["aggregate_metrics"], entries, agents.codes,
-                                            lambda a: store.merge_scratch(run_dir, f"groups-{a}.json"))
-    writers.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized_sources,
-                                 workers)
+    groups = writers.AggregateWriter(
+        out["aggregate_metrics"], entries, agents.codes, lambda a: store.merge_scratch(run_dir, f"groups-{a}.json")
+    )
+    writers.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized_sources, workers)
     groups.close()
 
 
@@ -210,8 +277,14 @@ class _Copier(threading.Thread):
     """Writes merged/rollouts_materialized_inputs.jsonl and merged/rollouts.jsonl (flushed and fsynced), raw
     bytes in (task, rollout) order; an error is kept for raise_error."""
 
-    def __init__(self, materialized: IO[bytes], rollouts: IO[bytes], table: MergedTable,
-                 materialized_sources: list[Path], rollout_sources: list[Path]):
+    def __init__(
+        self,
+        materialized: IO[bytes],
+        rollouts: IO[bytes],
+        table: MergedTable,
+        materialized_sources: list[Path],
+        rollout_sources: list[Path],
+    ):
         super().__init__(name="merge-copy", daemon=True)
         self.materialized, self.rollouts = materialized, rollouts
         self.sources = materialized_sources, rollout_sources
@@ -238,7 +311,7 @@ class _Copier(threading.Thread):
                 copy_rows(self.rollouts, src, shard, offset, length, renumber, renumbered)
             self.located = None  # type: ignore[assignment]
             _sync(self.rollouts)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the merging thread
+        except BaseException as e:
             self.error = e
         self.seconds = time.monotonic() - tick
 
@@ -263,8 +336,10 @@ def trim_heap() -> None:
 
 # ---------------------------------------------------------------- row files
 
-def _write_failures(out: IO[bytes], table: MergedTable, failures: list[tuple[int, FailureRow]],
-                    summary: MergeSummary) -> None:
+
+def _write_failures(
+    out: IO[bytes], table: MergedTable, failures: list[tuple[int, FailureRow]], summary: MergeSummary
+) -> None:
     """Sidecar rows sorted by identity (attempts keep their order); identities never completed are 'failed'."""
     failures.sort(key=lambda sf: (sf[1].task, sf[1].rollout, sf[0]))
     for _, f in failures:
@@ -280,11 +355,14 @@ def _write_failures(out: IO[bytes], table: MergedTable, failures: list[tuple[int
     done = table.has_rollout(keys)
     failed = [ident for ident, d in zip(ids, done.tolist()) if not d]
     summary.failed_total = len(failed)
-    summary.failed = [FailedRollout(t, r, by_identity[(t, r)][-1][0], by_identity[(t, r)][-1][1].reason,
-                                    len(by_identity[(t, r)])) for t, r in failed[:MAX_LISTED_FAILED]]
+    summary.failed = [
+        FailedRollout(t, r, by_identity[(t, r)][-1][0], by_identity[(t, r)][-1][1].reason, len(by_identity[(t, r)]))
+        for t, r in failed[:MAX_LISTED_FAILED]
+    ]
 
 
 # ---------------------------------------------------------------- counts
+
 
 def _summarize_agents(summary: MergeSummary, entries: list[dict[str, Any]]) -> None:
     for entry in entries:
@@ -305,8 +383,16 @@ def _count_tasks(summary: MergeSummary, table: MergedTable, tasks: TaskInfo, pla
     summary.rollouts, summary.expected_rollouts = int(done.sum()), int(expected.sum())
     for code, name in enumerate(table.agents):
         mine = tasks.agent == code
-        summary.agents.append(AgentResult(
-            name, plan.agents.get(name, {}).get("repeats", 0), int(mine.sum()), int((complete & mine).sum()),
-            int((partial & mine).sum()), int((missing & mine).sum()), int(done[mine].sum()),
-            int(expected[mine].sum())))
+        summary.agents.append(
+            AgentResult(
+                name,
+                plan.agents.get(name, {}).get("repeats", 0),
+                int(mine.sum()),
+                int((complete & mine).sum()),
+                int((partial & mine).sum()),
+                int((missing & mine).sum()),
+                int(done[mine].sum()),
+                int(expected[mine].sum()),
+            )
+        )
     summary.agents.sort(key=lambda a: a.name)

@@ -90,7 +90,8 @@ def resolve(index: ShardPlanIndex, task: np.ndarray, rollout: np.ndarray) -> Res
     return Resolution(keep, mapped[keep], renumbered, len(accepted) - len(keep), len(task) - len(accepted))
 
 
-def map_identities(index: ShardPlanIndex, task: np.ndarray, rollout: np.ndarray,
-                   renumbered: bool) -> tuple[np.ndarray, np.ndarray]:
+def map_identities(
+    index: ShardPlanIndex, task: np.ndarray, rollout: np.ndarray, renumbered: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """(accepted mask, planned rollout) for other rows of the shard (its failure sidecar), same numbering."""
     return (match_local if renumbered else match_global)(index, task, rollout)

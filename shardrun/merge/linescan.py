@@ -48,7 +48,7 @@ class Block:
     def line(self, data: bytes | bytearray, i: int) -> tuple[bytes | bytearray, int]:
         """Line i of the block `data` it was scanned from, without its newline, and where it starts."""
         start = int(self.starts[i])
-        return data[start:start + int(self.lengths[i]) - 1], start
+        return data[start : start + int(self.lengths[i]) - 1], start
 
 
 def scatter(dst: memoryview, src: bytes, at: np.ndarray, length: np.ndarray, dest: np.ndarray) -> None:
@@ -66,8 +66,13 @@ def plain_key(key: str) -> bytes | None:
 class Scanner:
     """Signature ids -> the caller's shapes (`learn`), and `key` values -> the caller's codes (`decode`)."""
 
-    def __init__(self, learn: Callable[[dict[str, Any]], int], key: bytes | None = None,
-                 decode: Callable[[bytes], int] | None = None, missing: int = 0):
+    def __init__(
+        self,
+        learn: Callable[[dict[str, Any]], int],
+        key: bytes | None = None,
+        decode: Callable[[bytes], int] | None = None,
+        missing: int = 0,
+    ):
         assert AVAILABLE, "the C scanner was not built"
         self.learn, self.key, self.decode, self.missing = learn, key, decode, missing
         self._sigs: dict[bytes, int] = {}
@@ -86,8 +91,7 @@ class Scanner:
             self._codes.clear()
         new: list[tuple[int, int]] = []
         known_sigs, known_keys = len(self._sigs), len(self._interned)
-        lines, starts, sig, vstart, values, kid = _jsonlscan.scan(data, end, self._sigs, new, self.key,
-                                                                   self._interned)
+        lines, starts, sig, vstart, values, kid = _jsonlscan.scan(data, end, self._sigs, new, self.key, self._interned)
         starts = np.frombuffer(starts, np.int64)
         if new:
             self._learn_new(data, end, starts, known_sigs, new)
@@ -98,18 +102,26 @@ class Scanner:
         key_code = None
         if kid is not None:
             kid = np.frombuffer(kid, np.int32)
-            key_code = np.where(kid >= 0, self._code_array[np.maximum(kid, 0)] if len(self._code_array) else 0,
-                                self.missing)
-        return Block(lines, starts, np.diff(np.r_[starts, end]), self._shape_of_sig[sig + 1],
-                     np.frombuffer(vstart, np.int64), np.frombuffer(values, np.float64), key_code)
+            key_code = np.where(
+                kid >= 0, self._code_array[np.maximum(kid, 0)] if len(self._code_array) else 0, self.missing
+            )
+        return Block(
+            lines,
+            starts,
+            np.diff(np.r_[starts, end]),
+            self._shape_of_sig[sig + 1],
+            np.frombuffer(vstart, np.int64),
+            np.frombuffer(values, np.float64),
+            key_code,
+        )
 
     def _learn_new(self, data: bytes, end: int, starts: np.ndarray, known: int, new: list[tuple[int, int]]) -> None:
         sig_bytes = list(itertools.islice(self._sigs, known, None))
         grown = np.full(len(self._sigs) + 1, SLOW, np.int64)
-        grown[:len(self._shape_of_sig)] = self._shape_of_sig
+        grown[: len(self._shape_of_sig)] = self._shape_of_sig
         for sid, line in new:
             stop = int(starts[line + 1]) if line + 1 < len(starts) else end
-            row = orjson.loads(data[int(starts[line]):stop])
+            row = orjson.loads(data[int(starts[line]) : stop])
             grown[sid + 1] = self.learn(row) if _matches(row, sig_bytes[sid - known]) else SLOW
         self._shape_of_sig = grown
 
@@ -143,6 +155,6 @@ def _fields(part: bytes) -> list[bytes]:
     out, i = [], 0
     while i < len(part):
         j = part.index(b"\x00", i)
-        out.append(part[i:j + 2])
+        out.append(part[i : j + 2])
         i = j + 2
     return out

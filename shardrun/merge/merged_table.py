@@ -77,8 +77,10 @@ class TableBuilder:
     def finish(self) -> "MergedTable":
         """Sort everything by identity. PlanMismatch if two shards plan one identity."""
         if self.np != len(self.p_task):
-            raise PlanMismatch(f"the shards' materialized files hold {self.np:,} rows, plan.json plans "
-                               f"{len(self.p_task):,}; the run directory is damaged")
+            raise PlanMismatch(
+                f"the shards' materialized files hold {self.np:,} rows, plan.json plans "
+                f"{len(self.p_task):,}; the run directory is damaged"
+            )
         tasks = np.unique(self.p_task)
         stride = int(self.p_rollout.max()) + 1 if self.np else 1
         p_key = np.searchsorted(tasks, self.p_task) * stride + self.p_rollout
@@ -95,11 +97,20 @@ class TableBuilder:
         fields = ("r_shard", "r_offset", "r_length", "r_block", "r_pos", "r_renumbered")
         kept = [self._take(f, order, n) for f in fields]
         answers = self._take("r_answers", order, n) if self.r_answers is not None else None
-        table = MergedTable(tasks, stride, list(self.agents), p_key, *planned, r_key[order], *kept, answers,
-                            self.blocks, list(self.columns))
+        table = MergedTable(
+            tasks,
+            stride,
+            list(self.agents),
+            p_key,
+            *planned,
+            r_key[order],
+            *kept,
+            answers,
+            self.blocks,
+            list(self.columns),
+        )
         table.columns, table.blocks = _reorder_columns(table)
         return table
-
 
     def _take(self, name: str, order: np.ndarray, n: int | None = None) -> np.ndarray:
         """The field reordered; the builder lets go of its copy (one array's worth of extra memory at a time)."""
@@ -112,8 +123,10 @@ def _refuse_twice_planned(p_key: np.ndarray, tasks: np.ndarray, stride: int) -> 
     dup = np.flatnonzero(p_key[1:] == p_key[:-1])
     if len(dup):
         k = int(p_key[dup[0]])
-        raise PlanMismatch(f"identity ({tasks[k // stride]}, {k % stride}) is planned in two shards; the run "
-                           f"directory is damaged (re-plan into a new run_dir)")
+        raise PlanMismatch(
+            f"identity ({tasks[k // stride]}, {k % stride}) is planned in two shards; the run "
+            f"directory is damaged (re-plan into a new run_dir)"
+        )
 
 
 @dataclass
@@ -193,7 +206,7 @@ class MergedTable:
         starts, sizes = segments(blk[order])
         pos = self.r_pos[a:b]
         for s, n in zip(starts.tolist(), sizes.tolist()):
-            rows = order[s:s + n]
+            rows = order[s : s + n]
             yield self.blocks[int(blk[rows[0]])], rows, pos[rows]
 
     def gather(self, a: int, b: int, columns: Sequence[int] | None = None) -> np.ndarray:
@@ -220,8 +233,9 @@ class MergedTable:
         rollouts = self.rollout_of_key(self.r_key[a:b])
         for block, rows, pos in self._by_block(a, b):
             irregular = [block.irregular[p] for p in pos.tolist()] if block.irregular is not None else None
-            made = rollout_infos(block.schema, [v[pos] for v in block.values], tasks[rows].tolist(),
-                                 rollouts[rows].tolist(), irregular)
+            made = rollout_infos(
+                block.schema, [v[pos] for v in block.values], tasks[rows].tolist(), rollouts[rows].tolist(), irregular
+            )
             for i, d in zip(rows.tolist(), made):
                 out[i] = d
         return out
@@ -240,7 +254,8 @@ class MergedTable:
                     seen.add(c)
                     order.append(c)
         all_int = bool(len(used)) and all(
-            self.blocks[b].schema.all_int and len(self.blocks[b].columns) == len(order) for b in used.tolist())
+            self.blocks[b].schema.all_int and len(self.blocks[b].columns) == len(order) for b in used.tolist()
+        )
         return Layout(tuple(self.columns), tuple(order), all_int)
 
 
@@ -249,6 +264,8 @@ def _reorder_columns(table: MergedTable) -> tuple[list[str], list[Block]]:
     order = table.layout().order
     new = {old: i for i, old in enumerate(order)}
     names = [table.columns[c] for c in order]
-    blocks = [Block(b.schema, b.values, b.irregular,
-                    np.array([new.get(c, -1) for c in b.columns.tolist()], np.int64)) for b in table.blocks]
+    blocks = [
+        Block(b.schema, b.values, b.irregular, np.array([new.get(c, -1) for c in b.columns.tolist()], np.int64))
+        for b in table.blocks
+    ]
     return names, blocks

@@ -93,9 +93,11 @@ class MergeSummary:
 
     @property
     def rejected(self) -> dict[str, int]:
-        return {"not planned for its shard": sum(s.foreign for s in self.shards),
-                "no identity": sum(s.no_identity for s in self.shards),
-                "unreadable line": sum(s.unreadable for s in self.shards)}
+        return {
+            "not planned for its shard": sum(s.foreign for s in self.shards),
+            "no identity": sum(s.no_identity for s in self.shards),
+            "unreadable line": sum(s.unreadable for s in self.shards),
+        }
 
     @property
     def torn_lines(self) -> int:
@@ -116,8 +118,13 @@ class MergeSummary:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(duplicates=self.duplicates, rejected=self.rejected, gpu_hours=self.gpu_hours,
-                 sealed_shards=self.sealed_shards, cost=cost.run_row(self.run_cost))
+        d.update(
+            duplicates=self.duplicates,
+            rejected=self.rejected,
+            gpu_hours=self.gpu_hours,
+            sealed_shards=self.sealed_shards,
+            cost=cost.run_row(self.run_cost),
+        )
         return d
 
 
@@ -127,8 +134,13 @@ def _pct(v: float | None) -> str:
 
 def pass_table(agent: AgentResult) -> str:
     """k | pass@k | pass@1[avg-of-k] | majority@k (accuracy, percent)."""
-    ks = sorted({int(k.split("@")[1].split("/")[0]) for k in agent.metrics if k.startswith("pass@")
-                 and not k.startswith("pass@1[")})
+    ks = sorted(
+        {
+            int(k.split("@")[1].split("/")[0])
+            for k in agent.metrics
+            if k.startswith("pass@") and not k.startswith("pass@1[")
+        }
+    )
     if not ks:
         return "    (no pass@k: no scored rollouts)"
     has_majority = any(k.startswith("majority@") for k in agent.metrics)
@@ -148,15 +160,25 @@ def render(s: MergeSummary) -> str:
     """The merge summary for the terminal."""
     rows = [
         ("run directory", s.run_dir),
-        ("shards merged", f"{len(s.shards):,} ({s.sealed_shards:,} sealed"
-                          + (f", {len(s.shards) - s.sealed_shards:,} unsealed merged as partial)" if
-                             s.sealed_shards < len(s.shards) else ")")),
+        (
+            "shards merged",
+            f"{len(s.shards):,} ({s.sealed_shards:,} sealed"
+            + (
+                f", {len(s.shards) - s.sealed_shards:,} unsealed merged as partial)"
+                if s.sealed_shards < len(s.shards)
+                else ")"
+            ),
+        ),
         ("rollouts", f"{s.rollouts:,} of {s.expected_rollouts:,} planned"),
-        ("tasks", f"{s.tasks:,}: {s.tasks_complete:,} complete, {s.tasks_partial:,} partial, "
-                  f"{s.tasks_missing:,} missing"),
+        (
+            "tasks",
+            f"{s.tasks:,}: {s.tasks_complete:,} complete, {s.tasks_partial:,} partial, {s.tasks_missing:,} missing",
+        ),
         ("duplicates dropped", f"{s.duplicates:,}"),
-        ("rows rejected", f"{sum(s.rejected.values()):,}" + "".join(f"; {n:,} {why}" for why, n in
-                                                                      s.rejected.items() if n)),
+        (
+            "rows rejected",
+            f"{sum(s.rejected.values()):,}" + "".join(f"; {n:,} {why}" for why, n in s.rejected.items() if n),
+        ),
         ("torn last lines", f"{s.torn_lines:,} (ignored)"),
         ("failed rollouts", f"{s.failed_total:,} ({s.failure_rows:,} failure rows in the sidecars)"),
         ("GPU-hours (markers)", f"{s.gpu_hours:,.2f}"),
@@ -166,10 +188,12 @@ def render(s: MergeSummary) -> str:
         rows.append(("merge time", f"{s.timings['total_s']:.1f} s"))
     out = [table(rows), ""]
     for a in s.agents:
-        out.append(f"agent {a.name} ({a.repeats} repeats): mean reward "
-                   f"{'—' if a.mean_reward is None else format(a.mean_reward, '.4f')}; tasks {a.complete:,} "
-                   f"complete, {a.partial:,} partial, {a.missing:,} missing; {a.rollouts:,}/"
-                   f"{a.expected_rollouts:,} rollouts")
+        out.append(
+            f"agent {a.name} ({a.repeats} repeats): mean reward "
+            f"{'—' if a.mean_reward is None else format(a.mean_reward, '.4f')}; tasks {a.complete:,} "
+            f"complete, {a.partial:,} partial, {a.missing:,} missing; {a.rollouts:,}/"
+            f"{a.expected_rollouts:,} rollouts"
+        )
         out.append(pass_table(a))
     if s.failed:
         out.append("")

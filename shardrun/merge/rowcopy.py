@@ -50,8 +50,10 @@ class ByteSources:
     def get(self, i: int, offset: int, length: int) -> bytes:
         data = os.pread(self.fd(i), length, offset)
         if len(data) != length:
-            raise RunDirError(f"{self.paths[i]}: shorter than when it was read ({offset + len(data):,} bytes, "
-                              f"needed {offset + length:,}); it changed during the merge. Run the merge again")
+            raise RunDirError(
+                f"{self.paths[i]}: shorter than when it was read ({offset + len(data):,} bytes, "
+                f"needed {offset + length:,}); it changed during the merge. Run the merge again"
+            )
         return data
 
     def close(self) -> None:
@@ -71,8 +73,15 @@ def runs(source: np.ndarray, offset: np.ndarray, length: np.ndarray, breaks: np.
     return np.r_[0, np.flatnonzero(~joined) + 1, n]
 
 
-def copy_rows(out: IO[bytes], sources: ByteSources, source: np.ndarray, offset: np.ndarray, length: np.ndarray,
-              rewrite: Callable[[int, bytes], bytes] | None = None, breaks: np.ndarray | None = None) -> int:
+def copy_rows(
+    out: IO[bytes],
+    sources: ByteSources,
+    source: np.ndarray,
+    offset: np.ndarray,
+    length: np.ndarray,
+    rewrite: Callable[[int, bytes], bytes] | None = None,
+    breaks: np.ndarray | None = None,
+) -> int:
     """Write the rows in the given order; rows flagged in `breaks` pass through `rewrite(position, bytes)`.
 
     The output is assembled a window (about WINDOW_BYTES) at a time. Within a window, rows are read in file
@@ -102,22 +111,37 @@ def copy_rows(out: IO[bytes], sources: ByteSources, source: np.ndarray, offset: 
         else:
             if size > len(buf):
                 buf = bytearray(size)
-            _window(memoryview(buf)[:size], sources, u_source[a:b], u_offset[a:b], u_length[a:b],
-                    u_end[a:b] - u_size[a:b] - base, {u - a: d for u, d in replaced.items() if a <= u < b})
+            _window(
+                memoryview(buf)[:size],
+                sources,
+                u_source[a:b],
+                u_offset[a:b],
+                u_length[a:b],
+                u_end[a:b] - u_size[a:b] - base,
+                {u - a: d for u, d in replaced.items() if a <= u < b},
+            )
             out.write(memoryview(buf)[:size])
         written += size
     return written
 
 
-def _rewritten(sources: ByteSources, source: np.ndarray, offset: np.ndarray, length: np.ndarray,
-               first: np.ndarray, rewrite: Callable[[int, bytes], bytes] | None,
-               breaks: np.ndarray | None) -> dict[int, bytes]:
+def _rewritten(
+    sources: ByteSources,
+    source: np.ndarray,
+    offset: np.ndarray,
+    length: np.ndarray,
+    first: np.ndarray,
+    rewrite: Callable[[int, bytes], bytes] | None,
+    breaks: np.ndarray | None,
+) -> dict[int, bytes]:
     """unit number -> new bytes, for the flagged rows (each its own unit; rare)."""
     if rewrite is None or breaks is None:
         return {}
     units = np.flatnonzero(breaks[first])
-    return {int(u): rewrite(int(first[u]), sources.get(int(source[first[u]]), int(offset[first[u]]),
-                                                       int(length[first[u]]))) for u in units}
+    return {
+        int(u): rewrite(int(first[u]), sources.get(int(source[first[u]]), int(offset[first[u]]), int(length[first[u]])))
+        for u in units
+    }
 
 
 def _windows(end: np.ndarray, limit: int) -> list[tuple[int, int]]:
@@ -129,8 +153,15 @@ def _windows(end: np.ndarray, limit: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _window(view: memoryview, sources: ByteSources, source: np.ndarray, offset: np.ndarray, length: np.ndarray,
-            dest: np.ndarray, replaced: dict[int, bytes]) -> None:
+def _window(
+    view: memoryview,
+    sources: ByteSources,
+    source: np.ndarray,
+    offset: np.ndarray,
+    length: np.ndarray,
+    dest: np.ndarray,
+    replaced: dict[int, bytes],
+) -> None:
     """Fill one window: units read in file order, in spans, and placed at their `dest` in `view`."""
     order = np.lexsort((offset, source))
     src, off, end = source[order], offset[order], offset[order] + length[order]
@@ -148,7 +179,7 @@ def _window(view: memoryview, sources: ByteSources, source: np.ndarray, offset: 
         units = units[~skip[units]]
         _place(view, data, off[s0:s1][~skip[order[s0:s1]]] - lo, length[units], dest[units])
     for u, data in replaced.items():
-        view[int(dest[u]):int(dest[u]) + len(data)] = data
+        view[int(dest[u]) : int(dest[u]) + len(data)] = data
 
 
 def _place(view: memoryview, data: bytes, at: np.ndarray, length: np.ndarray, dest: np.ndarray) -> None:
@@ -158,7 +189,7 @@ def _place(view: memoryview, data: bytes, at: np.ndarray, length: np.ndarray, de
         return
     data = memoryview(data)
     for o, n, d in zip(at.tolist(), length.tolist(), dest.tolist()):
-        view[d:d + n] = data[o:o + n]
+        view[d : d + n] = data[o : o + n]
 
 
 def _span_too_long(off: np.ndarray, new_span: np.ndarray) -> np.ndarray:

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 KIND = {int: "i", float: "f", bool: "b"}
 IDENTITY = frozenset((TASK_KEY, ROLLOUT_KEY))
 INFO_SKIP = frozenset((TASK_KEY, ROLLOUT_KEY, "reward", "response"))
-EXACT_INT = 2 ** 53
-INT64_MAX = 2 ** 63 - 1
+EXACT_INT = 2**53
+INT64_MAX = 2**63 - 1
 MAX_SHAPES = 10_000  # row shapes remembered per shard (a file of ever-new keys stays correct, just slower)
 NO_ANSWER = 0
 
@@ -71,8 +71,11 @@ def answer_code(value: Any) -> int:
     if value is None:
         return NO_ANSWER
     if isinstance(value, (bool, int, float)):
-        canon = b"f" + repr(value).encode() if isinstance(value, float) and not value.is_integer() \
+        canon = (
+            b"f" + repr(value).encode()
+            if isinstance(value, float) and not value.is_integer()
             else b"i" + str(int(value)).encode()
+        )
     elif isinstance(value, str):
         canon = b"s" + value.encode("utf-8", "surrogatepass")
     else:
@@ -190,8 +193,9 @@ class RowTable:
             return None
         values = [*row.values(), *(usage or {}).values()]
         number = {p: j for j, p in enumerate(i for i, v in enumerate(values) if type(v) in KIND)}
-        return ScannedShape(shape.sid, tuple(number[p] for p in shape.positions), number[shape.task_at],
-                            number[shape.rollout_at])  # type: ignore[index]
+        return ScannedShape(
+            shape.sid, tuple(number[p] for p in shape.positions), number[shape.task_at], number[shape.rollout_at]
+        )  # type: ignore[index]
 
     def add_scanned(self, shapes: "ScannedShapes", block: "Block", rows: np.ndarray) -> np.ndarray:
         """Add the block's lines `rows` (in file order, each of a learned shape); returns the lines added (the
@@ -226,15 +230,14 @@ class RowTable:
         ukeys = list(usage or {})
         low = [i for i, k in enumerate(ukeys) if type(usage[k]) in KIND]  # type: ignore[index]
         regular = not any(k in row for k in ukeys) and ("reward" not in row or type(row["reward"]) in KIND)
-        kinds = "".join(KIND[type(row[keys[i]])] for i in top) + \
-                "".join(KIND[type(usage[ukeys[i]])] for i in low)  # type: ignore[index]
+        kinds = "".join(KIND[type(row[keys[i]])] for i in top) + "".join(KIND[type(usage[ukeys[i]])] for i in low)  # type: ignore[index]
         sid = None
         if regular:
             names, unames = [keys[i] for i in top], [ukeys[i] for i in low]
             skey = (tuple(names), tuple(unames), kinds)
             sid = self._index.get(skey)
             if sid is None:
-                sid = self._new(skey, regular_schema(names, kinds[:len(names)], unames, kinds[len(names):]))
+                sid = self._new(skey, regular_schema(names, kinds[: len(names)], unames, kinds[len(names) :]))
         positions = top + [len(keys) + i for i in low]
         shape = RowShape(ident[0], ident[1], sid, _getter(positions), "i" in kinds, tuple(positions))
         if key is not None and len(self._shapes) < MAX_SHAPES:
@@ -268,7 +271,8 @@ class RowTable:
         for schema, buf in zip(self.schemas, self.values):
             if schema.info is not None and "i" in schema.kinds and len(buf):
                 ints = np.frombuffer(buf, dtype=np.float64).reshape(-1, len(schema.kinds))[
-                    :, [j for j, k in enumerate(schema.kinds) if k == "i"]]
+                    :, [j for j, k in enumerate(schema.kinds) if k == "i"]
+                ]
                 if (np.abs(ints) >= EXACT_INT).any():
                     return True
         return False
@@ -350,10 +354,13 @@ class ScannedShapes:
             width = max((len(s.cols) for s in self.shapes), default=0)
             cols = np.zeros((len(self.shapes), max(width, 1)), np.int64)
             for i, s in enumerate(self.shapes):
-                cols[i, :len(s.cols)] = s.cols
-            self._arrays = (np.array([s.sid for s in self.shapes], np.int64),
-                            np.array([s.task for s in self.shapes], np.int64),
-                            np.array([s.rollout for s in self.shapes], np.int64), cols)
+                cols[i, : len(s.cols)] = s.cols
+            self._arrays = (
+                np.array([s.sid for s in self.shapes], np.int64),
+                np.array([s.task for s in self.shapes], np.int64),
+                np.array([s.rollout for s in self.shapes], np.int64),
+                cols,
+            )
         return self._arrays
 
 
@@ -370,8 +377,13 @@ def irregular_info(row: dict[str, Any], usage: dict[str, Any]) -> dict[str, Any]
 
 def narrow(column: np.ndarray) -> np.ndarray:
     """The column in uint8 or float32 when that holds every value exactly, else float64 (a copy)."""
-    if len(column) and (column >= 0).all() and (column <= 255).all() and (column == np.floor(column)).all() \
-            and not np.signbit(column).any():
+    if (
+        len(column)
+        and (column >= 0).all()
+        and (column <= 255).all()
+        and (column == np.floor(column)).all()
+        and not np.signbit(column).any()
+    ):
         return column.astype(np.uint8)
     with np.errstate(over="ignore"):  # values beyond float32 become inf, and fail the test below
         as32 = column.astype(np.float32)
@@ -380,8 +392,9 @@ def narrow(column: np.ndarray) -> np.ndarray:
     return column.copy()
 
 
-def rollout_infos(schema: Schema, values: list[np.ndarray], tasks: list[int], rollouts: list[int],
-                  irregular: list[dict] | None = None) -> list[bytes]:
+def rollout_infos(
+    schema: Schema, values: list[np.ndarray], tasks: list[int], rollouts: list[int], irregular: list[dict] | None = None
+) -> list[bytes]:
     """Rows' `rollout_infos` entries as JSON (orjson's bytes for Gym's dict), for rows of one schema.
 
     values: one array per field; irregular: the stored tails of irregular rows. Values are serialised a column
@@ -389,10 +402,15 @@ def rollout_infos(schema: Schema, values: list[np.ndarray], tasks: list[int], ro
     """
     names = [n for n, _, _ in schema.info or ()]
     if schema.info is None or "rollout_id" in names:
-        tails = irregular if schema.info is None else [
-            dict(zip(names, row)) for row in zip(*(_typed(values[j], k) for _, j, k in schema.info))]
-        return [orjson.dumps({"rollout_id": f"{t}:{r}", TASK_KEY: t, ROLLOUT_KEY: r, **tail})
-                for t, r, tail in zip(tasks, rollouts, tails or [])]
+        tails = (
+            irregular
+            if schema.info is None
+            else [dict(zip(names, row)) for row in zip(*(_typed(values[j], k) for _, j, k in schema.info))]
+        )
+        return [
+            orjson.dumps({"rollout_id": f"{t}:{r}", TASK_KEY: t, ROLLOUT_KEY: r, **tail})
+            for t, r, tail in zip(tasks, rollouts, tails or [])
+        ]
     fields = b"".join(b"," + orjson.dumps(n).replace(b"%", b"%%") + b":%s" for n in names)
     template = b'{"rollout_id":"%s:%s","_ng_task_index":%s,"_ng_rollout_index":%s' + fields + b"}"
     t, r = _json_items(tasks), _json_items(rollouts)

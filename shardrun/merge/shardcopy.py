@@ -84,8 +84,13 @@ class ShardStreamer:
         order = np.lexsort((res.rollout, r.task[res.keep]))
         rows = res.keep[order]
         changed = res.rollout[order] != r.rollout[rows]
-        self._send("rollouts", r.source, r.offset[rows], r.length[rows],
-                   np.where(changed, res.rollout[order], -1) if changed.any() else None)
+        self._send(
+            "rollouts",
+            r.source,
+            r.offset[rows],
+            r.length[rows],
+            np.where(changed, res.rollout[order], -1) if changed.any() else None,
+        )
 
     def end_of_shards(self) -> bool:
         """No more shards. True: the copies go on (`wait` for them); False: the shards were out of identity
@@ -115,8 +120,9 @@ class ShardStreamer:
             self._pid = 0
             self._close()
 
-    def _send(self, out: str, source: Path, offset: np.ndarray, length: np.ndarray,
-              rewrite_to: np.ndarray | None) -> None:
+    def _send(
+        self, out: str, source: Path, offset: np.ndarray, length: np.ndarray, rewrite_to: np.ndarray | None
+    ) -> None:
         job = self.scratch(f"copy-{self._jobs:06d}.npy")
         self._jobs += 1
         rows = np.stack([offset, length, rewrite_to if rewrite_to is not None else np.full(len(offset), -1)])
@@ -180,9 +186,8 @@ def _child(jobs_r: int, result_w: int, fds: dict[str, int]) -> None:
         if not ended:
             raise RunDirError("the merge stopped sending shards before their end")
         result["seconds"] = time.monotonic() - tick
-    except BaseException as e:  # noqa: BLE001 - reported to the merge, which raises it
-        code, result = 1, {"ok": False, "error": f"{type(e).__name__}: {e}",
-                           "traceback": traceback.format_exc()}
+    except BaseException as e:
+        code, result = 1, {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     try:
         os.write(result_w, orjson.dumps(result))
     finally:
@@ -195,6 +200,7 @@ def _copy(out: IO[bytes], source: Path, job: Path) -> None:
     breaks = to >= 0
     rewrite = None
     if breaks.any():
+
         def rewrite(position: int, line: bytes) -> bytes:
             return shardread.with_rollout(line, int(to[position]))
 

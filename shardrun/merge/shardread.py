@@ -55,8 +55,10 @@ class ShardScan:
 def unsealed_message(run_dir: Path, states: Sequence[tuple[int, str]], total: int) -> str:
     listed = "\n".join(f"  - shard {i:05d}: {why}" for i, why in states[:20])
     more = f"\n  ... and {len(states) - 20} more" if len(states) > 20 else ""
-    return (f"{len(states)} of {total} shards are not sealed:\n{listed}{more}\n"
-            f"Run `shardrun resume {run_dir}` to finish them, or merge what they hold with --allow-partial.")
+    return (
+        f"{len(states)} of {total} shards are not sealed:\n{listed}{more}\n"
+        f"Run `shardrun resume {run_dir}` to finish them, or merge what they hold with --allow-partial."
+    )
 
 
 def read_rollouts(job: ShardJob) -> tuple[Rollouts, seal.SealState]:
@@ -64,15 +66,15 @@ def read_rollouts(job: ShardJob) -> tuple[Rollouts, seal.SealState]:
     path, state = store.rollouts_path(job.run_dir, job.index), job.state
     if state.sealed:
         marker = state.marker or {}
-        rollouts = scan_rollouts(path, limit=marker.get("rollouts_bytes"), snapshot=None,
-                                 answer_key=job.answer_field)
+        rollouts = scan_rollouts(path, limit=marker.get("rollouts_bytes"), snapshot=None, answer_key=job.answer_field)
         if rollouts.sha256 == marker.get("rollouts_sha256"):
             return rollouts, state
-        state = seal.SealState(False, f"{path}: content changed after sealing (sha256 differs); not sealed",
-                               marker)
+        state = seal.SealState(False, f"{path}: content changed after sealing (sha256 differs); not sealed", marker)
         if not job.allow_partial:
-            raise IncompleteRun(f"shard {job.index:05d} is not sealed: {state.reason}\nRun `shardrun resume "
-                                f"{job.run_dir}` to finish it, or merge what it holds with --allow-partial.")
+            raise IncompleteRun(
+                f"shard {job.index:05d} is not sealed: {state.reason}\nRun `shardrun resume "
+                f"{job.run_dir}` to finish it, or merge what it holds with --allow-partial."
+            )
     snapshot = store.merge_scratch(job.run_dir, f"snapshot-{job.index:05d}.jsonl")
     return scan_rollouts(path, limit=None, snapshot=snapshot, answer_key=job.answer_field), state
 
@@ -80,15 +82,18 @@ def read_rollouts(job: ShardJob) -> tuple[Rollouts, seal.SealState]:
 def scan_shard(job: ShardJob) -> ShardScan:
     planned = scan_planned(store.materialized_path(job.run_dir, job.index))
     if len(planned.task) != job.planned_rows:
-        raise PlanMismatch(f"{planned.path}: {len(planned.task):,} planned rows, plan.json plans "
-                           f"{job.planned_rows:,} for shard {job.index:05d}; the run directory is damaged")
+        raise PlanMismatch(
+            f"{planned.path}: {len(planned.task):,} planned rows, plan.json plans "
+            f"{job.planned_rows:,} for shard {job.index:05d}; the run directory is damaged"
+        )
     index = identity.plan_index(planned.task, planned.rollout, str(planned.path))
     rollouts, state = read_rollouts(job)
     resolution = identity.resolve(index, rollouts.task, rollouts.rollout)
     sidecar = scan_failures(store.failures_path(job.run_dir, job.index))
     kept = shard_failures(index, sidecar.rows, resolution.renumbered)
-    return ShardScan(job.index, state, planned, rollouts, resolution, kept,
-                     sidecar.rejected + len(sidecar.rows) - len(kept))
+    return ShardScan(
+        job.index, state, planned, rollouts, resolution, kept, sidecar.rejected + len(sidecar.rows) - len(kept)
+    )
 
 
 def shard_failures(index: identity.ShardPlanIndex, rows: list[FailureRow], renumbered: bool) -> list[FailureRow]:

@@ -24,7 +24,7 @@ from shardrun.core.errors import PlanMismatch
 from shardrun.core.gym_names import AGENT_KEY, ROLLOUT_KEY, TASK_KEY
 from shardrun.merge.rowtable import NO_ANSWER, RowTable, ScannedShapes, answer_code
 
-INT64_MAX = 2 ** 63 - 1
+INT64_MAX = 2**63 - 1
 BLOCK = 8 << 20
 
 
@@ -82,8 +82,13 @@ class CompleteLines:
     lines without their newline). Every byte read is hashed into `hasher`; complete lines are copied to
     `copy_to`; bytes past `limit` are not read. Afterwards `torn` is the length of an incomplete last line."""
 
-    def __init__(self, f: IO[bytes], limit: int | None = None, hasher: "hashlib._Hash | None" = None,
-                 copy_to: IO[bytes] | None = None):
+    def __init__(
+        self,
+        f: IO[bytes],
+        limit: int | None = None,
+        hasher: "hashlib._Hash | None" = None,
+        copy_to: IO[bytes] | None = None,
+    ):
         self.f, self.limit, self.hasher, self.copy_to = f, limit, hasher, copy_to
         self.torn = 0
 
@@ -98,13 +103,13 @@ class CompleteLines:
             if carry + want > len(buf):  # a line longer than a block: a buffer twice as big
                 buf = buf[:carry] + bytearray(max(want, carry))
             with memoryview(buf) as view:
-                got = self.f.readinto(view[carry:carry + want])
+                got = self.f.readinto(view[carry : carry + want])
                 if not got:
                     break
                 if remaining is not None:
                     remaining -= got
                 if self.hasher is not None:
-                    self.hasher.update(view[carry:carry + got])
+                    self.hasher.update(view[carry : carry + got])
             end = carry + got
             cut = buf.rfind(b"\n", 0, end) + 1
             if cut:
@@ -121,7 +126,7 @@ class CompleteLines:
     def blocks(self) -> Iterator[tuple[int, list[bytes]]]:
         """(offset of the first line, lines without their newline), block by block."""
         for offset, data, cut in self.chunks():
-            yield offset, bytes(data[:cut - 1]).split(b"\n")
+            yield offset, bytes(data[: cut - 1]).split(b"\n")
 
 
 def _open_planned(path: Path) -> IO[bytes]:
@@ -164,12 +169,12 @@ class _PlannedRows:
             t, r, name = row[TASK_KEY], row[ROLLOUT_KEY], row[AGENT_KEY]["name"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             if line.strip():
-                raise PlanMismatch(f"{self.path}:{self.n}: not a planned row (no identity or agent_ref); the run "
-                                   f"directory is damaged") from None
+                raise PlanMismatch(
+                    f"{self.path}:{self.n}: not a planned row (no identity or agent_ref); the run directory is damaged"
+                ) from None
             return
         if type(t) is not int or type(r) is not int or t < 0 or r < 0 or t > INT64_MAX or r > INT64_MAX:
-            raise PlanMismatch(f"{self.path}:{self.n}: identity ({t!r}, {r!r}) is not a pair of non-negative "
-                               f"integers")
+            raise PlanMismatch(f"{self.path}:{self.n}: identity ({t!r}, {r!r}) is not a pair of non-negative integers")
         self.task.append(t)
         self.rollout.append(r)
         self.offset.append(off)
@@ -182,8 +187,9 @@ class _PlannedRows:
     def read_scanned(self, reader: CompleteLines) -> None:
         """Every line through the C scanner; lines it leaves (or without an agent name) go through add_line."""
         identity: list[tuple[int, int]] = []
-        scanner = linescan.Scanner(lambda row: _planned_shape(row, identity), AGENT_KEY.encode(),
-                                   self._agent_code, missing=-1)
+        scanner = linescan.Scanner(
+            lambda row: _planned_shape(row, identity), AGENT_KEY.encode(), self._agent_code, missing=-1
+        )
         for off, data, end in reader.chunks():
             block = scanner.scan(data, end)
             cols = np.array(identity, np.int64).reshape(-1, 2)
@@ -213,8 +219,15 @@ class _PlannedRows:
         return self.code(name) if isinstance(name, str) else -1
 
     def planned(self) -> Planned:
-        return Planned(self.path, _np(self.task, np.int64), _np(self.rollout, np.int64), _np(self.offset, np.int64),
-                       _np(self.length, np.int64), _np(self.agent, np.int32), list(self.codes))
+        return Planned(
+            self.path,
+            _np(self.task, np.int64),
+            _np(self.rollout, np.int64),
+            _np(self.offset, np.int64),
+            _np(self.length, np.int64),
+            _np(self.agent, np.int32),
+            list(self.codes),
+        )
 
 
 def _planned_shape(row: dict, identity: list[tuple[int, int]]) -> int:
@@ -235,13 +248,20 @@ def _runs_between(breaks: np.ndarray, lines: int) -> list[tuple[int, int]]:
     return list(zip(starts, stops))
 
 
-def scan_rollouts(path: Path, *, limit: int | None, snapshot: Path | None, answer_key: str | None,
-                  exact_ints: bool = False) -> Rollouts:
+def scan_rollouts(
+    path: Path, *, limit: int | None, snapshot: Path | None, answer_key: str | None, exact_ints: bool = False
+) -> Rollouts:
     """Parse a shard's rollouts.jsonl. With `snapshot`, complete lines are copied there (offsets stay equal)."""
     offset, length = array("q"), array("q")
     table = RowTable(answer_key=answer_key, exact_ints=exact_ints)
-    stats = Rollouts(snapshot or path, np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                     np.zeros(0, np.int64), table)
+    stats = Rollouts(
+        snapshot or path,
+        np.zeros(0, np.int64),
+        np.zeros(0, np.int64),
+        np.zeros(0, np.int64),
+        np.zeros(0, np.int64),
+        table,
+    )
     hasher = hashlib.sha256()
     with contextlib.ExitStack() as stack:
         copy_to = stack.enter_context(open(snapshot, "wb")) if snapshot is not None else None
@@ -304,8 +324,12 @@ class _RolloutRows:
         (in file order, so the table is the same as `read` gives)."""
         table, key = self.table, self.table.answer_key
         shapes = ScannedShapes(table)
-        scanner = linescan.Scanner(shapes.learn, linescan.plain_key(key) if key else None,
-                                   lambda raw: answer_code(orjson.loads(raw)), NO_ANSWER)
+        scanner = linescan.Scanner(
+            shapes.learn,
+            linescan.plain_key(key) if key else None,
+            lambda raw: answer_code(orjson.loads(raw)),
+            NO_ANSWER,
+        )
         for off, data, end in reader.chunks():
             block = scanner.scan(data, end)
             self.lines += block.lines

@@ -35,6 +35,7 @@ MAX_LISTED_PROBLEMS = 50
 
 # ---------------------------------------------------------------- rows
 
+
 @dataclass(frozen=True)
 class Task:
     """One validated input row: where it came from, its identity and how many rollouts it gets."""
@@ -58,8 +59,10 @@ def parse_line(raw: bytes, line_no: int, source: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise BadInput(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(row) > MAX_JSON_DEPTH:
-        raise BadInput(f"{where}: nested {json_depth(row)} levels deep (objects and arrays); a row may have at most "
-                       f"{MAX_JSON_DEPTH}, what the JSON writer of the shards and the profile supports")
+        raise BadInput(
+            f"{where}: nested {json_depth(row)} levels deep (objects and arrays); a row may have at most "
+            f"{MAX_JSON_DEPTH}, what the JSON writer of the shards and the profile supports"
+        )
     return row
 
 
@@ -104,15 +107,19 @@ def check_row(row: dict[str, Any], line_no: int, source: str) -> None:
             except ValueError:
                 ok = False
             if not ok:
-                raise BadInput(f"{where}: field {RCP_KEY}.metadata.extra_body: must be a JSON object encoded as a "
-                               f"string (NeMo Gym adds the seed there), got {extra!r}")
+                raise BadInput(
+                    f"{where}: field {RCP_KEY}.metadata.extra_body: must be a JSON object encoded as a "
+                    f"string (NeMo Gym adds the seed there), got {extra!r}"
+                )
     if TASK_KEY in row:
         ti = row[TASK_KEY]
         if isinstance(ti, bool) or not isinstance(ti, int) or ti < 0:
             raise BadInput(f"{where}: field {TASK_KEY}: must be a non-negative integer, got {ti!r}")
         if ti > MAX_TASK_INDEX:
-            raise BadInput(f"{where}: field {TASK_KEY}: {ti} is above {MAX_TASK_INDEX:,} (2^40 - 1), the largest task "
-                           f"index a run can merge; renumber the tasks")
+            raise BadInput(
+                f"{where}: field {TASK_KEY}: {ti} is above {MAX_TASK_INDEX:,} (2^40 - 1), the largest task "
+                f"index a run can merge; renumber the tasks"
+            )
 
 
 def repeats_for(agent: str, num_repeats: int | dict[str, int]) -> int | None:
@@ -122,6 +129,7 @@ def repeats_for(agent: str, num_repeats: int | dict[str, int]) -> int | None:
 
 
 # ---------------------------------------------------------------- scan (validation pass)
+
 
 @dataclass
 class AgentCounts:
@@ -167,8 +175,9 @@ class _IndexSet:
         return True
 
 
-def iter_tasks(lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str,
-               problems: list[str] | None = None) -> Iterator[tuple[Task, dict[str, Any]]]:
+def iter_tasks(
+    lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str, problems: list[str] | None = None
+) -> Iterator[tuple[Task, dict[str, Any]]]:
     """Yield (task, row) for every non-blank line. Row problems go to `problems` (if given) or raise."""
     position = 0
     for line_no, raw in lines:
@@ -187,8 +196,10 @@ def iter_tasks(lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str,
         index = row[TASK_KEY] if TASK_KEY in row else position
         position += 1
         if agent is None:
-            msg = (f"{source}:{line_no}: field {AGENT_KEY}: missing, and no agent_name is configured "
-                   f"(set agent_name=... or add agent_ref to the row)")
+            msg = (
+                f"{source}:{line_no}: field {AGENT_KEY}: missing, and no agent_name is configured "
+                f"(set agent_name=... or add agent_ref to the row)"
+            )
             if problems is None:
                 raise BadInput(msg)
             problems.append(msg)
@@ -206,8 +217,10 @@ def scan(lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str) -> Inp
     missing_agents: dict[str, int] = {}
     for task, _row in iter_tasks(_count(lines, summary), cfg, source, problems):
         if not seen.add(task.task_index):
-            problems.append(f"{source}:{task.line_no}: field {TASK_KEY}: task index {task.task_index} is used by "
-                            f"another row{_earlier(first_line, task.task_index)} (each task needs its own index)")
+            problems.append(
+                f"{source}:{task.line_no}: field {TASK_KEY}: task index {task.task_index} is used by "
+                f"another row{_earlier(first_line, task.task_index)} (each task needs its own index)"
+            )
             continue
         if len(first_line) < 100_000:
             first_line[task.task_index] = task.line_no
@@ -224,7 +237,8 @@ def scan(lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str) -> Inp
         problems.append(
             "num_repeats: no entry for agent(s) "
             + ", ".join(f"{a!r} (first at {source}:{ln})" for a, ln in sorted(missing_agents.items()))
-            + f" and no '_default'; listed agents: {listed}")
+            + f" and no '_default'; listed agents: {listed}"
+        )
     if not problems and summary.num_tasks == 0:
         problems.append(f"{source}: the input has no tasks (no non-blank lines)")
     if problems:
@@ -251,6 +265,7 @@ def _earlier(first_line: dict[int, int], index: int) -> str:
 
 
 # ---------------------------------------------------------------- shards
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -287,8 +302,10 @@ def shard_count(num_rollouts: int, cfg: RunConfig) -> int:
 
 def make_shards(num_rollouts: int, num_shards: int, slicing: str) -> tuple[ShardSpec, ...]:
     if slicing == "round_robin":
-        return tuple(ShardSpec(s, (num_rollouts - s + num_shards - 1) // num_shards, "stride", offset=s,
-                               step=num_shards) for s in range(num_shards))
+        return tuple(
+            ShardSpec(s, (num_rollouts - s + num_shards - 1) // num_shards, "stride", offset=s, step=num_shards)
+            for s in range(num_shards)
+        )
     base, extra = divmod(num_rollouts, num_shards)
     shards = []
     start = 0
@@ -314,6 +331,7 @@ class Router:
 
 
 # ---------------------------------------------------------------- plan
+
 
 @dataclass(frozen=True)
 class InputInfo:
@@ -408,8 +426,10 @@ def plan_differences(old: Plan, new: Plan) -> list[str]:
     if old.planner_version != new.planner_version:
         diffs.append(f"planner version {old.planner_version} -> {new.planner_version}")
     if old.input.sha256 != new.input.sha256:
-        diffs.append(f"input content changed (sha256 {old.input.sha256[:12]}… -> {new.input.sha256[:12]}…, "
-                     f"{old.input.path} -> {new.input.path})")
+        diffs.append(
+            f"input content changed (sha256 {old.input.sha256[:12]}… -> {new.input.sha256[:12]}…, "
+            f"{old.input.path} -> {new.input.path})"
+        )
     for key in sorted(set(old.planning) | set(new.planning)):
         if old.planning.get(key) != new.planning.get(key):
             diffs.append(f"{key}: {old.planning.get(key)!r} -> {new.planning.get(key)!r}")
@@ -474,8 +494,9 @@ def expansion(row: dict[str, Any], seed_offset: int) -> Callable[[int, int], byt
     mid, tail = rest.split(_S_TOK if r_first else _R_TOK)
     tail += b"\n"
     if r_first:
-        return lambda a, b: b"".join(head + _int_bytes(r) + mid + _int_bytes(seed_offset + r) + tail
-                                     for r in range(a, b))
+        return lambda a, b: b"".join(
+            head + _int_bytes(r) + mid + _int_bytes(seed_offset + r) + tail for r in range(a, b)
+        )
     return lambda a, b: b"".join(head + _int_bytes(seed_offset + r) + mid + _int_bytes(r) + tail for r in range(a, b))
 
 
@@ -489,8 +510,9 @@ MATERIALIZE_CHUNK = 4096
 """Rollouts rendered at once: what one chunk of materialize holds in memory, whatever a task's repeats."""
 
 
-def materialize(plan: Plan, cfg: RunConfig, lines: Iterable[tuple[int, bytes]], source: str,
-                only: set[int] | None = None) -> Iterator[tuple[int, bytes]]:
+def materialize(
+    plan: Plan, cfg: RunConfig, lines: Iterable[tuple[int, bytes]], source: str, only: set[int] | None = None
+) -> Iterator[tuple[int, bytes]]:
     """Yield (shard index, materialized lines) chunks covering every planned rollout, in input order.
 
     Consecutive rollouts of one task that go to one shard come together, in chunks of at most MATERIALIZE_CHUNK
@@ -513,8 +535,9 @@ def materialize(plan: Plan, cfg: RunConfig, lines: Iterable[tuple[int, bytes]], 
             for start in range(a, b, MATERIALIZE_CHUNK):
                 yield shard_index, render(start, min(b, start + MATERIALIZE_CHUNK))
     if ordinal != plan.num_rollouts:
-        raise BadInput(f"{source}: input changed while planning ({ordinal} rollouts now, {plan.num_rollouts} "
-                       f"planned); plan again")
+        raise BadInput(
+            f"{source}: input changed while planning ({ordinal} rollouts now, {plan.num_rollouts} planned); plan again"
+        )
 
 
 def _runs(plan: Plan, route: Router, first: int, k: int) -> Iterator[tuple[int, int, int]]:

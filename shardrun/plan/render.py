@@ -37,9 +37,17 @@ def plan_table(plan: Plan, max_array_size: int) -> str:
 
 def plan_json(plan: Plan, max_array_size: int) -> str:
     lo, hi = plan.shard_sizes
-    return orjson.dumps({
-        "tasks": plan.num_tasks, "rollouts": plan.num_rollouts, "agents": plan.agents,
-        "shards": len(plan.shards), "rollouts_per_shard_min": lo, "rollouts_per_shard_max": hi,
-        "array_jobs_needed": plan.array_jobs_needed(max_array_size), "fingerprint": plan.fingerprint,
-        "input_sha256": plan.input.sha256,
-    }, option=orjson.OPT_INDENT_2).decode()
+    return orjson.dumps(
+        {
+            "tasks": plan.num_tasks,
+            "rollouts": plan.num_rollouts,
+            "agents": plan.agents,
+            "shards": len(plan.shards),
+            "rollouts_per_shard_min": lo,
+            "rollouts_per_shard_max": hi,
+            "array_jobs_needed": plan.array_jobs_needed(max_array_size),
+            "fingerprint": plan.fingerprint,
+            "input_sha256": plan.input.sha256,
+        },
+        option=orjson.OPT_INDENT_2,
+    ).decode()

@@ -104,8 +104,7 @@ def _unbiased(n: np.ndarray, incorrect: np.ndarray, k: int) -> np.ndarray:
     """1 - C(incorrect, k) / C(n, k), exactly as Python's integer maths gives it, per distinct (n, incorrect)."""
     out = np.ones(len(n))
     pairs, inverse = np.unique(np.stack([n, incorrect]), axis=1, return_inverse=True)
-    table = np.array([1.0 if c < k or k > t else 1.0 - math.comb(c, k) / math.comb(t, k)
-                      for t, c in pairs.T.tolist()])
+    table = np.array([1.0 if c < k or k > t else 1.0 - math.comb(c, k) / math.comb(t, k) for t, c in pairs.T.tolist()])
     if len(n):
         out = table[inverse.reshape(-1)]
     return out
@@ -164,9 +163,11 @@ def agent_pass_metrics(r: AgentRollouts, repeats: int) -> dict[str, Any]:
     ks = [k for k in ks_for(repeats) if k <= seen]  # as Gym, no k beyond the most rollouts a task has
     for k in ks:
         for name, score in r.scores.items():
-            for key, value in ((f"pass@{k}/{name}", pass_at_k(r, score, k)),
-                               (f"pass@1[avg-of-{k}]/{name}", avg_of_k(r, score, k)),
-                               (f"majority@{k}/{name}", majority_at_k(r, score, k))):
+            for key, value in (
+                (f"pass@{k}/{name}", pass_at_k(r, score, k)),
+                (f"pass@1[avg-of-{k}]/{name}", avg_of_k(r, score, k)),
+                (f"majority@{k}/{name}", majority_at_k(r, score, k)),
+            ):
                 if value is not None:
                     metrics[key] = value
     per_sample = {name: per_sample_aggregate(r, score) for name, score in r.scores.items()}
@@ -185,8 +186,11 @@ def agent_pass_metrics(r: AgentRollouts, repeats: int) -> dict[str, Any]:
 def highest_k(metrics: dict[str, Any], pattern: str, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """The entries of `pattern` (with {k}) at the highest k, stats suffixes and `exclude` score names left out."""
     regex = re.compile("^" + re.escape(pattern).replace(r"\{k\}", r"(\d+)") + "/(.+)$")
-    found = [(int(m.group(1)), key) for key in metrics if (m := regex.match(key))
-             and not m.group(2).endswith(STAT_SUFFIXES) and m.group(2) not in exclude]
+    found = [
+        (int(m.group(1)), key)
+        for key in metrics
+        if (m := regex.match(key)) and not m.group(2).endswith(STAT_SUFFIXES) and m.group(2) not in exclude
+    ]
     top = max((k for k, _ in found), default=None)
     return {key: metrics[key] for k, key in found if k == top}
 

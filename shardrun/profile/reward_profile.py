@@ -81,7 +81,7 @@ def segment_stats(values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> 
     for bucket in size_buckets(sizes):
         if len(bucket) == 1:  # one segment (an agent's rollouts): a view, no padding
             s, n = int(starts[bucket[0]]), int(sizes[bucket[0]])
-            out[:, bucket] = describe(values[s:s + n][None, :])
+            out[:, bucket] = describe(values[s : s + n][None, :])
         else:
             out[:, bucket] = describe(padded(values, starts[bucket], sizes[bucket]))
     return out
@@ -110,7 +110,7 @@ class Layout:
 
 def stat_items(layout: Layout, stats: np.ndarray, g: int) -> dict[str, Any]:
     """`{stat}/{column}` -> value for segment g of a (6, columns, segments) stats array, NaN dropped."""
-    return stat_rows(layout, stats[:, :, g:g + 1])[0]
+    return stat_rows(layout, stats[:, :, g : g + 1])[0]
 
 
 def stat_rows(layout: Layout, stats: np.ndarray) -> list[dict[str, Any]]:
@@ -124,8 +124,14 @@ def stat_rows(layout: Layout, stats: np.ndarray) -> list[dict[str, Any]]:
     return [{k: int(v) if i else v for k, v, i in zip(keys, row, is_int) if v == v} for row in block.tolist()]
 
 
-def task_profile_row(task_index: int, items: dict[str, Any], sample: dict[str, Any], num_rollouts: int,
-                     expected: int, infos: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def task_profile_row(
+    task_index: int,
+    items: dict[str, Any],
+    sample: dict[str, Any],
+    num_rollouts: int,
+    expected: int,
+    infos: Sequence[dict[str, Any]],
+) -> dict[str, Any]:
     """One `_reward_profiling.jsonl` row, keys in Gym's order."""
     row: dict[str, Any] = {"_ng_task_index": task_index}
     row.update(items)
@@ -138,16 +144,30 @@ def task_profile_row(task_index: int, items: dict[str, Any], sample: dict[str, A
     return row
 
 
-def task_profile_row_json(task_index: int, items_json: bytes, sample_json: bytes, num_rollouts: int, expected: int,
-                          infos_json: bytes) -> bytes:
+def task_profile_row_json(
+    task_index: int, items_json: bytes, sample_json: bytes, num_rollouts: int, expected: int, infos_json: bytes
+) -> bytes:
     """orjson.dumps(task_profile_row(...)) from its parts already serialised (items as one JSON object, sample,
     rollout_infos as a JSON list): the same bytes, without building and walking the dict again."""
     pct = 100.0 if expected == 0 else 100.0 * num_rollouts / expected
     items = b"," + items_json[1:-1] if len(items_json) > 2 else b""
-    tail = b',"num_rollouts":%d,"expected_num_rollouts":%d,"missing_num_rollouts":%d,"reward_profile_completion_pct":' \
+    tail = (
+        b',"num_rollouts":%d,"expected_num_rollouts":%d,"missing_num_rollouts":%d,"reward_profile_completion_pct":'
         % (num_rollouts, expected, expected - num_rollouts)
-    return b"".join((b'{"_ng_task_index":%d' % task_index, items, b',"sample":', sample_json, tail, orjson.dumps(pct),
-                     b',"rollout_infos":', infos_json, b"}"))
+    )
+    return b"".join(
+        (
+            b'{"_ng_task_index":%d' % task_index,
+            items,
+            b',"sample":',
+            sample_json,
+            tail,
+            orjson.dumps(pct),
+            b',"rollout_infos":',
+            infos_json,
+            b"}",
+        )
+    )
 
 
 def sample_of(materialized_row: dict[str, Any]) -> dict[str, Any]:

@@ -63,10 +63,10 @@ def task_stat(row: Mapping[str, Any], where: str = "profile row") -> TaskStat:
     """One profile row -> TaskStat. BadInput if the row has no integer task index."""
     index = row.get(TASK_KEY)
     if isinstance(index, bool) or not isinstance(index, int):
-        raise BadInput(f"{where}: field {TASK_KEY}: missing or not an integer ({index!r}); is this a Gym "
-                       f"reward-profile file?")
-    stats = {k: float(v) for k, v in row.items()
-             if "/" in k and k.split("/", 1)[0] in STAT_NAMES and _is_number(v)}
+        raise BadInput(
+            f"{where}: field {TASK_KEY}: missing or not an integer ({index!r}); is this a Gym reward-profile file?"
+        )
+    stats = {k: float(v) for k, v in row.items() if "/" in k and k.split("/", 1)[0] in STAT_NAMES and _is_number(v)}
     n = row.get("num_rollouts")
     n = n if isinstance(n, int) else len(row.get("rollout_infos") or [])
     expected = row.get("expected_num_rollouts")
@@ -100,6 +100,7 @@ def require_metric(tasks: Sequence[TaskStat], metric: str) -> None:
 
 # ---------------------------------------------------------------- pass@k
 
+
 def task_pass_at_k(scores: Sequence[float], k: int) -> float | None:
     """pass@k of one task (0-1), or None when it has fewer than k scored rollouts (`aggregate.pass_at_k`'s rule)."""
     value = pass_at_k([scores], k)
@@ -130,6 +131,7 @@ def pass_at_k_curve(tasks: Sequence[TaskStat]) -> dict[int, float]:
 
 # ---------------------------------------------------------------- per agent
 
+
 @dataclass(frozen=True)
 class AgentSummary:
     agent: str
@@ -157,9 +159,16 @@ def rollout_weighted_mean(tasks: Iterable[TaskStat], metric: str = "reward") -> 
 
 def agent_summary(agent: str, tasks: Sequence[TaskStat]) -> AgentSummary:
     k = max_k(tasks)
-    return AgentSummary(agent, len(tasks), sum(t.num_rollouts for t in tasks),
-                        sum(t.expected_num_rollouts for t in tasks), rollout_weighted_mean(tasks),
-                        pass_at_k(tasks, 1), k, pass_at_k(tasks, k) if k else None)
+    return AgentSummary(
+        agent,
+        len(tasks),
+        sum(t.num_rollouts for t in tasks),
+        sum(t.expected_num_rollouts for t in tasks),
+        rollout_weighted_mean(tasks),
+        pass_at_k(tasks, 1),
+        k,
+        pass_at_k(tasks, k) if k else None,
+    )
 
 
 def agent_summaries(tasks: Iterable[TaskStat]) -> list[AgentSummary]:
@@ -167,6 +176,7 @@ def agent_summaries(tasks: Iterable[TaskStat]) -> list[AgentSummary]:
 
 
 # ---------------------------------------------------------------- reading (the one edge)
+
 
 def load_profile(run_dir: Path) -> list[TaskStat]:
     """RUN_DIR's merged reward profile as TaskStats; RunDirError when it was not merged yet."""

@@ -52,7 +52,7 @@ class AgentStats:
         row_agent = tasks.agent[table.r_key // table.stride]
         order = np.argsort(row_agent, kind="stable")
         starts, sizes = reward_profile.segments(row_agent[order])
-        self.rows = {int(row_agent[order[s]]): order[s:s + n] for s, n in zip(starts.tolist(), sizes.tolist())}
+        self.rows = {int(row_agent[order[s]]): order[s : s + n] for s, n in zip(starts.tolist(), sizes.tolist())}
         self.codes = sorted(self.rows, key=lambda a: table.agents[a])
         self.layouts = {a: table.layout(self.rows[a]) for a in self.codes}
         by_name = np.concatenate([self.rows[a] for a in self.codes]) if self.codes else np.zeros(0, np.int64)
@@ -65,8 +65,10 @@ class AgentStats:
 def agent_metric_rows(table: MergedTable, stats: AgentStats) -> list[dict[str, Any]]:
     """`_agent_metrics.json`: one row per agent, columns as in the whole frame."""
     layout = table.layout()
-    return [reward_profile.stat_items(layout, stats.stats, j) | {"agent_ref": {"name": table.agents[a]}}
-            for j, a in enumerate(stats.codes)]
+    return [
+        reward_profile.stat_items(layout, stats.stats, j) | {"agent_ref": {"name": table.agents[a]}}
+        for j, a in enumerate(stats.codes)
+    ]
 
 
 def aggregate_entries(table: MergedTable, stats: AgentStats, plan: Plan) -> list[dict[str, Any]]:
@@ -81,19 +83,21 @@ def aggregate_entries(table: MergedTable, stats: AgentStats, plan: Plan) -> list
         scores = aggregate.score_table(row_task[rows], reward[rows], answers[rows] if answers is not None else None)
         metrics = reward_profile.stat_items(stats.layouts[a], stats.stats, j)
         metrics.update(aggregate.agent_pass_metrics(scores, plan.agents.get(name, {}).get("repeats", 1)))
-        entries.append({"agent_ref": {"name": name}, "agent_metrics": metrics,
-                        "key_metrics": aggregate.key_metrics(metrics)})
+        entries.append(
+            {"agent_ref": {"name": name}, "agent_metrics": metrics, "key_metrics": aggregate.key_metrics(metrics)}
+        )
     return entries
 
 
 class AggregateWriter:
     """Streams the aggregate-metrics list: entries' heads first, each agent's group rows where they belong."""
 
-    def __init__(self, out: IO[bytes], entries: list[dict[str, Any]], codes: list[int],
-                 scratch: Callable[[int], Path]):
+    def __init__(self, out: IO[bytes], entries: list[dict[str, Any]], codes: list[int], scratch: Callable[[int], Path]):
         self.out, self.codes = out, codes
-        parts = orjson.dumps([e | {"group_level_metrics": "@@shardrun-group-level-metrics@@"} for e in entries],
-                             option=orjson.OPT_INDENT_2).split(PLACEHOLDER)
+        parts = orjson.dumps(
+            [e | {"group_level_metrics": "@@shardrun-group-level-metrics@@"} for e in entries],
+            option=orjson.OPT_INDENT_2,
+        ).split(PLACEHOLDER)
         self.parts = parts
         self.count = {a: 0 for a in codes}
         self.spills: dict[int, tuple[Path, IO[bytes]]] = {}
@@ -140,8 +144,15 @@ _context: RenderContext | None = None
 _sources: ByteSources | None = None  # this process's open materialized files
 
 
-def write_profile(out: IO[bytes], aggregate_out: AggregateWriter, table: MergedTable, tasks: TaskInfo,
-                  stats: AgentStats, materialized: list[Path], workers: int = 1) -> None:
+def write_profile(
+    out: IO[bytes],
+    aggregate_out: AggregateWriter,
+    table: MergedTable,
+    tasks: TaskInfo,
+    stats: AgentStats,
+    materialized: list[Path],
+    workers: int = 1,
+) -> None:
     """The per-task profile rows (and each task's aggregate group row), chunk by chunk in task order; chunks
     are rendered by `workers` processes and written here in order."""
     global _context, _sources
@@ -174,21 +185,27 @@ def render_chunk(bounds: tuple[int, int]) -> tuple[bytes, dict[int, list[bytes]]
     group = reward_profile.group_stats(table.gather(a, b), starts, sizes)
     infos = table.infos(a, b)
     codes = (table.r_key[tasks.starts[g0:g1]] // table.stride).tolist()
-    samples = zip(tasks.sample_shard[g0:g1].tolist(), tasks.sample_offset[g0:g1].tolist(),
-                  tasks.sample_length[g0:g1].tolist())
+    samples = zip(
+        tasks.sample_shard[g0:g1].tolist(), tasks.sample_offset[g0:g1].tolist(), tasks.sample_length[g0:g1].tolist()
+    )
     lines: list[bytes] = []
     by_agent: dict[int, list[bytes]] = {x: [] for x in stats.codes}
     all_items = reward_profile.stat_rows(layout, group)
     for j, (code, start, n, where) in enumerate(zip(codes, starts.tolist(), sizes.tolist(), samples)):
         task_index, agent = int(table.tasks[code]), int(tasks.agent[code])
-        infos_json = b"[" + b",".join(infos[start:start + n]) + b"]"
+        infos_json = b"[" + b",".join(infos[start : start + n]) + b"]"
         items_json = orjson.dumps(all_items[j])
         sample = orjson.dumps(reward_profile.sample_of(orjson.loads(_sources.get(*where))))
-        lines.append(reward_profile.task_profile_row_json(task_index, items_json, sample, n, int(tasks.expected[code]),
-                                                   infos_json))
+        lines.append(
+            reward_profile.task_profile_row_json(
+                task_index, items_json, sample, n, int(tasks.expected[code]), infos_json
+            )
+        )
         if not same[agent]:
             items_json = orjson.dumps(reward_profile.stat_items(stats.layouts[agent], group, j))
-        by_agent[agent].append(reward_profile.task_profile_row_json(task_index, items_json, STUB_SAMPLE, n, n, infos_json))
+        by_agent[agent].append(
+            reward_profile.task_profile_row_json(task_index, items_json, STUB_SAMPLE, n, n, infos_json)
+        )
     return b"\n".join(lines) + b"\n", by_agent
 
 

@@ -72,12 +72,20 @@ def shard_cost(marker: Mapping[str, Any]) -> ShardCost:
     tokens = {k: int(extra[k]) for k in TOKEN_KEYS if _opt(extra.get(k)) is not None}
     job = marker.get("job_id")
     return ShardCost(
-        shard_index=int(_num(marker.get("shard_index"), -1)), attempt=int(_num(marker.get("attempt"), 1)),
-        job_id=str(job) if job is not None else None, host=marker.get("host"),
-        started_at=started, finished_at=finished, gpus=gpus,
+        shard_index=int(_num(marker.get("shard_index"), -1)),
+        attempt=int(_num(marker.get("attempt"), 1)),
+        job_id=str(job) if job is not None else None,
+        host=marker.get("host"),
+        started_at=started,
+        finished_at=finished,
+        gpus=gpus,
         gpu_hours=gpu_hours if gpu_hours is not None else gpus * max(0.0, finished - started) / 3600.0,
-        num_rollouts=int(_num(marker.get("num_rollouts"))), num_failed=int(_num(marker.get("num_failed"))),
-        collect_s=_opt(marker.get("collect_s")), server_wait_s=_opt(marker.get("server_wait_s")), tokens=tokens)
+        num_rollouts=int(_num(marker.get("num_rollouts"))),
+        num_failed=int(_num(marker.get("num_failed"))),
+        collect_s=_opt(marker.get("collect_s")),
+        server_wait_s=_opt(marker.get("server_wait_s")),
+        tokens=tokens,
+    )
 
 
 def shard_costs(markers: Iterable[Mapping[str, Any] | None]) -> list[ShardCost]:
@@ -119,15 +127,20 @@ def run_costs(shards: Sequence[ShardCost]) -> RunCost:
             tokens[key] = sum(s.tokens[key] for s in shards)
     sacct = [s.sacct_gpu_hours for s in shards if s.sacct_gpu_hours is not None]
     return RunCost(
-        shards=len(shards), gpu_hours=sum(s.gpu_hours for s in shards),
+        shards=len(shards),
+        gpu_hours=sum(s.gpu_hours for s in shards),
         sacct_gpu_hours=sum(sacct) if sacct else None,
-        rollouts=sum(s.num_rollouts for s in shards), failed=sum(s.num_failed for s in shards),
+        rollouts=sum(s.num_rollouts for s in shards),
+        failed=sum(s.num_failed for s in shards),
         started_at=min((s.started_at for s in shards), default=None),
         finished_at=max((s.finished_at for s in shards), default=None),
-        tokens=tokens, collect_s=sum(s.collect_s or 0.0 for s in shards))
+        tokens=tokens,
+        collect_s=sum(s.collect_s or 0.0 for s in shards),
+    )
 
 
 # ---------------------------------------------------------------- throughput over time
+
 
 @dataclass(frozen=True)
 class Throughput:
@@ -158,6 +171,7 @@ def throughput(shards: Sequence[ShardCost], bins: int = 60) -> Throughput:
 
 
 # ---------------------------------------------------------------- sacct
+
 
 @dataclass(frozen=True)
 class SacctUsage:
@@ -230,8 +244,9 @@ def with_sacct(shards: Sequence[ShardCost], jobs: Mapping[str, SacctUsage]) -> l
 Runner = Callable[..., subprocess.CompletedProcess]
 
 
-def query_sacct(job_ids: Iterable[str], runner: Runner = subprocess.run,
-                which: Callable[[str], str | None] = shutil.which) -> dict[str, SacctUsage] | None:
+def query_sacct(
+    job_ids: Iterable[str], runner: Runner = subprocess.run, which: Callable[[str], str | None] = shutil.which
+) -> dict[str, SacctUsage] | None:
     """Run sacct for these job ids -> {job id: usage} for those ids; None when sacct is not installed, fails or
     there are no ids (the edge)."""
     ids = [j for j in job_ids if j]
@@ -247,6 +262,7 @@ def query_sacct(job_ids: Iterable[str], runner: Runner = subprocess.run,
 
 
 # ---------------------------------------------------------------- text
+
 
 def hours(seconds: float) -> str:
     """Seconds as H:MM:SS."""
@@ -276,22 +292,42 @@ def cost_rows(run: RunCost) -> list[tuple[str, str]]:
 
 def shard_row(s: ShardCost) -> dict[str, Any]:
     """One shard's cost as a flat dict (for tables and --json)."""
-    return {"shard": s.shard_index, "attempt": s.attempt, "job_id": s.job_id, "host": s.host, "gpus": s.gpus,
-            "wall_s": round(s.wall_s, 3), "gpu_hours": s.gpu_hours, "sacct_gpu_hours": s.sacct_gpu_hours,
-            "rollouts": s.num_rollouts, "failed": s.num_failed, "rollouts_per_gpu_hour": s.rollouts_per_gpu_hour,
-            "output_tokens": s.tokens.get("output_tokens"), "output_tokens_per_s": s.output_tokens_per_s}
+    return {
+        "shard": s.shard_index,
+        "attempt": s.attempt,
+        "job_id": s.job_id,
+        "host": s.host,
+        "gpus": s.gpus,
+        "wall_s": round(s.wall_s, 3),
+        "gpu_hours": s.gpu_hours,
+        "sacct_gpu_hours": s.sacct_gpu_hours,
+        "rollouts": s.num_rollouts,
+        "failed": s.num_failed,
+        "rollouts_per_gpu_hour": s.rollouts_per_gpu_hour,
+        "output_tokens": s.tokens.get("output_tokens"),
+        "output_tokens_per_s": s.output_tokens_per_s,
+    }
 
 
 def run_row(run: RunCost) -> dict[str, Any]:
-    return {"shards": run.shards, "gpu_hours": run.gpu_hours, "sacct_gpu_hours": run.sacct_gpu_hours,
-            "rollouts": run.rollouts, "failed": run.failed, "wall_s": run.wall_s,
-            "rollouts_per_gpu_hour": run.rollouts_per_gpu_hour, "tokens": dict(run.tokens),
-            "output_tokens_per_s": run.output_tokens_per_s}
+    return {
+        "shards": run.shards,
+        "gpu_hours": run.gpu_hours,
+        "sacct_gpu_hours": run.sacct_gpu_hours,
+        "rollouts": run.rollouts,
+        "failed": run.failed,
+        "wall_s": run.wall_s,
+        "rollouts_per_gpu_hour": run.rollouts_per_gpu_hour,
+        "tokens": dict(run.tokens),
+        "output_tokens_per_s": run.output_tokens_per_s,
+    }
 
 
 def sealed_cost_text(row: Mapping[str, Any]) -> str:
     """One line for `shardrun status` from run_row(...) of the sealed shards: throughput per GPU-hour and tokens/s."""
     if not row or not row.get("shards"):
         return "-"
-    return (f"{_fmt(row.get('rollouts_per_gpu_hour'))} rollouts/GPU-hour, "
-            f"{_fmt(row.get('output_tokens_per_s'))} output tokens/s over {row['shards']:,} sealed shard(s)")
+    return (
+        f"{_fmt(row.get('rollouts_per_gpu_hour'))} rollouts/GPU-hour, "
+        f"{_fmt(row.get('output_tokens_per_s'))} output tokens/s over {row['shards']:,} sealed shard(s)"
+    )

@@ -63,8 +63,13 @@ class Ledger:
         return [k for k in self.pending if self.attempts[k] >= max_attempts]
 
 
-def tally(planned_rows: Iterable[dict], rollout_rows: Iterable[dict], failure_rows: Iterable[dict],
-          attempt_rows: Iterable[dict], max_attempts: int) -> Ledger:
+def tally(
+    planned_rows: Iterable[dict],
+    rollout_rows: Iterable[dict],
+    failure_rows: Iterable[dict],
+    attempt_rows: Iterable[dict],
+    max_attempts: int,
+) -> Ledger:
     planned = {}
     for r in planned_rows:
         planned[key_of(r)] = r.get(AGENT_KEY)
@@ -100,46 +105,71 @@ def tally(planned_rows: Iterable[dict], rollout_rows: Iterable[dict], failure_ro
     for r in attempt_rows:
         if TASK_KEY in r and ROLLOUT_KEY in r:
             attempts[key_of(r)] += 1
-    return Ledger(planned=planned, done=done, failed=failed, attempts=attempts, duplicates=duplicates,
-                  unplanned=unplanned, usage=dict(usage), reasons=reasons,
-                  sidecar_rows=sum(side_attempts.values()))
+    return Ledger(
+        planned=planned,
+        done=done,
+        failed=failed,
+        attempts=attempts,
+        duplicates=duplicates,
+        unplanned=unplanned,
+        usage=dict(usage),
+        reasons=reasons,
+        sidecar_rows=sum(side_attempts.values()),
+    )
 
 
 def load(run_dir: Path, index: int, max_attempts: int) -> Ledger:
     """Read the shard's files into a Ledger. ShardFailed if rollouts.jsonl holds identities the plan lacks."""
-    ledger = tally(store.iter_jsonl_objects(store.materialized_path(run_dir, index)),
-                   store.iter_jsonl_objects(store.rollouts_path(run_dir, index)),
-                   store.iter_jsonl_objects(store.failures_path(run_dir, index)),
-                   store.iter_jsonl_objects(store.rollout_attempts_path(run_dir, index)), max_attempts)
+    ledger = tally(
+        store.iter_jsonl_objects(store.materialized_path(run_dir, index)),
+        store.iter_jsonl_objects(store.rollouts_path(run_dir, index)),
+        store.iter_jsonl_objects(store.failures_path(run_dir, index)),
+        store.iter_jsonl_objects(store.rollout_attempts_path(run_dir, index)),
+        max_attempts,
+    )
     if ledger.unplanned:
         shown = ", ".join(f"{t}:{r}" for t, r in ledger.unplanned[:5])
-        raise ShardFailed(f"{store.rollouts_path(run_dir, index)} holds {len(ledger.unplanned)} rollout(s) that "
-                          f"this shard's plan does not contain ({shown}); it was written under another plan or "
-                          f"copied here. Move it away and run the shard again")
+        raise ShardFailed(
+            f"{store.rollouts_path(run_dir, index)} holds {len(ledger.unplanned)} rollout(s) that "
+            f"this shard's plan does not contain ({shown}); it was written under another plan or "
+            f"copied here. Move it away and run the shard again"
+        )
     return ledger
 
 
 def attempt_row(key: Key, reason: str, attempt_of_shard: int) -> dict[str, Any]:
-    return {TASK_KEY: key[0], ROLLOUT_KEY: key[1], "reason": reason, "shard_attempt": attempt_of_shard,
-            "at": time.time()}
+    return {
+        TASK_KEY: key[0],
+        ROLLOUT_KEY: key[1],
+        "reason": reason,
+        "shard_attempt": attempt_of_shard,
+        "at": time.time(),
+    }
 
 
 def quarantine_row(key: Key, agent_ref: Any, reason: str, attempts: int) -> dict[str, Any]:
     """The sidecar row that records an identity as failed for good (Gym's resume skips terminal rows)."""
-    row = {TASK_KEY: key[0], ROLLOUT_KEY: key[1], FAILURE_CLASS_KEY: QUARANTINE_CLASS, TERMINAL_KEY: True,
-           "reason": reason, "attempts": attempts}
+    row = {
+        TASK_KEY: key[0],
+        ROLLOUT_KEY: key[1],
+        FAILURE_CLASS_KEY: QUARANTINE_CLASS,
+        TERMINAL_KEY: True,
+        "reason": reason,
+        "attempts": attempts,
+    }
     if agent_ref is not None:
         row[AGENT_KEY] = agent_ref
     return row
 
 
 def record_attempts(run_dir: Path, index: int, failures: dict[Key, str], shard_attempt: int) -> None:
-    store.append_jsonl(store.rollout_attempts_path(run_dir, index),
-                       [attempt_row(k, reason, shard_attempt) for k, reason in failures.items()])
+    store.append_jsonl(
+        store.rollout_attempts_path(run_dir, index),
+        [attempt_row(k, reason, shard_attempt) for k, reason in failures.items()],
+    )
 
 
-def quarantine(run_dir: Path, index: int, ledger: Ledger, max_attempts: int,
-               last_reasons: dict[Key, str]) -> list[Key]:
+def quarantine(run_dir: Path, index: int, ledger: Ledger, max_attempts: int, last_reasons: dict[Key, str]) -> list[Key]:
     """Write every identity that used up its attempts to the failures sidecar as terminal; returns them."""
     due = ledger.due_for_quarantine(max_attempts)
     rows = [quarantine_row(k, ledger.planned.get(k), last_reasons.get(k, "failed"), ledger.attempts[k]) for k in due]

@@ -19,10 +19,24 @@ from shardrun.plan.planner import Plan
 MARKER_VERSION = 1
 
 
-def make_marker(plan: Plan, shard_index: int, *, num_rollouts: int, num_failed: int, rollouts_sha256: str,
-                rollouts_bytes: int, started_at: float, finished_at: float, host: str, job_id: str | None,
-                attempt: int, server_wait_s: float, collect_s: float, gpus: int,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def make_marker(
+    plan: Plan,
+    shard_index: int,
+    *,
+    num_rollouts: int,
+    num_failed: int,
+    rollouts_sha256: str,
+    rollouts_bytes: int,
+    started_at: float,
+    finished_at: float,
+    host: str,
+    job_id: str | None,
+    attempt: int,
+    server_wait_s: float,
+    collect_s: float,
+    gpus: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The marker's content (pure). Times are Unix seconds; `extra` holds optional accounting such as tokens."""
     marker = {
         "marker_version": MARKER_VERSION,
@@ -71,26 +85,37 @@ def check(run_dir: Path, plan: Plan, shard_index: int, deep: bool = False) -> Se
     if not isinstance(marker, dict):
         return SealState(False, f"{path}: marker is not an object (ignored)")
     if marker.get("plan_fingerprint") != plan.fingerprint:
-        return SealState(False, f"{path}: marker belongs to another plan (fingerprint "
-                                f"{str(marker.get('plan_fingerprint'))[:12]}…, this plan {plan.fingerprint[:12]}…); "
-                                f"ignored", marker)
+        return SealState(
+            False,
+            f"{path}: marker belongs to another plan (fingerprint "
+            f"{str(marker.get('plan_fingerprint'))[:12]}…, this plan {plan.fingerprint[:12]}…); "
+            f"ignored",
+            marker,
+        )
     if marker.get("shard_index") != shard_index:
-        return SealState(False, f"{path}: marker is for shard {marker.get('shard_index')}, copied here? ignored",
-                         marker)
+        return SealState(
+            False, f"{path}: marker is for shard {marker.get('shard_index')}, copied here? ignored", marker
+        )
     planned = plan.shards[shard_index].num_rollouts
     accounted = (marker.get("num_rollouts") or 0) + (marker.get("num_failed") or 0)
     if accounted != planned:
-        return SealState(False, f"{path}: marker accounts for {accounted} of {planned} planned rollouts; ignored",
-                         marker)
+        return SealState(
+            False, f"{path}: marker accounts for {accounted} of {planned} planned rollouts; ignored", marker
+        )
     rollouts = store.rollouts_path(run_dir, shard_index)
     try:
         size = rollouts.stat().st_size
     except FileNotFoundError:
         return SealState(False, f"{path}: sealed but {rollouts.name} is missing; ignored", marker)
     if size != marker.get("rollouts_bytes"):
-        return SealState(False, f"{path}: {rollouts.name} changed after sealing ({size} bytes, sealed "
-                                f"{marker.get('rollouts_bytes')}); ignored", marker)
+        return SealState(
+            False,
+            f"{path}: {rollouts.name} changed after sealing ({size} bytes, sealed "
+            f"{marker.get('rollouts_bytes')}); ignored",
+            marker,
+        )
     if deep and store.sha256_file(rollouts) != marker.get("rollouts_sha256"):
-        return SealState(False, f"{path}: {rollouts.name} content changed after sealing (sha256 differs); ignored",
-                         marker)
+        return SealState(
+            False, f"{path}: {rollouts.name} content changed after sealing (sha256 differs); ignored", marker
+        )
     return SealState(True, "", marker)

@@ -41,6 +41,7 @@ MAX_OPEN_SHARD_FILES = 256
 
 # ---------------------------------------------------------------- paths
 
+
 def plan_path(run_dir: Path) -> Path:
     return Path(run_dir) / PLAN_FILE
 
@@ -178,6 +179,7 @@ def run_lock(run_dir: Path, timeout: float = -1) -> FileLock:
 
 # ---------------------------------------------------------------- atomic files
 
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -226,6 +228,7 @@ def remove_stale_temps(directory: Path) -> int:
 
 # ---------------------------------------------------------------- JSONL
 
+
 def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tuple[int, bytes]]:
     """Stream (1-based line number, line without newline) from a file, never loading it whole."""
     try:  # O_NONBLOCK: opening a FIFO must not wait for a writer; the kind is checked on what was opened
@@ -238,8 +241,10 @@ def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tu
     if not stat.S_ISREG(mode):
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
-        raise BadInput(f"input path {path} is {kind}, not a regular JSONL file; shardrun reads its input twice "
-                       f"(plan, then write) and hashes it, so it must be a file")
+        raise BadInput(
+            f"input path {path} is {kind}, not a regular JSONL file; shardrun reads its input twice "
+            f"(plan, then write) and hashes it, so it must be a file"
+        )
     os.set_blocking(fd, True)
     with open(fd, "rb") as f:
         for line_no, raw in enumerate(f, 1):
@@ -300,6 +305,7 @@ def repair_torn_tail(path: Path) -> int:
 
 # ---------------------------------------------------------------- plan
 
+
 def load_plan(run_dir: Path) -> Plan:
     """Read plan.json and check it was not edited since it was written."""
     path = plan_path(run_dir)
@@ -311,11 +317,14 @@ def load_plan(run_dir: Path) -> Plan:
     except FileNotFoundError:
         raise RunDirError(f"{path}: no plan here; run `shardrun plan CONFIG --write` or `shardrun submit`") from None
     except (orjson.JSONDecodeError, TypeError, KeyError, ValueError) as e:
-        raise PlanMismatch(f"{path}: unreadable plan ({e}); it was edited or damaged. Re-plan into a new "
-                           f"run directory") from None
+        raise PlanMismatch(
+            f"{path}: unreadable plan ({e}); it was edited or damaged. Re-plan into a new run directory"
+        ) from None
     if planner.fingerprint(plan) != plan.fingerprint:
-        raise PlanMismatch(f"{path}: content does not match its fingerprint {plan.fingerprint[:12]}…; plan.json "
-                           f"was edited by hand. Restore it or plan into a new run directory")
+        raise PlanMismatch(
+            f"{path}: content does not match its fingerprint {plan.fingerprint[:12]}…; plan.json "
+            f"was edited by hand. Restore it or plan into a new run directory"
+        )
     return plan
 
 
@@ -359,9 +368,12 @@ def existing_plan_matches(run_dir: Path, plan: Plan) -> bool:
     if old.fingerprint == plan.fingerprint:
         return True
     diffs = planner.plan_differences(old, plan)
-    raise PlanMismatch(f"{run_dir} holds a plan made with other settings (fingerprint {old.fingerprint[:12]}…, "
-                       f"new {plan.fingerprint[:12]}…):\n" + "\n".join(f"  - {d}" for d in diffs) +
-                       "\nUse a new run_dir, or restore the original input and settings.")
+    raise PlanMismatch(
+        f"{run_dir} holds a plan made with other settings (fingerprint {old.fingerprint[:12]}…, "
+        f"new {plan.fingerprint[:12]}…):\n"
+        + "\n".join(f"  - {d}" for d in diffs)
+        + "\nUse a new run_dir, or restore the original input and settings."
+    )
 
 
 def write_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[Plan, bool]:
@@ -393,11 +405,14 @@ def os_error(e: OSError, doing: str = "") -> RunDirError:
     at = f" {doing}" if doing else ""
     where = f": {e.filename}" if e.filename else ""
     if isinstance(e, PermissionError) or e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return RunDirError(f"permission denied{at}{where or f': {e}'}; fix the permissions and rerun "
-                           f"(nothing already written is lost)")
+        return RunDirError(
+            f"permission denied{at}{where or f': {e}'}; fix the permissions and rerun (nothing already written is lost)"
+        )
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return RunDirError(f"no space left on the device{at}{f' ({e.filename})' if e.filename else ''}; free "
-                           f"space and rerun (nothing already sealed is lost)")
+        return RunDirError(
+            f"no space left on the device{at}{f' ({e.filename})' if e.filename else ''}; free "
+            f"space and rerun (nothing already sealed is lost)"
+        )
     if e.errno == errno.ENOENT:
         return RunDirError(f"a path vanished{at}{where}; was the run directory moved or deleted?")
     return RunDirError(f"I/O error{at}: {e}")
@@ -409,8 +424,10 @@ def _refuse_orphan_outputs(run_dir: Path) -> None:
         return
     for p in shards.glob(f"*/{ROLLOUTS}"):
         if p.stat().st_size > 0:
-            raise RunDirError(f"{run_dir} has shard outputs ({p}) but no plan.json; refusing to overwrite them. "
-                              f"Restore plan.json or use a new run_dir")
+            raise RunDirError(
+                f"{run_dir} has shard outputs ({p}) but no plan.json; refusing to overwrite them. "
+                f"Restore plan.json or use a new run_dir"
+            )
 
 
 def _write_shards(plan: Plan, cfg: RunConfig) -> None:
@@ -419,15 +436,14 @@ def _write_shards(plan: Plan, cfg: RunConfig) -> None:
         shard_dir(cfg.run_dir, i).mkdir(parents=True, exist_ok=True)
         remove_stale_temps(shard_dir(cfg.run_dir, i))
     for g in range(0, len(indices), MAX_OPEN_SHARD_FILES):
-        group = indices[g:g + MAX_OPEN_SHARD_FILES]
+        group = indices[g : g + MAX_OPEN_SHARD_FILES]
         _write_shard_group(plan, cfg, group)
 
 
 def _write_shard_group(plan: Plan, cfg: RunConfig, group: list[int]) -> None:
     with contextlib.ExitStack() as stack:
         buffering = max(1 << 14, (64 << 20) // len(group))  # at most ~64 MiB buffered over all open shards
-        writers = {i: stack.enter_context(atomic_writer(materialized_path(cfg.run_dir, i), buffering))
-                   for i in group}
+        writers = {i: stack.enter_context(atomic_writer(materialized_path(cfg.run_dir, i), buffering)) for i in group}
         hasher = hashlib.sha256()
         lines = read_lines(cfg.input_jsonl, hasher)
         only = set(group) if len(group) < len(plan.shards) else None
@@ -443,6 +459,7 @@ def iter_jsonl_objects(path: Path) -> Iterable[dict]:
 
 
 # ---------------------------------------------------------------- launch records and counting
+
 
 def append_launch(run_dir: Path, record: dict) -> None:
     """Append one launch record (one JSON line, fsynced). Callers hold run_lock; readers skip a torn tail."""

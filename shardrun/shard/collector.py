@@ -33,24 +33,35 @@ ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"
 
 
 def command(venv: Path, stack_port: int, run_dir: Path, index: int, gym: GymConfig) -> list[str]:
-    cmd = [str(venv / "bin" / "ng_collect_rollouts"),
-           f"+head_server.host={HEAD_HOST}", f"+head_server.port={stack_port}",
-           f"+input_jsonl_fpath={store.materialized_path(run_dir, index)}",
-           f"+output_jsonl_fpath={store.rollouts_path(run_dir, index)}",
-           "+resume_from_cache=true", "+disable_aggregation=true", "+upload_rollouts_to_wandb=false"]
+    cmd = [
+        str(venv / "bin" / "ng_collect_rollouts"),
+        f"+head_server.host={HEAD_HOST}",
+        f"+head_server.port={stack_port}",
+        f"+input_jsonl_fpath={store.materialized_path(run_dir, index)}",
+        f"+output_jsonl_fpath={store.rollouts_path(run_dir, index)}",
+        "+resume_from_cache=true",
+        "+disable_aggregation=true",
+        "+upload_rollouts_to_wandb=false",
+    ]
     if gym.num_samples_in_parallel:
         cmd.append(f"+num_samples_in_parallel={gym.num_samples_in_parallel}")
     return cmd + list(gym.collect_overrides)
 
 
-def start(venv: Path, stack: GymStack, run_dir: Path, index: int, gym: GymConfig,
-          env: Mapping[str, str] | None = None) -> processes.Proc:
+def start(
+    venv: Path, stack: GymStack, run_dir: Path, index: int, gym: GymConfig, env: Mapping[str, str] | None = None
+) -> processes.Proc:
     """Start one collector round (after the caller repaired a torn tail of rollouts.jsonl)."""
     base = dict(os.environ if env is None else env)
     cmd_env = stack_env(base, venv, stack.ray_tmp, gym.server_venvs == "shared")
     cmd_env[ATTEMPTS_ENV] = str(gym.max_rollout_attempts)
-    return processes.start(command(venv, stack.port, run_dir, index, gym), store.collector_log_path(run_dir, index),
-                           name="ng_collect_rollouts", cwd=store.gym_dir(run_dir, index), env=cmd_env)
+    return processes.start(
+        command(venv, stack.port, run_dir, index, gym),
+        store.collector_log_path(run_dir, index),
+        name="ng_collect_rollouts",
+        cwd=store.gym_dir(run_dir, index),
+        env=cmd_env,
+    )
 
 
 def failed_identities(log_text: str) -> dict[tuple[int, int], str]:

@@ -47,26 +47,36 @@ RAY_TMP_BASE_MAX = 40
 
 # ---------------------------------------------------------------- pure parts
 
+
 def env_yaml_text(base_urls: Sequence[str], api_key: str | None, model_name: str) -> str:
     url: str | list[str] = base_urls[0] if len(base_urls) == 1 else list(base_urls)
-    return yaml.safe_dump({"policy_base_url": url, "policy_api_key": api_key or "EMPTY",
-                           "policy_model_name": model_name}, sort_keys=False)
+    return yaml.safe_dump(
+        {"policy_base_url": url, "policy_api_key": api_key or "EMPTY", "policy_model_name": model_name}, sort_keys=False
+    )
 
 
 def hydra_list(items: Sequence[str]) -> str:
     """A Hydra list literal; elements with Hydra's special characters are single-quoted."""
+
     def one(s: str) -> str:
         if any(c in s for c in " ,[]{}()='\"\\:$*?"):
             return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
         return s
+
     return "[" + ",".join(one(s) for s in items) + "]"
 
 
 def ng_run_command(venv: Path, gym: GymConfig, port: int, venvs_dir: Path) -> list[str]:
-    return [str(venv / "bin" / "ng_run"), f"+config_paths={hydra_list(gym.config_paths)}",
-            f"+head_server.host={HEAD_HOST}", f"+head_server.port={port}",
-            "+global_aiohttp_client_request_debug=true", "+skip_venv_if_present=true",
-            f"+uv_venv_dir={venvs_dir}", *gym.overrides]
+    return [
+        str(venv / "bin" / "ng_run"),
+        f"+config_paths={hydra_list(gym.config_paths)}",
+        f"+head_server.host={HEAD_HOST}",
+        f"+head_server.port={port}",
+        "+global_aiohttp_client_request_debug=true",
+        "+skip_venv_if_present=true",
+        f"+uv_venv_dir={venvs_dir}",
+        *gym.overrides,
+    ]
 
 
 def base_python_dir(venv: Path) -> Path | None:
@@ -88,8 +98,7 @@ def stack_env(base: Mapping[str, str], venv: Path, ray_tmp: Path, shared: bool) 
     if home is not None:
         path.append(str(home))
     env["PATH"] = os.pathsep.join(path + [base.get("PATH", "/usr/bin:/bin")])
-    env.update(UV_PYTHON_DOWNLOADS="never", RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="disabled",
-               PYTHONUNBUFFERED="1")
+    env.update(UV_PYTHON_DOWNLOADS="never", RAY_TMPDIR=str(ray_tmp), RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     if shared:
         env["UV_OFFLINE"] = "1"
     return env
@@ -98,8 +107,10 @@ def stack_env(base: Mapping[str, str], venv: Path, ray_tmp: Path, shared: bool) 
 def gym_venv(gym: GymConfig, env: Mapping[str, str]) -> Path:
     venv = gym.venv or env.get(VENV_ENV)
     if not venv:
-        raise BadInput(f"gym.venv is not set and ${VENV_ENV} is empty: name the venv that has nemo-gym "
-                       f"(scripts/setup.sh gym builds one)")
+        raise BadInput(
+            f"gym.venv is not set and ${VENV_ENV} is empty: name the venv that has nemo-gym "
+            f"(scripts/setup.sh gym builds one)"
+        )
     path = Path(venv)
     if not (path / "bin" / "ng_run").exists():
         raise BadInput(f"gym venv {path} has no bin/ng_run; install nemo-gym there (scripts/setup.sh gym)")
@@ -147,6 +158,7 @@ def ray_tmp_dir(shard: Path) -> Path:
 
 # ---------------------------------------------------------------- the running stack
 
+
 @dataclass
 class GymStack:
     proc: processes.Proc
@@ -171,8 +183,11 @@ class GymStack:
 
     def unanswered(self, instances: list[dict]) -> list[str]:
         """Names of servers whose URL does not answer HTTP at all (any status counts as alive, like ng_status)."""
-        return [str(i.get("process_name") or i.get("name")) for i in instances
-                if not i.get("url") or processes.http_get(str(i["url"]), timeout=3.0) is None]
+        return [
+            str(i.get("process_name") or i.get("name"))
+            for i in instances
+            if not i.get("url") or processes.http_get(str(i["url"]), timeout=3.0) is None
+        ]
 
     def ready(self) -> bool:
         instances = self.server_instances()
@@ -207,8 +222,15 @@ def write_env_yaml(path: Path, text: str) -> None:
         f.write(text.encode())
 
 
-def start(run_dir: Path, index: int, gym: GymConfig, base_urls: Sequence[str], api_key: str | None,
-          model_name: str, env: Mapping[str, str] | None = None) -> GymStack:
+def start(
+    run_dir: Path,
+    index: int,
+    gym: GymConfig,
+    base_urls: Sequence[str],
+    api_key: str | None,
+    model_name: str,
+    env: Mapping[str, str] | None = None,
+) -> GymStack:
     """Write env.yaml and start ng_run for shard `index` (not waiting for readiness)."""
     base_env = dict(os.environ if env is None else env)
     venv = gym_venv(gym, base_env)
@@ -229,19 +251,37 @@ def start(run_dir: Path, index: int, gym: GymConfig, base_urls: Sequence[str], a
     if not shared:
         cmd.append(f"+uv_cache_dir={venvs_dir / 'uv-cache'}")
     # with request debugging on, Gym's model adapter prints a failed request's headers (the key among them)
-    proc = processes.start(cmd, store.gym_log_path(run_dir, index), name="ng_run", cwd=work,
-                           env=stack_env(base_env, venv, ray_tmp, shared), redact=[api_key] if api_key else [])
+    proc = processes.start(
+        cmd,
+        store.gym_log_path(run_dir, index),
+        name="ng_run",
+        cwd=work,
+        env=stack_env(base_env, venv, ray_tmp, shared),
+        redact=[api_key] if api_key else [],
+    )
     return GymStack(proc=proc, port=port, env_yaml=env_yaml, ray_tmp=ray_tmp)
 
 
 def wait_ready(stack: GymStack, timeout: float) -> float:
     """Seconds until the head server lists its servers and every one answers; ServerFailure otherwise."""
-    return processes.wait_until(stack.ready, watch=[stack.proc], timeout=timeout, interval=1.0,
-                                what=f"Gym servers (ng_run, head server {stack.head_url})")
+    return processes.wait_until(
+        stack.ready,
+        watch=[stack.proc],
+        timeout=timeout,
+        interval=1.0,
+        what=f"Gym servers (ng_run, head server {stack.head_url})",
+    )
 
 
-def start_ready(run_dir: Path, index: int, gym: GymConfig, base_urls: Sequence[str], api_key: str | None,
-                model_name: str, env: Mapping[str, str] | None = None) -> tuple[GymStack, float]:
+def start_ready(
+    run_dir: Path,
+    index: int,
+    gym: GymConfig,
+    base_urls: Sequence[str],
+    api_key: str | None,
+    model_name: str,
+    env: Mapping[str, str] | None = None,
+) -> tuple[GymStack, float]:
     """start + wait_ready; a head port taken between choosing and binding it is retried with another port."""
     t0 = time.monotonic()
     for attempt in range(PORT_TRIES):

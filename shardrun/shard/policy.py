@@ -22,8 +22,10 @@ def api_key(policy: PolicyConfig, env: Mapping[str, str]) -> str | None:
         return None
     value = env.get(policy.api_key_env)
     if not value:
-        raise BadInput(f"policy.api_key_env names ${policy.api_key_env}, which is not set in the shard's "
-                       f"environment (export it where you submit; it is read at shard start, never stored)")
+        raise BadInput(
+            f"policy.api_key_env names ${policy.api_key_env}, which is not set in the shard's "
+            f"environment (export it where you submit; it is read at shard start, never stored)"
+        )
     return value
 
 
@@ -38,7 +40,9 @@ def auth(key: str | None) -> dict[str, str]:
 
 def model_ids(body: bytes) -> list[str]:
     try:
-        return [m["id"] for m in json.loads(body).get("data") or [] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        return [
+            m["id"] for m in json.loads(body).get("data") or [] if isinstance(m, dict) and isinstance(m.get("id"), str)
+        ]
     except (ValueError, AttributeError):
         return []
 
@@ -70,6 +74,7 @@ class PolicyEndpoint:
 
 def check_prehosted(endpoint: PolicyEndpoint, timeout: float) -> float:
     """Wait (up to `timeout`) until every pre-hosted URL answers GET /models with 200."""
+
     def answers(url: str) -> Callable[[], bool]:
         def check() -> bool:
             got = processes.http_get(url + "/models", timeout=5.0, headers=auth(endpoint.api_key))
@@ -81,12 +86,14 @@ def check_prehosted(endpoint: PolicyEndpoint, timeout: float) -> float:
             if ids and endpoint.model_name not in ids:
                 endpoint.notes.append(f"{url}/models does not list {endpoint.model_name!r} (lists {ids[:5]})")
             return True
+
         return check
 
     waited = 0.0
     for url in endpoint.base_urls:
-        waited += processes.wait_until(answers(url), timeout=max(1.0, timeout - waited), interval=1.0,
-                                       what=f"pre-hosted policy server {url}")
+        waited += processes.wait_until(
+            answers(url), timeout=max(1.0, timeout - waited), interval=1.0, what=f"pre-hosted policy server {url}"
+        )
     return waited
 
 

@@ -73,8 +73,16 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
-def start(cmd: Sequence[str], log_path: Path, *, name: str | None = None, env: Mapping[str, str] | None = None,
-          cwd: Path | None = None, die_with_parent: bool = True, redact: Sequence[str] = ()) -> Proc:
+def start(
+    cmd: Sequence[str],
+    log_path: Path,
+    *,
+    name: str | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    die_with_parent: bool = True,
+    redact: Sequence[str] = (),
+) -> Proc:
     """Start `cmd` in a new session (own process group), stdin closed, stdout+stderr appended to `log_path`.
 
     SIGINT/SIGTERM dispositions are reset to default in the child (a non-interactive parent shell may have
@@ -103,14 +111,24 @@ def start(cmd: Sequence[str], log_path: Path, *, name: str | None = None, env: M
                 read_end, out = os.pipe()
                 try:
                     redactor = subprocess.Popen(
-                        [sys.executable, "-c", _REDACTOR], stdin=read_end, stdout=log, stderr=subprocess.STDOUT,
-                        env={_REDACT_ENV: "\n".join(secrets)}, start_new_session=True,
-                        preexec_fn=_child_setup(parent))
+                        [sys.executable, "-c", _REDACTOR],
+                        stdin=read_end,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env={_REDACT_ENV: "\n".join(secrets)},
+                        start_new_session=True,
+                        preexec_fn=_child_setup(parent),
+                    )
                 finally:
                     os.close(read_end)
             popen = subprocess.Popen(
-                list(cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
+                list(cmd),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+                start_new_session=True,
                 preexec_fn=_child_setup(parent),
             )
         except OSError as e:
@@ -187,6 +205,7 @@ def _show(cmd: Sequence[str]) -> str:
 
 # ---------------------------------------------------------------- readiness
 
+
 def http_get(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> tuple[int, bytes] | None:
     """GET `url`: (status, body), or None when nothing answers (refused, reset, timeout)."""
     req = urllib.request.Request(url, headers=dict(headers or {}))
@@ -203,16 +222,18 @@ def ok_status(status: int, _body: bytes) -> bool:
     return 200 <= status < 300
 
 
-def wait_until(check: Callable[[], bool], *, watch: Sequence[Proc] = (), timeout: float, what: str,
-               interval: float = 0.5) -> float:
+def wait_until(
+    check: Callable[[], bool], *, watch: Sequence[Proc] = (), timeout: float, what: str, interval: float = 0.5
+) -> float:
     """Poll `check` until it returns True; seconds waited. ServerFailure if a watched process exits or on timeout."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     while True:
         for p in watch:
             if not p.alive():
-                raise ServerFailure(f"{what}: {p.describe_exit()} before it was ready\n--- last lines of "
-                                    f"{p.log_path} ---\n{p.tail()}")
+                raise ServerFailure(
+                    f"{what}: {p.describe_exit()} before it was ready\n--- last lines of {p.log_path} ---\n{p.tail()}"
+                )
         if check():
             return time.monotonic() - t0
         if time.monotonic() >= deadline:
@@ -221,9 +242,16 @@ def wait_until(check: Callable[[], bool], *, watch: Sequence[Proc] = (), timeout
         time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
 
-def wait_http(url: str, *, watch: Sequence[Proc] = (), timeout: float, what: str | None = None,
-              accept: Callable[[int, bytes], bool] = ok_status, headers: Mapping[str, str] | None = None,
-              interval: float = 0.5) -> float:
+def wait_http(
+    url: str,
+    *,
+    watch: Sequence[Proc] = (),
+    timeout: float,
+    what: str | None = None,
+    accept: Callable[[int, bytes], bool] = ok_status,
+    headers: Mapping[str, str] | None = None,
+    interval: float = 0.5,
+) -> float:
     """Wait until GET `url` gets a response that `accept(status, body)` likes; seconds waited."""
 
     def check() -> bool:
@@ -234,6 +262,7 @@ def wait_http(url: str, *, watch: Sequence[Proc] = (), timeout: float, what: str
 
 
 # ---------------------------------------------------------------- stopping
+
 
 def stop(proc: Proc, grace: float = 10.0, sig: int = signal.SIGTERM, straggler_grace: float = 2.0) -> int | None:
     """SIGTERM the process group and wait up to `grace` s for the leader; then SIGTERM what is left of the group
@@ -299,13 +328,14 @@ def _wait_gone(family: set[tuple[int, int]], timeout: float) -> None:
 
 # ---------------------------------------------------------------- /proc (Linux); empty elsewhere
 
+
 def _stat(pid: int) -> list[str] | None:
     """Fields of /proc/<pid>/stat after the command name: [state, ppid, pgrp, ...]; None if gone or a zombie."""
     try:
         data = Path(f"/proc/{pid}/stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
         return None
-    fields = data[data.rfind(b")") + 2:].split()
+    fields = data[data.rfind(b")") + 2 :].split()
     if not fields or fields[0] in (b"Z", b"X"):
         return None
     return [f.decode() for f in fields]

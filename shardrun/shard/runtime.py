@@ -82,8 +82,10 @@ def run_shard(run_dir: Path | str, index: int, *, job_id: str | None = None) -> 
     attempt = shard_attempt(run_dir, index)
     with holding_shard_lock(run_dir, index):
         marker = run_locked(run_dir, index, plan, cfg, log, job_id, attempt)
-    log(f"sealed: {marker['num_rollouts']} rollouts, {marker['num_failed']} failed, "
-        f"servers {marker['server_wait_s']:.1f} s, collecting {marker['collect_s']:.1f} s")
+    log(
+        f"sealed: {marker['num_rollouts']} rollouts, {marker['num_failed']} failed, "
+        f"servers {marker['server_wait_s']:.1f} s, collecting {marker['collect_s']:.1f} s"
+    )
     return ShardResult(index, "sealed", marker)
 
 
@@ -96,8 +98,9 @@ def holding_shard_lock(run_dir: Path, index: int) -> Iterator[None]:
     try:
         lock.acquire()
     except Timeout:
-        raise ShardFailed(f"shard {index} is already running (its lock {lock.lock_file} is held by another "
-                          f"process)") from None
+        raise ShardFailed(
+            f"shard {index} is already running (its lock {lock.lock_file} is held by another process)"
+        ) from None
     except OSError as e:
         raise store.os_error(e, f"locking shard {index}") from None
     try:
@@ -106,8 +109,9 @@ def holding_shard_lock(run_dir: Path, index: int) -> Iterator[None]:
         lock.release()
 
 
-def run_locked(run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: ShardLog, job_id: str | None,
-               attempt: int) -> dict:
+def run_locked(
+    run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: ShardLog, job_id: str | None, attempt: int
+) -> dict:
     """One attempt; a failure is recorded in `.failed` (and the shard log) and re-raised as a domain error."""
     try:
         with interruptible():
@@ -118,9 +122,10 @@ def run_locked(run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: Shard
         error = describe(e)
         log(f"FAILED: {error}")
         with contextlib.suppress(OSError):  # a full or unwritable disk must not hide the error itself
-            store.atomic_write_json(store.shard_failure_path(run_dir, index),
-                                    {"job_id": job_id, "error": error, "attempt": attempt, "at": time.time(),
-                                     "host": socket.gethostname()})
+            store.atomic_write_json(
+                store.shard_failure_path(run_dir, index),
+                {"job_id": job_id, "error": error, "attempt": attempt, "at": time.time(), "host": socket.gethostname()},
+            )
         if e is not exc:
             raise e from exc
         if isinstance(e, ShardrunError):
@@ -174,8 +179,9 @@ def interruptible() -> Iterator[None]:
 class Shard:
     """One attempt at one shard (holds the shard lock while it runs)."""
 
-    def __init__(self, run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: ShardLog, job_id: str | None,
-                 attempt: int):
+    def __init__(
+        self, run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: ShardLog, job_id: str | None, attempt: int
+    ):
         self.run_dir, self.index, self.plan, self.cfg, self.log = run_dir, index, plan, cfg, log
         self.job_id, self.attempt = job_id, attempt
         if cfg.gym is None or cfg.policy is None:  # submit and resume refuse such a config before launching
@@ -194,8 +200,10 @@ class Shard:
         if not book.pending:
             self.log("every planned rollout is already accounted for; sealing without starting servers")
             return self.seal()
-        self.log(f"{len(book.pending)} of {len(book.planned)} planned rollouts to run "
-                 f"({len(book.done)} done, {book.num_failed} failed)")
+        self.log(
+            f"{len(book.pending)} of {len(book.planned)} planned rollouts to run "
+            f"({len(book.done)} done, {book.num_failed} failed)"
+        )
         with contextlib.ExitStack() as teardown:
             teardown.callback(self.log_teardown, time.monotonic)
             endpoint, stack = self.start_servers(teardown)
@@ -217,8 +225,11 @@ class Shard:
     def prepare_files(self) -> None:
         shard = store.shard_dir(self.run_dir, self.index)
         store.remove_stale_temps(shard)
-        for path in (store.rollouts_path(self.run_dir, self.index), store.failures_path(self.run_dir, self.index),
-                     store.rollout_attempts_path(self.run_dir, self.index)):
+        for path in (
+            store.rollouts_path(self.run_dir, self.index),
+            store.failures_path(self.run_dir, self.index),
+            store.rollout_attempts_path(self.run_dir, self.index),
+        ):
             cut = store.repair_torn_tail(path)
             if cut:
                 self.log(f"cut a torn last line ({cut} bytes) from {path.name}")
@@ -228,11 +239,14 @@ class Shard:
 
     def ledger(self) -> ledger.Ledger:
         book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
-        due = ledger.quarantine(self.run_dir, self.index, book, self.gym.max_rollout_attempts,
-                                ledger.last_reasons(self.run_dir, self.index))
+        due = ledger.quarantine(
+            self.run_dir, self.index, book, self.gym.max_rollout_attempts, ledger.last_reasons(self.run_dir, self.index)
+        )
         if due:
-            self.log(f"recorded {len(due)} rollout(s) as failed after {self.gym.max_rollout_attempts} attempts: "
-                     + ", ".join(f"{t}:{r}" for t, r in due[:10]))
+            self.log(
+                f"recorded {len(due)} rollout(s) as failed after {self.gym.max_rollout_attempts} attempts: "
+                + ", ".join(f"{t}:{r}" for t, r in due[:10])
+            )
             book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
         return book
 
@@ -245,14 +259,16 @@ class Shard:
         teardown.callback(endpoint.stop)
         for note in endpoint.notes:
             self.log(f"note: {note}")
-        self.log(f"policy ready in {time.monotonic() - t0:.1f} s: {', '.join(endpoint.base_urls)} "
-                 f"model {endpoint.model_name}")
-        stack, waited = gym_stack.start_ready(self.run_dir, self.index, self.gym, endpoint.base_urls,
-                                              endpoint.api_key, endpoint.model_name)
+        self.log(
+            f"policy ready in {time.monotonic() - t0:.1f} s: {', '.join(endpoint.base_urls)} "
+            f"model {endpoint.model_name}"
+        )
+        stack, waited = gym_stack.start_ready(
+            self.run_dir, self.index, self.gym, endpoint.base_urls, endpoint.api_key, endpoint.model_name
+        )
         teardown.callback(stack.stop)
         self.server_wait_s = time.monotonic() - t0
-        self.log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, "
-                 f"{len(stack.instances)} servers)")
+        self.log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
         return endpoint, stack
 
     # ------------------------------------------------------------ collection
@@ -276,17 +292,22 @@ class Shard:
                 return
             after = progress_mark(book)
             if rc != 0 and not failed:
-                raise ShardFailed(f"ng_collect_rollouts exited with code {rc} and named no failed rollout; "
-                                  f"{len(book.pending)} rollouts still pending. Last lines of "
-                                  f"{store.collector_log_path(self.run_dir, self.index)}:\n"
-                                  f"{collector_tail(self.run_dir, self.index)}")
+                raise ShardFailed(
+                    f"ng_collect_rollouts exited with code {rc} and named no failed rollout; "
+                    f"{len(book.pending)} rollouts still pending. Last lines of "
+                    f"{store.collector_log_path(self.run_dir, self.index)}:\n"
+                    f"{collector_tail(self.run_dir, self.index)}"
+                )
             if after == before:
-                raise ShardFailed(f"ng_collect_rollouts round {round_no} exited {rc} without progress; "
-                                  f"{len(book.pending)} rollouts still pending")
+                raise ShardFailed(
+                    f"ng_collect_rollouts round {round_no} exited {rc} without progress; "
+                    f"{len(book.pending)} rollouts still pending"
+                )
         raise ShardFailed(f"gave up after {max_rounds} collector rounds")
 
-    def collect_round(self, venv: Path, stack: gym_stack.GymStack, checks: list[watchdog.Check], round_no: int,
-                      pending: int) -> tuple[int, dict]:
+    def collect_round(
+        self, venv: Path, stack: gym_stack.GymStack, checks: list[watchdog.Check], round_no: int, pending: int
+    ) -> tuple[int, dict]:
         rollouts = store.rollouts_path(self.run_dir, self.index)
         failures = store.failures_path(self.run_dir, self.index)
         store.repair_torn_tail(rollouts)
@@ -296,9 +317,14 @@ class Shard:
         t0 = time.monotonic()
         proc = collector.start(venv, stack, self.run_dir, self.index, self.gym)
         try:
-            rc = watchdog.watch(proc, checks=checks, progress=lambda: (size(rollouts), size(failures)),
-                                stall_timeout_s=self.gym.stall_timeout_s, interval_s=self.gym.health_interval_s,
-                                log=self.log)
+            rc = watchdog.watch(
+                proc,
+                checks=checks,
+                progress=lambda: (size(rollouts), size(failures)),
+                stall_timeout_s=self.gym.stall_timeout_s,
+                interval_s=self.gym.health_interval_s,
+                log=self.log,
+            )
         finally:
             self.collect_s += time.monotonic() - t0
         failed = collector.failed_identities(collector.read_from(log_path, offset)) if rc != 0 else {}
@@ -316,11 +342,22 @@ class Shard:
         rollouts = store.rollouts_path(self.run_dir, self.index)
         finished = time.time()
         marker = seal.make_marker(
-            self.plan, self.index, num_rollouts=len(book.done), num_failed=book.num_failed,
-            rollouts_sha256=store.sha256_file(rollouts), rollouts_bytes=rollouts.stat().st_size,
-            started_at=self.started_at, finished_at=finished, host=socket.gethostname(), job_id=self.job_id,
-            attempt=self.attempt, server_wait_s=round(self.server_wait_s, 3), collect_s=round(self.collect_s, 3),
-            gpus=gpus_visible(), extra=dict(book.usage) or None)
+            self.plan,
+            self.index,
+            num_rollouts=len(book.done),
+            num_failed=book.num_failed,
+            rollouts_sha256=store.sha256_file(rollouts),
+            rollouts_bytes=rollouts.stat().st_size,
+            started_at=self.started_at,
+            finished_at=finished,
+            host=socket.gethostname(),
+            job_id=self.job_id,
+            attempt=self.attempt,
+            server_wait_s=round(self.server_wait_s, 3),
+            collect_s=round(self.collect_s, 3),
+            gpus=gpus_visible(),
+            extra=dict(book.usage) or None,
+        )
         seal.write_marker(self.run_dir, self.index, marker)
         return marker
 

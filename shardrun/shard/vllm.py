@@ -39,6 +39,7 @@ STOP_GRACE_S = 15.0
 
 # ---------------------------------------------------------------- pure: command line and environment
 
+
 def python_for(vcfg: VllmConfig, env: Mapping[str, str]) -> str:
     """The interpreter that runs vLLM: `vllm.python` (a file, or a venv directory), else $SHARDRUN_VLLM_VENV's,
     else `python3` from PATH (a container image that has vLLM)."""
@@ -68,13 +69,22 @@ def served_name(vcfg: VllmConfig) -> str:
 
 def build_command(vcfg: VllmConfig, host: str, port: int, env: Mapping[str, str]) -> list[str]:
     prefix = launcher(vcfg, env)
-    cmd = prefix + model_args(prefix, vcfg.model) + [
-        "--served-model-name", served_name(vcfg),
-        "--host", host,
-        "--port", str(port),
-        "--tensor-parallel-size", str(vcfg.tensor_parallel_size),
-        "--data-parallel-size", str(vcfg.data_parallel_size),
-    ]
+    cmd = (
+        prefix
+        + model_args(prefix, vcfg.model)
+        + [
+            "--served-model-name",
+            served_name(vcfg),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--tensor-parallel-size",
+            str(vcfg.tensor_parallel_size),
+            "--data-parallel-size",
+            str(vcfg.data_parallel_size),
+        ]
+    )
     if vcfg.max_model_len is not None:
         cmd += ["--max-model-len", str(vcfg.max_model_len)]
     return cmd + list(vcfg.extra_args)
@@ -94,8 +104,9 @@ def ipc_dir_fits(path: Path) -> bool:
     return len(str(path)) + IPC_NAME_LEN <= UNIX_SOCKET_PATH_MAX
 
 
-def build_env(vcfg: VllmConfig, base_env: Mapping[str, str], tmp_dir: Path, cache_dir: Path, rpc_dir: Path,
-              api_key: str | None) -> dict[str, str]:
+def build_env(
+    vcfg: VllmConfig, base_env: Mapping[str, str], tmp_dir: Path, cache_dir: Path, rpc_dir: Path, api_key: str | None
+) -> dict[str, str]:
     """The server's environment: the caller's, then `vllm.env`, then the per-server scratch paths (always last,
     so two servers on one node never share IPC sockets or compile caches)."""
     env = dict(base_env)
@@ -126,8 +137,14 @@ class LaunchSpec:
         return self.root_url + "/v1"
 
 
-def launch_spec(vcfg: VllmConfig, shard_dir: Path, port: int, base_env: Mapping[str, str],
-                api_key: str | None = None, short_rpc_dir: Path | None = None) -> LaunchSpec:
+def launch_spec(
+    vcfg: VllmConfig,
+    shard_dir: Path,
+    port: int,
+    base_env: Mapping[str, str],
+    api_key: str | None = None,
+    short_rpc_dir: Path | None = None,
+) -> LaunchSpec:
     """Pure. `short_rpc_dir` replaces the shard's tmp dir for vLLM's IPC sockets when that path is too long."""
     tmp_dir, cache_dir = store.vllm_scratch_dirs(shard_dir)
     rpc_dir = tmp_dir if ipc_dir_fits(tmp_dir) or short_rpc_dir is None else short_rpc_dir
@@ -145,6 +162,7 @@ def launch_spec(vcfg: VllmConfig, shard_dir: Path, port: int, base_env: Mapping[
 
 # ---------------------------------------------------------------- readiness
 
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -156,8 +174,9 @@ def health_ok(url: str) -> bool:
         return False
     status, body = got
     if status == 503:
-        raise ServerFailure(f"vLLM at {url}: {HEALTH_PATH} answered 503, the engine is dead: "
-                            f"{body[:300].decode('utf-8', 'replace')}")
+        raise ServerFailure(
+            f"vLLM at {url}: {HEALTH_PATH} answered 503, the engine is dead: {body[:300].decode('utf-8', 'replace')}"
+        )
     return status == 200
 
 
@@ -180,11 +199,15 @@ def wait_ready(proc: processes.Proc, url: str, name: str, api_key: str | None, t
     """Seconds until /health is 200 and /v1/models lists `name`; ServerFailure if the process dies or on timeout."""
     t0 = time.monotonic()
     what = f"vLLM {name} at {url}"
-    processes.wait_until(lambda: health_ok(url), watch=[proc], timeout=timeout, what=what + " (/health)",
-                         interval=1.0)
+    processes.wait_until(lambda: health_ok(url), watch=[proc], timeout=timeout, what=what + " (/health)", interval=1.0)
     left = max(1.0, timeout - (time.monotonic() - t0))
-    processes.wait_until(lambda: lists_model(url, name, api_key), watch=[proc], timeout=left,
-                         what=what + f" ({MODELS_PATH} listing {name!r})", interval=0.5)
+    processes.wait_until(
+        lambda: lists_model(url, name, api_key),
+        watch=[proc],
+        timeout=left,
+        what=what + f" ({MODELS_PATH} listing {name!r})",
+        interval=0.5,
+    )
     return time.monotonic() - t0
 
 
@@ -195,6 +218,7 @@ def port_answers(host: str, port: int) -> bool:
 
 
 # ---------------------------------------------------------------- the running server
+
 
 @dataclass
 class VllmServer:
@@ -241,8 +265,15 @@ def remove_scratch(tmp_dir: Path, owned_rpc_dir: Path | None) -> None:
         shutil.rmtree(owned_rpc_dir, ignore_errors=True)
 
 
-def start_vllm(vcfg: VllmConfig, shard_dir: Path, port: int | None = None, *, api_key: str | None = None,
-               env: Mapping[str, str] | None = None, timeout: float | None = None) -> VllmServer:
+def start_vllm(
+    vcfg: VllmConfig,
+    shard_dir: Path,
+    port: int | None = None,
+    *,
+    api_key: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+) -> VllmServer:
     """Start vLLM for the shard in `shard_dir` on `port` (default `vllm.port`) and wait until it serves.
 
     `api_key` (the value behind policy.api_key_env, if any) is required by the server for /v1 routes and passed
@@ -266,8 +297,13 @@ def start_vllm(vcfg: VllmConfig, shard_dir: Path, port: int | None = None, *, ap
     proc = processes.start(spec.cmd, spec.log_path, name=f"vllm:{spec.model_name}:{port}", env=spec.env)
     server = VllmServer(proc=proc, spec=spec, ready_s=0.0, api_key=api_key, owned_rpc_dir=owned)
     try:
-        server.ready_s = wait_ready(proc, spec.root_url, spec.model_name, server.api_key,
-                                    timeout if timeout is not None else vcfg.ready_timeout_s)
+        server.ready_s = wait_ready(
+            proc,
+            spec.root_url,
+            spec.model_name,
+            server.api_key,
+            timeout if timeout is not None else vcfg.ready_timeout_s,
+        )
     except BaseException:
         server.stop()
         raise

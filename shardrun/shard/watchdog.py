@@ -25,9 +25,16 @@ class Check:
     problem: Callable[[], str | None]
 
 
-def watch(proc: processes.Proc, *, checks: Sequence[Check], progress: Callable[[], object],
-          stall_timeout_s: float, interval_s: float, log: Callable[[str], None] = lambda _m: None,
-          clock: Callable[[], float] = time.monotonic) -> int:
+def watch(
+    proc: processes.Proc,
+    *,
+    checks: Sequence[Check],
+    progress: Callable[[], object],
+    stall_timeout_s: float,
+    interval_s: float,
+    log: Callable[[str], None] = lambda _m: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
     """Wait for `proc` to exit and return its exit code, or stop it and raise ServerFailure / ShardFailed."""
     interval = max(0.2, min(interval_s, stall_timeout_s / 4))
     last = progress()
@@ -46,13 +53,14 @@ def watch(proc: processes.Proc, *, checks: Sequence[Check], progress: Callable[[
                 problem = c.problem()
                 strikes[c.name] = strikes[c.name] + 1 if problem else 0
                 if problem and strikes[c.name] >= STRIKES:
-                    raise ServerFailure(f"{c.name}: {problem}; stopped the collector (Gym would wait for it "
-                                        f"forever)")
+                    raise ServerFailure(f"{c.name}: {problem}; stopped the collector (Gym would wait for it forever)")
             idle = clock() - last_change
             if idle >= stall_timeout_s:
-                raise ShardFailed(f"stalled: no rollout landed for {idle:.0f} s (gym.stall_timeout_s = "
-                                  f"{stall_timeout_s:g}) although the servers answer health checks; stopped the "
-                                  f"collector. The model may hang on some requests; see {proc.log_path}")
+                raise ShardFailed(
+                    f"stalled: no rollout landed for {idle:.0f} s (gym.stall_timeout_s = "
+                    f"{stall_timeout_s:g}) although the servers answer health checks; stopped the "
+                    f"collector. The model may hang on some requests; see {proc.log_path}"
+                )
     except BaseException as e:
         if proc.alive():
             log(f"stopping the collector: {e}")

@@ -45,8 +45,11 @@ class FakePolicy:
 
     def set_faults(self, faults: list[str], delay: float | None = None) -> None:
         body = {"faults": faults} | ({"delay": delay} if delay is not None else {})
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/_fault", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/_fault",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         urllib.request.urlopen(req, timeout=5).read()
 
     def requests(self) -> list[dict]:
@@ -62,8 +65,11 @@ class FakePolicy:
 def fake_policy(tmp: Path, *args: str, offset: int = 0) -> Iterator[FakePolicy]:
     port = test_port(offset)
     log = tmp / f"policy-{port}-requests.jsonl"
-    proc = processes.start([sys.executable, str(FAKE), "--port", str(port), "--api-key", API_KEY,
-                            "--request-log", str(log), *args], tmp / f"policy-{port}.log", name="fake-policy")
+    proc = processes.start(
+        [sys.executable, str(FAKE), "--port", str(port), "--api-key", API_KEY, "--request-log", str(log), *args],
+        tmp / f"policy-{port}.log",
+        name="fake-policy",
+    )
     fake = FakePolicy(proc, port, log)
     try:
         processes.wait_http(f"http://127.0.0.1:{port}/health", watch=[proc], timeout=30, what="fake policy")
@@ -84,13 +90,29 @@ def example_input(path: Path, gym_venv: Path, math_rows: int = 3, weather_rows: 
     return path
 
 
-def write_config(path: Path, input_jsonl: Path, run_dir: Path, policy_url: str, *, repeats: int = 2,
-                 shards: int = 1, gym: dict | None = None, cluster: dict | None = None) -> Path:
+def write_config(
+    path: Path,
+    input_jsonl: Path,
+    run_dir: Path,
+    policy_url: str,
+    *,
+    repeats: int = 2,
+    shards: int = 1,
+    gym: dict | None = None,
+    cluster: dict | None = None,
+) -> Path:
     data = {
-        "input_jsonl": str(input_jsonl), "run_dir": str(run_dir), "num_repeats": repeats,
+        "input_jsonl": str(input_jsonl),
+        "run_dir": str(run_dir),
+        "num_repeats": repeats,
         "sharding": {"num_shards": shards},
-        "gym": {"config_paths": CONFIG_PATHS, "num_samples_in_parallel": 4, "stall_timeout_s": 120,
-                "ready_timeout_s": 300} | (gym or {}),
+        "gym": {
+            "config_paths": CONFIG_PATHS,
+            "num_samples_in_parallel": 4,
+            "stall_timeout_s": 120,
+            "ready_timeout_s": 300,
+        }
+        | (gym or {}),
         "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": API_KEY_ENV},
         "cluster": {"executor": "local", "array_parallelism": 1} | (cluster or {}),
     }
@@ -103,8 +125,10 @@ def load_config(path: Path, overrides: list[str] | None = None) -> config_mod.Ru
 
 
 def keys(path: Path) -> list[tuple[int, int]]:
-    return [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in
-            (json.loads(line) for line in path.read_text().splitlines() if line.strip())]
+    return [
+        (r["_ng_task_index"], r["_ng_rollout_index"])
+        for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    ]
 
 
 TAG_ENV = "SHARDRUN_TEST_TAG"
@@ -131,5 +155,7 @@ def keys_complete(path: Path) -> list[tuple[int, int]]:
     """Identities on the complete lines of a JSONL file (a torn last line is ignored)."""
     data = path.read_bytes()
     body = data[: data.rfind(b"\n") + 1]
-    return [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in
-            (json.loads(line) for line in body.decode().splitlines() if line.strip())]
+    return [
+        (r["_ng_task_index"], r["_ng_rollout_index"])
+        for r in (json.loads(line) for line in body.decode().splitlines() if line.strip())
+    ]

@@ -62,7 +62,9 @@ def is_correct(prompt: str, seed: Any, share: float) -> bool:
 def answer_text(prompt: str, seed: Any, share: float) -> str:
     m = ARITH.search(prompt)
     if not m:
-        return "The answer is \\boxed{" + str(int(hashlib.sha256(f"{prompt}|{seed}".encode()).hexdigest()[:4], 16)) + "}."
+        return (
+            "The answer is \\boxed{" + str(int(hashlib.sha256(f"{prompt}|{seed}".encode()).hexdigest()[:4], 16)) + "}."
+        )
     a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
     if not is_correct(prompt, seed, share):
@@ -73,10 +75,16 @@ def answer_text(prompt: str, seed: Any, share: float) -> str:
 def tool_call(tool: dict[str, Any], seed: Any) -> dict[str, Any]:
     fn = tool.get("function", tool)
     params = fn.get("parameters") or {}
-    args = {p: "San Francisco" for p in params.get("required", [])
-            if (params.get("properties", {}).get(p) or {}).get("type", "string") == "string"}
-    return {"id": f"call_{seed}_{fn.get('name')}", "type": "function",
-            "function": {"name": fn.get("name"), "arguments": json.dumps(args)}}
+    args = {
+        p: "San Francisco"
+        for p in params.get("required", [])
+        if (params.get("properties", {}).get(p) or {}).get("type", "string") == "string"
+    }
+    return {
+        "id": f"call_{seed}_{fn.get('name')}",
+        "type": "function",
+        "function": {"name": fn.get("name"), "arguments": json.dumps(args)},
+    }
 
 
 def completion(body: dict[str, Any], model: str, share: float) -> dict[str, Any]:
@@ -94,10 +102,18 @@ def completion(body: dict[str, Any], model: str, share: float) -> dict[str, Any]
     prompt_tokens = max(1, sum(len(str(m.get("content") or "")) for m in messages) // 4)
     completion_tokens = max(1, len(text) // 4)
     digest = hashlib.sha256(json.dumps([messages, seed], sort_keys=True).encode()).hexdigest()[:24]
-    return {"id": f"chatcmpl-{digest}", "object": "chat.completion", "created": 1700000000, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+    return {
+        "id": f"chatcmpl-{digest}",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
 
 
 class State:
@@ -161,8 +177,10 @@ class Handler(BaseHTTPRequestHandler):
         elif self.path == "/v1/models" and not self.authorized():
             self._send(401, {"error": {"message": "bad api key", "type": "authentication_error"}})
         elif self.path == "/v1/models":
-            self._send(200, {"object": "list", "data": [{"id": self.state.model, "object": "model",
-                                                         "owned_by": "shardrun-tests"}]})
+            self._send(
+                200,
+                {"object": "list", "data": [{"id": self.state.model, "object": "model", "owned_by": "shardrun-tests"}]},
+            )
         else:
             self._send(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -181,9 +199,18 @@ class Handler(BaseHTTPRequestHandler):
         n = st.next_request()
         auth_ok = self.authorized()
         fault = st.fault_for(n, body)
-        st.log({"n": n, "seed": body.get("seed"), "prompt": prompt_text(body.get("messages") or []),
-                "model": body.get("model"), "tools": bool(body.get("tools")), "auth_ok": auth_ok, "fault": fault,
-                "t": time.time()})
+        st.log(
+            {
+                "n": n,
+                "seed": body.get("seed"),
+                "prompt": prompt_text(body.get("messages") or []),
+                "model": body.get("model"),
+                "tools": bool(body.get("tools")),
+                "auth_ok": auth_ok,
+                "fault": fault,
+                "t": time.time(),
+            }
+        )
         if not auth_ok:
             self._send(401, {"error": {"message": "bad api key", "type": "authentication_error"}})
         elif fault == "die":
@@ -192,8 +219,10 @@ class Handler(BaseHTTPRequestHandler):
             while True:
                 time.sleep(3600)
         elif fault in ("400", "500"):
-            self._send(int(fault), {"error": {"message": f"injected {fault}", "type": "invalid_request_error",
-                                              "code": int(fault)}})
+            self._send(
+                int(fault),
+                {"error": {"message": f"injected {fault}", "type": "invalid_request_error", "code": int(fault)}},
+            )
         elif fault == "garbage":
             self._send(200, None, raw=b"<html>not json")
         else:

@@ -109,8 +109,18 @@ def gym_reference(tmp_path_factory, shared_policy, policy_key, gym_env) -> GymRe
     failed = set(faultkit.identities(store.failures_path(run_dir, 0)))
     assert failed == {(1, 2)}, failed
     faultkit.assert_exactly_once(run_dir, planned, failed)
-    return GymReference(tmp, policy_key, shared_policy, input_jsonl, run_dir,
-                        faultkit.merged_outputs(run_dir, gym=True), planned, failed, ms.at, out)
+    return GymReference(
+        tmp,
+        policy_key,
+        shared_policy,
+        input_jsonl,
+        run_dir,
+        faultkit.merged_outputs(run_dir, gym=True),
+        planned,
+        failed,
+        ms.at,
+        out,
+    )
 
 
 @pytest.fixture

@@ -48,9 +48,12 @@ def fake_policy(tmp: Path, *args: str, key: str = harness.API_KEY) -> Iterator[h
     port = free_port()
     log = tmp / f"policy-{port}-requests.jsonl"
     env = {k: v for k, v in os.environ.items() if k != harness.TAG_ENV}
-    proc = processes.start([sys.executable, str(harness.FAKE), "--port", str(port), "--api-key", key,
-                            "--request-log", str(log), *args], tmp / f"policy-{port}.log", name="fake-policy",
-                           env=env)
+    proc = processes.start(
+        [sys.executable, str(harness.FAKE), "--port", str(port), "--api-key", key, "--request-log", str(log), *args],
+        tmp / f"policy-{port}.log",
+        name="fake-policy",
+        env=env,
+    )
     fake = harness.FakePolicy(proc, port, log)
     try:
         processes.wait_http(f"http://127.0.0.1:{port}/health", watch=[proc], timeout=60, what="fake policy")
@@ -63,6 +66,7 @@ def fake_policy(tmp: Path, *args: str, key: str = harness.API_KEY) -> Iterator[h
 
 # ---------------------------------------------------------------- processes
 
+
 def _children_table() -> dict[int, list[int]]:
     table: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
@@ -71,7 +75,7 @@ def _children_table() -> dict[int, list[int]]:
                 data = Path(f"/proc/{entry.name}/stat").read_bytes()
             except OSError:
                 continue
-            fields = data[data.rfind(b")") + 2:].split()
+            fields = data[data.rfind(b")") + 2 :].split()
             if fields and fields[0] not in (b"Z", b"X"):
                 table.setdefault(int(fields[1]), []).append(int(entry.name))
     return table
@@ -125,8 +129,10 @@ def leftovers(tag: str, *, also: Path | None = None, wait_s: float = 5.0) -> lis
             for entry in os.scandir("/proc"):
                 if entry.name.isdigit() and int(entry.name) != os.getpid():
                     with contextlib.suppress(OSError):
-                        if needle in Path(f"/proc/{entry.name}/cmdline").read_bytes() and \
-                                processes.start_ticks(int(entry.name)) is not None:
+                        if (
+                            needle in Path(f"/proc/{entry.name}/cmdline").read_bytes()
+                            and processes.start_ticks(int(entry.name)) is not None
+                        ):
                             found.append(f"{entry.name}: {cmdline(int(entry.name))}")
         if not found or time.monotonic() > deadline:
             return sorted(set(found))
@@ -141,19 +147,27 @@ def cmdline(pid: int, limit: int | None = 200) -> str:
 
 
 def cli(*args: str, timeout: float = 300, prefix: list[str] | None = None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run((prefix or []) + SHARDRUN + [str(a) for a in args], capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    return subprocess.run(
+        (prefix or []) + SHARDRUN + [str(a) for a in args], capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 def start_cli(*args: str, log: Path, env: dict | None = None) -> subprocess.Popen:
     """Start a shardrun command in its own session (so the test can kill its whole tree)."""
     with open(log, "ab") as f:
-        return subprocess.Popen(SHARDRUN + [str(a) for a in args], stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        return subprocess.Popen(
+            SHARDRUN + [str(a) for a in args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
 
 
-def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.05,
-             proc: subprocess.Popen | None = None) -> object:
+def wait_for(
+    check: Callable[[], object], timeout: float, what: str, interval: float = 0.05, proc: subprocess.Popen | None = None
+) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = check()
@@ -167,8 +181,14 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, interval: f
 
 # ---------------------------------------------------------------- outputs
 
-MERGED_FILES = ("rollouts.jsonl", "rollouts_materialized_inputs.jsonl", "rollouts_failures.jsonl",
-                "rollouts_reward_profiling.jsonl", "rollouts_agent_metrics.json", "rollouts_aggregate_metrics.json")
+MERGED_FILES = (
+    "rollouts.jsonl",
+    "rollouts_materialized_inputs.jsonl",
+    "rollouts_failures.jsonl",
+    "rollouts_reward_profiling.jsonl",
+    "rollouts_agent_metrics.json",
+    "rollouts_aggregate_metrics.json",
+)
 
 
 def without_gym_randomness(data: bytes) -> bytes:
@@ -201,6 +221,7 @@ def essentials_of(summary: bytes) -> bytes:
         if isinstance(x, list):
             return [strip(v) for v in x]
         return x
+
     return orjson.dumps(strip(orjson.loads(summary)), option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
 
 
@@ -218,8 +239,7 @@ def assert_exactly_once(run_dir: Path, planned: list[tuple[int, int]], failed: s
 
 
 def tree_bytes(root: Path, skip: Callable[[Path], bool] = lambda p: False) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not skip(p)}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not skip(p)}
 
 
 def sealed_and_merged(tmp: Path, tasks: int, shards: int):
@@ -233,6 +253,7 @@ def sealed_and_merged(tmp: Path, tasks: int, shards: int):
 
 
 # ---------------------------------------------------------------- file systems
+
 
 def mount_tmpfs(path: Path, options: str, mounted: list[Path]) -> Path:
     path.mkdir(parents=True, exist_ok=True)
@@ -270,6 +291,7 @@ def counts_line(name: str, **counts: object) -> None:
 
 # ---------------------------------------------------------------- a CLI command in a forked process
 
+
 class Forked:
     """A shardrun command running in a child forked from this (already imported) test process: the same code path
     as the `shardrun` executable without paying the interpreter start-up for every one of many kills."""
@@ -299,7 +321,13 @@ def fork_cli(*args: object, log: Path) -> Forked:
     commands use are imported here first, once, so that no child spends its time importing."""
     import importlib
 
-    for module in ("shardrun.cli", "shardrun.merge.driver", "shardrun.launch.resume", "shardrun.launch.submission", "shardrun.launch.status"):
+    for module in (
+        "shardrun.cli",
+        "shardrun.merge.driver",
+        "shardrun.launch.resume",
+        "shardrun.launch.submission",
+        "shardrun.launch.status",
+    ):
         importlib.import_module(module)
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest

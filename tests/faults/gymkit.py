@@ -18,16 +18,24 @@ import yaml
 from shardrun.rundir import store
 from tests.fakes import harness
 
-CONFIG_PATHS = ["resources_servers/math_with_judge/configs/math_with_judge.yaml",
-                "responses_api_models/vllm_model/configs/vllm_model.yaml"]
+CONFIG_PATHS = [
+    "resources_servers/math_with_judge/configs/math_with_judge.yaml",
+    "responses_api_models/vllm_model/configs/vllm_model.yaml",
+]
 KEY_ENV = "SHARDRUN_FAULTS_POLICY_KEY"
 TASKS = 4
 REPEATS = 4
 
 # shard.log lines that mark where an attempt is (runtime.py writes them as it gets there)
 STARTED, POLICY_READY, GYM_READY, COLLECTING, SEALED, TORN_DOWN, FAILED = (
-    "start: attempt", "policy ready", "Gym servers ready", "collector round", "sealed; stopping servers",
-    "sealed: ", "FAILED: ")
+    "start: attempt",
+    "policy ready",
+    "Gym servers ready",
+    "collector round",
+    "sealed; stopping servers",
+    "sealed: ",
+    "FAILED: ",
+)
 STAGES = ("shard start", "server start-up", "mid-collection", "sealing/teardown")
 
 
@@ -37,13 +45,30 @@ def write_input(path: Path, tasks: int = TASKS) -> Path:
     return path
 
 
-def write_config(path: Path, input_jsonl: Path, run_dir: Path, policy_url: str, *, repeats: int = REPEATS,
-                 gym: dict | None = None, cluster: dict | None = None) -> Path:
+def write_config(
+    path: Path,
+    input_jsonl: Path,
+    run_dir: Path,
+    policy_url: str,
+    *,
+    repeats: int = REPEATS,
+    gym: dict | None = None,
+    cluster: dict | None = None,
+) -> Path:
     data = {
-        "input_jsonl": str(input_jsonl), "run_dir": str(run_dir), "num_repeats": repeats,
+        "input_jsonl": str(input_jsonl),
+        "run_dir": str(run_dir),
+        "num_repeats": repeats,
         "sharding": {"num_shards": 1},
-        "gym": {"config_paths": CONFIG_PATHS, "num_samples_in_parallel": 2, "stall_timeout_s": 120,
-                "ready_timeout_s": 300, "max_rollout_attempts": 2, "health_interval_s": 2} | (gym or {}),
+        "gym": {
+            "config_paths": CONFIG_PATHS,
+            "num_samples_in_parallel": 2,
+            "stall_timeout_s": 120,
+            "ready_timeout_s": 300,
+            "max_rollout_attempts": 2,
+            "health_interval_s": 2,
+        }
+        | (gym or {}),
         "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": KEY_ENV},
         "cluster": {"executor": "local", "array_parallelism": 1, "max_attempts": 1000} | (cluster or {}),
     }
@@ -70,8 +95,10 @@ def stage_of(new_log: str) -> str:
 
 
 def planned_identities(run_dir: Path) -> list[tuple[int, int]]:
-    return [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in
-            store.iter_jsonl_objects(store.materialized_path(run_dir, 0))]
+    return [
+        (r["_ng_task_index"], r["_ng_rollout_index"])
+        for r in store.iter_jsonl_objects(store.materialized_path(run_dir, 0))
+    ]
 
 
 def prompt_and_seed(run_dir: Path) -> dict[tuple[int, int], tuple[str, int]]:

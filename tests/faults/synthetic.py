@@ -22,10 +22,14 @@ UNREACHABLE_POLICY = "http://127.0.0.1:9/v1"  # never contacted: these shards se
 
 def launch_config(run: builders.Run, *, api_key_env: str | None = None, **cluster) -> config.RunConfig:
     data = run.cfg.model_dump(mode="json")
-    data.update(gym={"config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"],
-                     "max_rollout_attempts": MAX_ROLLOUT_ATTEMPTS},
-                policy={"base_url": UNREACHABLE_POLICY, "model_name": "m", "api_key_env": api_key_env},
-                cluster={"executor": "local", "array_parallelism": 1, "max_attempts": 10_000} | cluster)
+    data.update(
+        gym={
+            "config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"],
+            "max_rollout_attempts": MAX_ROLLOUT_ATTEMPTS,
+        },
+        policy={"base_url": UNREACHABLE_POLICY, "model_name": "m", "api_key_env": api_key_env},
+        cluster={"executor": "local", "array_parallelism": 1, "max_attempts": 10_000} | cluster,
+    )
     return config.validate(data)
 
 
@@ -40,17 +44,33 @@ def make(tmp: Path, *, tasks: int, shards: int, seal: bool, name: str = "run") -
     """A run with every shard's outputs written. Unsealed shards are ready to seal without servers: some have
     a torn last line, duplicates, Gym failure rows (2 per identity = MAX_ROLLOUT_ATTEMPTS: failed), and one
     identity that failed its attempts in shardrun's retry ledger only (quarantined into the sidecar at seal)."""
-    run = builders.make_run(tmp, builders.input_rows(tasks, agents=("math", "tool")),
-                            num_repeats={"math": 6, "_default": 3}, num_shards=shards, slicing="round_robin",
-                            name=name)
+    run = builders.make_run(
+        tmp,
+        builders.input_rows(tasks, agents=("math", "tool")),
+        num_repeats={"math": 6, "_default": 3},
+        num_shards=shards,
+        slicing="round_robin",
+        name=name,
+    )
     for i in range(shards):
-        wrote = builders.write_shard(run, i, failed=1 if i % 3 == 0 else 0, duplicates=1 if i % 4 == 1 else 0,
-                                     torn=i % 4 == 2 and not seal, missing=1 if i % 5 == 0 and not seal else 0,
-                                     seal_it=seal)
+        wrote = builders.write_shard(
+            run,
+            i,
+            failed=1 if i % 3 == 0 else 0,
+            duplicates=1 if i % 4 == 1 else 0,
+            torn=i % 4 == 2 and not seal,
+            missing=1 if i % 5 == 0 and not seal else 0,
+            seal_it=seal,
+        )
         if not seal and wrote.missing:
-            store.append_jsonl(store.rollout_attempts_path(run.run_dir, i),
-                               [ledger.attempt_row(k, "/run failed with HTTP 500 (injected)", 1)
-                                for k in wrote.missing for _ in range(MAX_ROLLOUT_ATTEMPTS)])
+            store.append_jsonl(
+                store.rollout_attempts_path(run.run_dir, i),
+                [
+                    ledger.attempt_row(k, "/run failed with HTTP 500 (injected)", 1)
+                    for k in wrote.missing
+                    for _ in range(MAX_ROLLOUT_ATTEMPTS)
+                ],
+            )
     store.write_launch_settings(run.run_dir, launch_config(run))
     return run
 

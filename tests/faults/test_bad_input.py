@@ -57,24 +57,34 @@ INPUT = "input.jsonl"
 CASES = {
     "invalid JSON": ([good(), b'{"responses_create_params": {'], [f"{INPUT}:2", "not valid JSON"]),
     "non-object row": ([good(), b"[1, 2]"], [f"{INPUT}:2", "must be a JSON object"]),
-    "missing params": ([orjson.dumps({"agent_ref": {"name": "a"}})], [f"{INPUT}:1", "responses_create_params",
-                                                                       "missing"]),
-    "params not an object": ([orjson.dumps({"responses_create_params": "hi", "agent_ref": {"name": "a"}})],
-                             [f"{INPUT}:1", "responses_create_params", "must be an object"]),
+    "missing params": (
+        [orjson.dumps({"agent_ref": {"name": "a"}})],
+        [f"{INPUT}:1", "responses_create_params", "missing"],
+    ),
+    "params not an object": (
+        [orjson.dumps({"responses_create_params": "hi", "agent_ref": {"name": "a"}})],
+        [f"{INPUT}:1", "responses_create_params", "must be an object"],
+    ),
     "agent_ref malformed": ([orjson.dumps(row(0) | {"agent_ref": "a"})], [f"{INPUT}:1", "agent_ref"]),
-    "missing agent, no default": ([good(), orjson.dumps(row(1, agent=None))], [f"{INPUT}:2", "agent_ref",
-                                                                               "agent_name"]),
-    "duplicate explicit task index": ([orjson.dumps(row(0, _ng_task_index=5)),
-                                       orjson.dumps(row(1, _ng_task_index=5))], [f"{INPUT}:2", "_ng_task_index",
-                                                                                 "line 1"]),
-    "explicit index clashes with a position": ([good(), orjson.dumps(row(1, _ng_task_index=0))],
-                                               [f"{INPUT}:2", "_ng_task_index"]),
+    "missing agent, no default": (
+        [good(), orjson.dumps(row(1, agent=None))],
+        [f"{INPUT}:2", "agent_ref", "agent_name"],
+    ),
+    "duplicate explicit task index": (
+        [orjson.dumps(row(0, _ng_task_index=5)), orjson.dumps(row(1, _ng_task_index=5))],
+        [f"{INPUT}:2", "_ng_task_index", "line 1"],
+    ),
+    "explicit index clashes with a position": (
+        [good(), orjson.dumps(row(1, _ng_task_index=0))],
+        [f"{INPUT}:2", "_ng_task_index"],
+    ),
     "negative task index": ([orjson.dumps(row(0, _ng_task_index=-1))], [f"{INPUT}:1", "_ng_task_index"]),
     "bool task index": ([orjson.dumps(row(0, _ng_task_index=True))], [f"{INPUT}:1", "_ng_task_index"]),
-    "extra_body not a JSON string": ([orjson.dumps(row(0) | {"responses_create_params": {
-        "input": "x", "metadata": {"extra_body": {"seed": 1}}}})], [f"{INPUT}:1", "metadata.extra_body"]),
-    "non-UTF-8 bytes": ([good(), b'{"responses_create_params": {"input": "\xff\xfe"}}'],
-                        [f"{INPUT}:2", "UTF-8"]),
+    "extra_body not a JSON string": (
+        [orjson.dumps(row(0) | {"responses_create_params": {"input": "x", "metadata": {"extra_body": {"seed": 1}}}})],
+        [f"{INPUT}:1", "metadata.extra_body"],
+    ),
+    "non-UTF-8 bytes": ([good(), b'{"responses_create_params": {"input": "\xff\xfe"}}'], [f"{INPUT}:2", "UTF-8"]),
     "empty input": ([b"", b"  "], ["no tasks"]),
 }
 
@@ -86,15 +96,20 @@ def test_bad_input_is_rejected_with_line_and_field(tmp_path, name):
 
 
 def test_every_problem_is_listed_at_once(tmp_path):
-    out = plan_fails(tmp_path, [b"nope", good(), b"[]", orjson.dumps({"x": 1})], f"{INPUT}:1", f"{INPUT}:3",
-                     f"{INPUT}:4", "3 problem(s)")
+    out = plan_fails(
+        tmp_path,
+        [b"nope", good(), b"[]", orjson.dumps({"x": 1})],
+        f"{INPUT}:1",
+        f"{INPUT}:3",
+        f"{INPUT}:4",
+        "3 problem(s)",
+    )
     assert out.count("  - ") == 3
 
 
 def test_unknown_agent_in_dict_repeats_names_every_missing_agent(tmp_path):
     lines = [orjson.dumps(row(0, agent="a")), orjson.dumps(row(1, agent="b")), orjson.dumps(row(2, agent="c"))]
-    plan_fails(tmp_path, lines, "num_repeats", "'b' (first at", f"{INPUT}:2", "'c'", "_default",
-               num_repeats={"a": 2})
+    plan_fails(tmp_path, lines, "num_repeats", "'b' (first at", f"{INPUT}:2", "'c'", "_default", num_repeats={"a": 2})
 
 
 def test_oversized_row_is_rejected(tmp_path, monkeypatch):
@@ -103,15 +118,17 @@ def test_oversized_row_is_rejected(tmp_path, monkeypatch):
     plan_fails(tmp_path, [good(), big], f"{INPUT}:2", "over the")
 
 
-@pytest.mark.parametrize("repeats,needle", [(0, "num_repeats"), (-3, "num_repeats"), ({"a": 0}, "num_repeats"),
-                                            ("many", "num_repeats")])
+@pytest.mark.parametrize(
+    "repeats,needle", [(0, "num_repeats"), (-3, "num_repeats"), ({"a": 0}, "num_repeats"), ("many", "num_repeats")]
+)
 def test_bad_repeats_in_config(tmp_path, repeats, needle):
     plan_fails(tmp_path, [good()], needle, num_repeats=repeats)
 
 
 def test_unknown_config_key_gets_a_did_you_mean(tmp_path):
-    plan_fails(tmp_path, [good()], "sharding.num_shard", "did you mean 'sharding.num_shards'",
-               sharding={"num_shard": 3})
+    plan_fails(
+        tmp_path, [good()], "sharding.num_shard", "did you mean 'sharding.num_shards'", sharding={"num_shard": 3}
+    )
 
 
 def test_wrong_type_in_config(tmp_path):
@@ -123,8 +140,13 @@ def test_both_shard_sizes_is_an_error(tmp_path):
 
 
 def test_secret_values_are_refused_in_config(tmp_path):
-    plan_fails(tmp_path, [good()], "policy.api_key", "environment variable",
-               policy={"base_url": "http://x/v1", "model_name": "m", "api_key": "sk-123"})
+    plan_fails(
+        tmp_path,
+        [good()],
+        "policy.api_key",
+        "environment variable",
+        policy={"base_url": "http://x/v1", "model_name": "m", "api_key": "sk-123"},
+    )
 
 
 def test_unknown_cluster_name(tmp_path):
@@ -148,8 +170,13 @@ def test_missing_input_file(tmp_path):
 
 def test_api_key_env_must_be_a_name(tmp_path):
     with pytest.raises(BadInput, match="policy.api_key_env"):
-        config.validate({"input_jsonl": "x", "run_dir": "y",
-                         "policy": {"base_url": "http://h/v1", "model_name": "m", "api_key_env": "sk-abc def"}})
+        config.validate(
+            {
+                "input_jsonl": "x",
+                "run_dir": "y",
+                "policy": {"base_url": "http://h/v1", "model_name": "m", "api_key_env": "sk-abc def"},
+            }
+        )
 
 
 def test_nothing_is_written_on_bad_input(tmp_path):

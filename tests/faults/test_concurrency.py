@@ -27,8 +27,11 @@ SHARDS = 6
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     run = faultkit.sealed_and_merged(tmp_path_factory.mktemp("race-reference"), tasks=600, shards=SHARDS)
-    return {"shards": synthetic.shard_files(run.run_dir, SHARDS), "merged": faultkit.merged_outputs(run.run_dir),
-            "files": {n: (store.merged_dir(run.run_dir) / n).read_bytes() for n in faultkit.MERGED_FILES}}
+    return {
+        "shards": synthetic.shard_files(run.run_dir, SHARDS),
+        "merged": faultkit.merged_outputs(run.run_dir),
+        "files": {n: (store.merged_dir(run.run_dir) / n).read_bytes() for n in faultkit.MERGED_FILES},
+    }
 
 
 def launches_per_shard(run_dir: Path) -> Counter:
@@ -47,8 +50,14 @@ def test_two_commands_racing_on_one_run_launch_every_shard_once(tmp_path: Path, 
             if k:
                 time.sleep(rng.uniform(0, 0.4))
             args = ("submit", cfg) if command == "submit" else ("resume", run.run_dir)
-            procs.append(subprocess.Popen(faultkit.SHARDRUN + [str(a) for a in args], stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
+            procs.append(
+                subprocess.Popen(
+                    faultkit.SHARDRUN + [str(a) for a in args],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         outs = [p.communicate(timeout=300)[0] for p in procs]
         for p, out in zip(procs, outs):
             assert p.returncode == 0, out
@@ -112,8 +121,9 @@ def test_merge_racing_a_late_shard_sees_it_sealed_or_not_never_half(tmp_path: Pa
                 late = next((s for s in (summary or {}).get("shards", []) if s.get("index") == LATE), None)
                 if code == 5:  # refused: the late shard is not sealed; nothing was written
                     assert not partial
-                    assert faultkit.tree_bytes(store.merged_dir(run_dir),
-                                               skip=lambda p: p.name.startswith(".")) == before
+                    assert (
+                        faultkit.tree_bytes(store.merged_dir(run_dir), skip=lambda p: p.name.startswith(".")) == before
+                    )
                     seen["refused (not sealed)"] += 1
                     continue
                 assert code == 0, (tmp_path / "merge.out").read_text()[-3000:]
@@ -148,8 +158,15 @@ def test_three_plan_writes_at_once_write_one_plan(tmp_path: Path):
         import shutil
 
         shutil.rmtree(fresh, ignore_errors=True)
-        procs = [subprocess.Popen(faultkit.SHARDRUN + ["plan", str(cfg), f"run_dir={fresh}", "--write"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(3)]
+        procs = [
+            subprocess.Popen(
+                faultkit.SHARDRUN + ["plan", str(cfg), f"run_dir={fresh}", "--write"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for _ in range(3)
+        ]
         outs = [p.communicate(timeout=120)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0, 0], outs
         assert sum("(written)" in o for o in outs) == 1 and sum("nothing written" in o for o in outs) == 2, outs

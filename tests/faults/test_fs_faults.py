@@ -64,8 +64,11 @@ def half_sealed(tmp: Path, keep_run: list | None = None) -> tuple[Path, dict[str
         keep_run.append(run)
     for i in (0, 1):
         assert faultkit.cli("run-shard", run.run_dir, i).returncode == 0
-    kept = {p: data for p, data in faultkit.tree_bytes(run.run_dir).items()
-            if p.startswith(("shards/00000/", "shards/00001/")) and "/logs/" not in p and ".lock" not in p}
+    kept = {
+        p: data
+        for p, data in faultkit.tree_bytes(run.run_dir).items()
+        if p.startswith(("shards/00000/", "shards/00001/")) and "/logs/" not in p and ".lock" not in p
+    }
     return run.run_dir, kept
 
 
@@ -77,13 +80,18 @@ def assert_kept(run_dir: Path, kept: dict[str, bytes]) -> None:
 
 # ---------------------------------------------------------------- disk full
 
+
 def test_disk_full_while_sealing_resuming_and_merging_is_a_clear_error_and_nothing_sealed_is_lost(
-        tmp_path: Path, mounts, reference):
+    tmp_path: Path, mounts, reference
+):
     disk = faultkit.mount_tmpfs(tmp_path / "disk", "size=24m", mounts)
     run_dir, kept = half_sealed(disk)
     filler = faultkit.fill(disk)
-    for args, code in ((("run-shard", run_dir, 2), 2), (("resume", run_dir), 2),
-                       (("merge-and-profile", run_dir, "--allow-partial"), 2)):
+    for args, code in (
+        (("run-shard", run_dir, 2), 2),
+        (("resume", run_dir), 2),
+        (("merge-and-profile", run_dir, "--allow-partial"), 2),
+    ):
         clear_error(faultkit.cli(*args), code, "no space left")
         assert_kept(run_dir, kept)
         assert sealed(run_dir) == {0, 1}
@@ -108,6 +116,7 @@ def test_disk_full_while_writing_merged_outputs_keeps_the_previous_ones(tmp_path
 
 # ---------------------------------------------------------------- permission denied
 
+
 def test_permission_denied_on_the_run_directory_is_a_clear_error(tmp_path: Path, reference):
     faultkit.need_setpriv()
     run_dir, kept = half_sealed(tmp_path)
@@ -115,8 +124,11 @@ def test_permission_denied_on_the_run_directory_is_a_clear_error(tmp_path: Path,
     for d in locked:
         d.chmod(0o555)
     try:
-        for args, code in ((("run-shard", run_dir, 2), 2), (("resume", run_dir), 2),
-                           (("merge-and-profile", run_dir, "--allow-partial"), 2)):
+        for args, code in (
+            (("run-shard", run_dir, 2), 2),
+            (("resume", run_dir), 2),
+            (("merge-and-profile", run_dir, "--allow-partial"), 2),
+        ):
             clear_error(faultkit.cli(*args, prefix=faultkit.NO_DAC), code, "permission denied")
         st = faultkit.cli("status", run_dir, prefix=faultkit.NO_DAC)
         assert st.returncode == 0 and "sealed 2" in st.stdout, st.stdout + st.stderr
@@ -128,6 +140,7 @@ def test_permission_denied_on_the_run_directory_is_a_clear_error(tmp_path: Path,
 
 
 # ---------------------------------------------------------------- the run directory moved
+
 
 def test_moved_run_directory_works_from_its_new_place_and_the_old_path_is_a_clear_error(tmp_path: Path, reference):
     run_dir, kept = half_sealed(tmp_path / "old")
@@ -143,6 +156,7 @@ def test_moved_run_directory_works_from_its_new_place_and_the_old_path_is_a_clea
 
 
 # ---------------------------------------------------------------- .done edited or copied, plan.json edited
+
 
 def test_edited_or_foreign_done_markers_are_ignored_named_and_resealed(tmp_path: Path, reference):
     run = synthetic.make(tmp_path / "a", tasks=300, shards=SHARDS, seal=False)
@@ -195,8 +209,14 @@ def test_hand_edited_plan_json_is_refused_by_every_command(tmp_path: Path, edit:
     store.plan_path(run_dir).write_bytes(data)
     before = faultkit.tree_bytes(run_dir, skip=lambda p: "/logs/" in str(p) or p.name.endswith(".lock"))
     needle = "unreadable plan" if edit == "truncated" else "edited by hand"
-    for args in (("status", run_dir), ("resume", run_dir), ("merge-and-profile", run_dir), ("run-shard", run_dir, 2),
-                 ("submit", cfg), ("plan", cfg, "--write")):
+    for args in (
+        ("status", run_dir),
+        ("resume", run_dir),
+        ("merge-and-profile", run_dir),
+        ("run-shard", run_dir, 2),
+        ("submit", cfg),
+        ("plan", cfg, "--write"),
+    ):
         clear_error(faultkit.cli(*args), 2, needle, "plan.json")
     assert faultkit.tree_bytes(run_dir, skip=lambda p: "/logs/" in str(p) or p.name.endswith(".lock")) == before
     store.plan_path(run_dir).write_bytes(original)  # restored: everything works again

@@ -64,9 +64,19 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
     proc = faultkit.fork_cli("resume", run_dir, log=tmp_path / "reference.log")
     first = faultkit.wait_for(lambda: any(shard_log_sizes(run_dir, SHARDS)), 120, "the first shard to start", proc=proc)
     t_first = time.monotonic()
-    faultkit.wait_for(lambda: all(b"sealed:" in store.shard_log_path(run_dir, i).read_bytes()
-                                  for i in range(SHARDS) if store.shard_log_path(run_dir, i).exists())
-                      and all(shard_log_sizes(run_dir, SHARDS)), 300, "every shard to seal", proc=proc)
+    faultkit.wait_for(
+        lambda: (
+            all(
+                b"sealed:" in store.shard_log_path(run_dir, i).read_bytes()
+                for i in range(SHARDS)
+                if store.shard_log_path(run_dir, i).exists()
+            )
+            and all(shard_log_sizes(run_dir, SHARDS))
+        ),
+        300,
+        "every shard to seal",
+        proc=proc,
+    )
     sealing_s = time.monotonic() - t_first  # from the first shard's start to the last shard's seal
     assert first and proc.wait(300) == 0, (tmp_path / "reference.log").read_text()
     assert sealed(run_dir, SHARDS) == set(range(SHARDS))
@@ -75,23 +85,32 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
     reference_merged = faultkit.merged_outputs(run_dir)
     failed = {k for i in range(SHARDS) for k in faultkit.identities(store.failures_path(run_dir, i))}
     faultkit.assert_exactly_once(run_dir, planned, failed)
-    reference_markers = {i: {k: v for k, v in seal.check(run_dir, run.plan, i).marker.items()
-                             if k in ("num_rollouts", "num_failed", "rollouts_sha256", "rollouts_bytes")}
-                         for i in range(SHARDS)}
+    reference_markers = {
+        i: {
+            k: v
+            for k, v in seal.check(run_dir, run.plan, i).marker.items()
+            if k in ("num_rollouts", "num_failed", "rollouts_sha256", "rollouts_bytes")
+        }
+        for i in range(SHARDS)
+    }
     startup_s = t_first - t0
 
     rng = faultkit.seeded(4242)
     synthetic.restore(pristine, run_dir)
     landed: Counter = Counter()
     kills = chains = 0
-    for attempt in range(6 * KILLS):
+    for _attempt in range(6 * KILLS):
         if kills >= KILLS:
             break
         before = sealed(run_dir, SHARDS)
         sizes = shard_log_sizes(run_dir, SHARDS)
         proc = faultkit.fork_cli("resume", run_dir, log=tmp_path / "chaos.log")
-        started = faultkit.wait_for(lambda: shard_log_sizes(run_dir, SHARDS) != sizes, 120 + startup_s,
-                                    "a shard job to start sealing", proc=proc)
+        started = faultkit.wait_for(
+            lambda: shard_log_sizes(run_dir, SHARDS) != sizes,
+            120 + startup_s,
+            "a shard job to start sealing",
+            proc=proc,
+        )
         if started:
             time.sleep(rng.uniform(0.0, sealing_s))
         if proc.poll() is None:
@@ -101,8 +120,10 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
             landed["sealed some shards before the kill"] += bool(now - before)
             landed["left a temp file"] += bool(synthetic.temps(run_dir / "shards"))
             landed["mid-shard (started, not sealed)"] += any(
-                i not in now and b"start:" in store.shard_log_path(run_dir, i).read_bytes()[sizes[i]:]
-                for i in range(SHARDS) if store.shard_log_path(run_dir, i).exists())
+                i not in now and b"start:" in store.shard_log_path(run_dir, i).read_bytes()[sizes[i] :]
+                for i in range(SHARDS)
+                if store.shard_log_path(run_dir, i).exists()
+            )
             assert faultkit.leftovers(tagged, also=run_dir) == []
         else:
             assert proc.returncode == 0, (tmp_path / "chaos.log").read_text()[-3000:]
@@ -111,8 +132,10 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
         for i in now:
             marker = seal.check(run_dir, run.plan, i).marker
             assert {k: marker[k] for k in reference_markers[i]} == reference_markers[i]
-            assert store.rollouts_path(run_dir, i).read_bytes() == reference[
-                str(store.rollouts_path(run_dir, i).relative_to(run_dir))]
+            assert (
+                store.rollouts_path(run_dir, i).read_bytes()
+                == reference[str(store.rollouts_path(run_dir, i).relative_to(run_dir))]
+            )
         if now == set(range(SHARDS)):  # this chain of kills is recovered: check it, start another
             assert synthetic.shard_files(run_dir, SHARDS) == reference
             chains += 1
@@ -131,15 +154,20 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
     assert {(f["task"], f["rollout"]) for f in orjson.loads(st.stdout)["failed"]} == failed
     assert kills >= KILLS, (kills, landed)
     assert landed["mid-shard (started, not sealed)"] >= KILLS // 2, landed
-    faultkit.counts_line("sealing", kills=kills, recovered_chains=chains + 1, identities_checked=checked,
-                         **{k.replace(" ", "_"): v for k, v in landed.items()})
+    faultkit.counts_line(
+        "sealing",
+        kills=kills,
+        recovered_chains=chains + 1,
+        identities_checked=checked,
+        **{k.replace(" ", "_"): v for k, v in landed.items()},
+    )
 
 
 def merged_temps(run_dir: Path) -> dict[str, int]:
     """Temp files of a merge in progress: output (or scratch) name -> bytes written so far."""
     out = {}
     for p in synthetic.temps(store.merged_dir(run_dir)):
-        name = p.name[len(store.TMP_PREFIX):]
+        name = p.name[len(store.TMP_PREFIX) :]
         try:
             size = p.stat().st_size
         except FileNotFoundError:  # renamed into place (or removed) since it was listed
@@ -186,7 +214,8 @@ def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path
     reference = faultkit.merged_outputs(run_dir)
     reference_files = {n: (store.merged_dir(run_dir) / n).read_bytes() for n in faultkit.MERGED_FILES}
     failed = {k for k in faultkit.identities(store.merged_failures_path(run_dir))} - set(
-        faultkit.identities(store.merged_rollouts_path(run_dir)))
+        faultkit.identities(store.merged_rollouts_path(run_dir))
+    )
     phases = phase_starts(run_dir, tmp_path / "watched.log")
     profile_at = phases.get("mid-profile", phases["end"] / 2)
     renaming_at = max(phases.get("while renaming outputs", phases["end"]), profile_at + 0.05)
@@ -209,8 +238,7 @@ def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path
         if target == "mid-merge":
             time.sleep(rng.uniform(0, profile_at))
         else:  # from the moment it starts profiling, a random part of how long profiling took
-            faultkit.wait_for(lambda: merge_phase(run_dir) != "mid-merge", 60, "profiling", interval=0.001,
-                              proc=proc)
+            faultkit.wait_for(lambda: merge_phase(run_dir) != "mid-merge", 60, "profiling", interval=0.001, proc=proc)
             time.sleep(rng.uniform(0, renaming_at - profile_at))
         if proc.poll() is not None:
             assert proc.returncode == 0, (tmp_path / "chaos.log").read_text()[-3000:]
@@ -239,8 +267,13 @@ def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path
     assert faultkit.merged_outputs(run_dir) == reference and not synthetic.temps(store.merged_dir(run_dir))
     checked = faultkit.assert_exactly_once(run_dir, planned, failed)
     assert landed["mid-merge"] >= KILLS and landed["mid-profile"] >= KILLS, landed
-    faultkit.counts_line("merge-and-profile", kills=kills, recoveries=recoveries + 1, identities_checked=checked,
-                         **{k.replace(" ", "_").replace("-", "_"): v for k, v in landed.items()})
+    faultkit.counts_line(
+        "merge-and-profile",
+        kills=kills,
+        recoveries=recoveries + 1,
+        identities_checked=checked,
+        **{k.replace(" ", "_").replace("-", "_"): v for k, v in landed.items()},
+    )
 
 
 def test_merge_killed_while_renaming_its_outputs_never_leaves_a_summary_ahead_of_them(tmp_path: Path, tagged: str):
@@ -284,7 +317,9 @@ def test_merge_killed_while_renaming_its_outputs_never_leaves_a_summary_ahead_of
         faultkit.kill_tree(proc, tag=tagged)
         now = {n: (store.merged_dir(run_dir) / n).read_bytes() for n in names}
         if now["merge_summary.json"] != old["merge_summary.json"]:  # new, with this run's timings
-            assert faultkit.essentials_of(now["merge_summary.json"]) == faultkit.essentials_of(new["merge_summary.json"])
+            assert faultkit.essentials_of(now["merge_summary.json"]) == faultkit.essentials_of(
+                new["merge_summary.json"]
+            )
             now["merge_summary.json"] = new["merge_summary.json"]
         assert all(now[n] in (old[n], new[n]) for n in names)  # each output whole, old or new
         replaced = sorted(n for n in names if now[n] == new[n] != old[n])
@@ -292,7 +327,8 @@ def test_merge_killed_while_renaming_its_outputs_never_leaves_a_summary_ahead_of
         if now["merge_summary.json"] == new["merge_summary.json"]:
             assert all(now[n] == new[n] for n in names), f"the summary is new but not {set(names) - set(replaced)}"
     res = faultkit.cli("merge-and-profile", run_dir)
-    assert res.returncode == 0 and {n: (store.merged_dir(run_dir) / n).read_bytes()
-                                    for n in faultkit.MERGED_FILES} == {n: new[n] for n in faultkit.MERGED_FILES}
+    assert res.returncode == 0 and {n: (store.merged_dir(run_dir) / n).read_bytes() for n in faultkit.MERGED_FILES} == {
+        n: new[n] for n in faultkit.MERGED_FILES
+    }
     assert landed["killed mid-rename"] >= 3, landed
     faultkit.counts_line("merge renames", **{k.replace(" ", "_"): v for k, v in landed.items()})

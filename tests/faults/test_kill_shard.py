@@ -41,8 +41,9 @@ def quotas() -> dict[str, int]:
     return dict(zip(gymkit.STAGES[:3], n))
 
 
-def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(tmp_path: Path, gym_reference,
-                                                                                  tag: str):
+def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
+    tmp_path: Path, gym_reference, tag: str
+):
     ref = gym_reference
     quota = quotas()
     ms = ref.milestones
@@ -73,8 +74,9 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
         proc = faultkit.start_cli(*command, log=tmp_path / "commands.log")
         milestone, length = windows[target]
         if milestone is not None:
-            faultkit.wait_for(lambda: milestone in gymkit.log_text(run_dir)[offset:], 600, milestone, proc=proc,
-                              interval=0.02)
+            faultkit.wait_for(
+                lambda: milestone in gymkit.log_text(run_dir)[offset:], 600, milestone, proc=proc, interval=0.02
+            )
 
         def idle(until) -> None:
             """Wait for `until()` (or the command's end), checking env.yaml and the command lines meanwhile."""
@@ -85,8 +87,9 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
                     mode = stat.S_IMODE(os.stat(store.env_yaml_path(run_dir, 0)).st_mode)
                     assert mode == 0o600, oct(mode)
                     if not env_yaml_seen % 200:  # and no process of the shard has the key on its command line
-                        assert not [p for p in harness.tagged_processes(tag)
-                                    if ref.key in faultkit.cmdline(p, limit=None)]
+                        assert not [
+                            p for p in harness.tagged_processes(tag) if ref.key in faultkit.cmdline(p, limit=None)
+                        ]
                     env_yaml_seen += 1
 
         if target == "mid-collection":  # a seeded point of the collection: once k more rollouts landed, k < left
@@ -109,8 +112,9 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
             landed[stage] += 1
             assert faultkit.leftovers(tag, also=run_dir) == [], f"kill {kills} ({stage}) left processes"
             env_yaml_left += store.env_yaml_path(run_dir, 0).exists()
-            keys = faultkit.identities(store.rollouts_path(run_dir, 0)) if store.rollouts_path(run_dir, 0).exists() \
-                else []
+            keys = (
+                faultkit.identities(store.rollouts_path(run_dir, 0)) if store.rollouts_path(run_dir, 0).exists() else []
+            )
             assert len(keys) == len(set(keys)) and set(keys) <= set(ref.planned), "duplicated or invented rollout"
             continue
         # the command finished: this chain of kills is recovered; check it, and start a new run directory
@@ -129,8 +133,9 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
     requests_before = len(ref.fake.requests())
     done_before = set(faultkit.identities(store.rollouts_path(run_dir, 0))) if run_dir.exists() else set()
     proc = faultkit.start_cli(*command, log=tmp_path / "commands.log")
-    faultkit.wait_for(lambda: gymkit.SEALED in gymkit.log_text(run_dir)[offset:], 900, "the seal", proc=proc,
-                      interval=0.01)
+    faultkit.wait_for(
+        lambda: gymkit.SEALED in gymkit.log_text(run_dir)[offset:], 900, "the seal", proc=proc, interval=0.01
+    )
     if proc.poll() is None:
         faultkit.kill_tree(proc, tag=tag)
         kills += 1
@@ -146,10 +151,16 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
     assert res.returncode == 0 and "every shard is sealed" in res.stdout, res.stdout + res.stderr
     checked = verify(run_dir, ref, tag)
     assert all(landed[s] >= quota[s] for s in quota), (dict(landed), quota)
-    faultkit.counts_line("shard kills", kills=kills, recovered_runs=chains + 1,
-                         identities_checked=checked * (chains + 1), commands=dict(used),
-                         env_yaml_0600_checks=env_yaml_seen, env_yaml_left_by_kills=env_yaml_left,
-                         **{s.replace(" ", "_").replace("-", "_").replace("/", "_"): landed[s] for s in landed})
+    faultkit.counts_line(
+        "shard kills",
+        kills=kills,
+        recovered_runs=chains + 1,
+        identities_checked=checked * (chains + 1),
+        commands=dict(used),
+        env_yaml_0600_checks=env_yaml_seen,
+        env_yaml_left_by_kills=env_yaml_left,
+        **{s.replace(" ", "_").replace("-", "_").replace("/", "_"): landed[s] for s in landed},
+    )
 
 
 def verify(run_dir: Path, ref, tag: str) -> int:

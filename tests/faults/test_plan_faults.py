@@ -26,22 +26,26 @@ KILLS = 20
 
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and p.name != ".shardrun.lock"}
+    return {
+        str(p.relative_to(run_dir)): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != ".shardrun.lock"
+    }
 
 
 def setup(tmp_path: Path, tasks: int, run_dir: Path | None = None) -> Path:
     inp = tmp_path / "input.jsonl"
     inp.write_bytes(b"".join(orjson.dumps(row(i, agent="a" if i % 3 else "b")) + b"\n" for i in range(tasks)))
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"input_jsonl: {inp}\nrun_dir: {run_dir or tmp_path / 'run'}\n"
-                   f"num_repeats: {{a: 8, b: 4}}\nsharding: {{num_shards: 16, slicing: round_robin}}\n")
+    cfg.write_text(
+        f"input_jsonl: {inp}\nrun_dir: {run_dir or tmp_path / 'run'}\n"
+        f"num_repeats: {{a: 8, b: 4}}\nsharding: {{num_shards: 16, slicing: round_robin}}\n"
+    )
     return cfg
 
 
 def plan_write(cfg: Path, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(SHARDRUN + ["plan", str(cfg), "--write"], capture_output=True, text=True,
-                          timeout=120, **kw)
+    return subprocess.run(SHARDRUN + ["plan", str(cfg), "--write"], capture_output=True, text=True, timeout=120, **kw)
 
 
 def test_sigkill_anywhere_in_plan_write_then_rerun_gives_identical_run_dir(tmp_path):
@@ -55,8 +59,12 @@ def test_sigkill_anywhere_in_plan_write_then_rerun_gives_identical_run_dir(tmp_p
     outcomes = {"killed": 0, "finished": 0}
     for _ in range(KILLS):
         shutil.rmtree(run_dir)
-        proc = subprocess.Popen(SHARDRUN + ["plan", str(cfg), "--write"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            SHARDRUN + ["plan", str(cfg), "--write"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         time.sleep(rng.uniform(0.05, duration))
         os.killpg(proc.pid, signal.SIGKILL)
         outcomes["killed" if proc.wait() == -signal.SIGKILL else "finished"] += 1
@@ -104,8 +112,9 @@ def test_permission_denied_on_run_dir_is_a_clear_error(tmp_path):
     cfg = setup(tmp_path, tasks=10, run_dir=run_dir)
     run_dir.chmod(0o555)
     try:
-        res = subprocess.run(NO_DAC + SHARDRUN + ["plan", str(cfg), "--write"], capture_output=True, text=True,
-                             timeout=120)
+        res = subprocess.run(
+            NO_DAC + SHARDRUN + ["plan", str(cfg), "--write"], capture_output=True, text=True, timeout=120
+        )
     finally:
         run_dir.chmod(0o755)
     assert res.returncode == 2, (res.stdout, res.stderr)
@@ -121,8 +130,9 @@ def test_permission_denied_inside_shards_is_a_clear_error(tmp_path):
     (run_dir / "shards" / "00003").chmod(0o555)
     cfg = setup(tmp_path, tasks=10, run_dir=run_dir)
     try:
-        res = subprocess.run(NO_DAC + SHARDRUN + ["plan", str(cfg), "--write"], capture_output=True, text=True,
-                             timeout=120)
+        res = subprocess.run(
+            NO_DAC + SHARDRUN + ["plan", str(cfg), "--write"], capture_output=True, text=True, timeout=120
+        )
     finally:
         (run_dir / "shards" / "00003").chmod(0o755)
     assert res.returncode == 2, (res.stdout, res.stderr)

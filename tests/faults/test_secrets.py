@@ -70,9 +70,11 @@ def test_a_server_log_never_gets_the_key_even_when_the_server_prints_it(tmp_path
     from shardrun.shard import processes
 
     log = tmp_path / "server.log"
-    code = ("import os, subprocess, sys\nk = os.environ['K']\nprint('Authorization: Bearer ' + k, flush=True)\n"
-            "print('x' * 1_000_000 + k + 'y')\nsys.stderr.write('err ' + k + '\\n')\n"
-            "subprocess.run([sys.executable, '-c', 'import os; print(\"child\", os.environ[\"K\"])'])\n")
+    code = (
+        "import os, subprocess, sys\nk = os.environ['K']\nprint('Authorization: Bearer ' + k, flush=True)\n"
+        "print('x' * 1_000_000 + k + 'y')\nsys.stderr.write('err ' + k + '\\n')\n"
+        "subprocess.run([sys.executable, '-c', 'import os; print(\"child\", os.environ[\"K\"])'])\n"
+    )
     proc = processes.start([sys.executable, "-c", code], log, env={"K": policy_key}, redact=[policy_key])
     assert proc.popen.wait(timeout=60) == 0
     processes.stop(proc)
@@ -83,8 +85,14 @@ def test_a_server_log_never_gets_the_key_even_when_the_server_prints_it(tmp_path
 
 def test_rendered_sbatch_scripts_hold_the_variable_name_not_the_key(tmp_path: Path, policy_key, monkeypatch):
     run = synthetic.make(tmp_path, tasks=30, shards=3, seal=False)
-    cfg = synthetic.write_config_file(run, tmp_path / "run.yaml", api_key_env=gymkit.KEY_ENV, executor="slurm",
-                                      env_vars=[gymkit.KEY_ENV], max_array_size=2)
+    cfg = synthetic.write_config_file(
+        run,
+        tmp_path / "run.yaml",
+        api_key_env=gymkit.KEY_ENV,
+        executor="slurm",
+        env_vars=[gymkit.KEY_ENV],
+        max_array_size=2,
+    )
     monkeypatch.setenv(gymkit.KEY_ENV, policy_key)
     res = faultkit.cli("submit", cfg, "--dry-run")
     assert res.returncode == 0, res.stderr
@@ -93,15 +101,27 @@ def test_rendered_sbatch_scripts_hold_the_variable_name_not_the_key(tmp_path: Pa
 
 
 @pytest.mark.slurm
-def test_a_real_slurm_submission_writes_the_key_nowhere(tmp_path: Path, slurm_cluster, policy_key,  # noqa: F811
-                                                         monkeypatch):
+def test_a_real_slurm_submission_writes_the_key_nowhere(
+    tmp_path: Path,
+    slurm_cluster,  # noqa: F811
+    policy_key,
+    monkeypatch,
+):
     """Shards that seal without servers, submitted as a job array to the real local Slurm with the key passed
     through: submitit's sbatch scripts, pickles and job logs, the markers and the merged outputs hold no key."""
     run = synthetic.make(tmp_path, tasks=60, shards=2, seal=False)
-    cfg = synthetic.write_config_file(run, tmp_path / "run.yaml", api_key_env=gymkit.KEY_ENV, executor="slurm",
-                                      env_vars=[gymkit.KEY_ENV],
-                                      partition=os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
-                                      time_limit="00:05:00", cpus_per_task=1, mem_gb=1, job_name_prefix="srfault")
+    cfg = synthetic.write_config_file(
+        run,
+        tmp_path / "run.yaml",
+        api_key_env=gymkit.KEY_ENV,
+        executor="slurm",
+        env_vars=[gymkit.KEY_ENV],
+        partition=os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
+        time_limit="00:05:00",
+        cpus_per_task=1,
+        mem_gb=1,
+        job_name_prefix="srfault",
+    )
     monkeypatch.setenv(gymkit.KEY_ENV, policy_key)
     res = faultkit.cli("submit", cfg, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -115,8 +135,15 @@ def test_a_real_slurm_submission_writes_the_key_nowhere(tmp_path: Path, slurm_cl
     from shardrun.rundir import seal
 
     assert all(seal.check(run_dir, plan, i, deep=True).sealed for i in range(2))
-    assert kinds(run_dir) >= {"plan.json", ".done", "launch records", "submitit pickles", "logs", "merged outputs",
-                              "sbatch scripts"}
+    assert kinds(run_dir) >= {
+        "plan.json",
+        ".done",
+        "launch records",
+        "submitit pickles",
+        "logs",
+        "merged outputs",
+        "sbatch scripts",
+    }
     scripts = list(store.jobs_dir(run_dir).rglob("*.sh"))
     assert scripts and all(gymkit.KEY_ENV in s.read_text() for s in scripts if "merge" not in s.read_text())
     assert files_holding(run_dir, policy_key) == []

@@ -31,6 +31,7 @@ def submit(cfg: Path, timeout: float = 600) -> tuple[int, str, float]:
 
 def after_first_rollout(run_dir: Path, action, timeout: float = 600) -> threading.Thread:
     """Run `action` once the shard's first rollout has landed (in a thread; the test runs the shard)."""
+
     def wait_then_act() -> None:
         path = store.rollouts_path(run_dir, 0)
         deadline = time.monotonic() + timeout
@@ -39,28 +40,36 @@ def after_first_rollout(run_dir: Path, action, timeout: float = 600) -> threadin
                 action()
                 return
             time.sleep(0.05)
+
     t = threading.Thread(target=wait_then_act, daemon=True)
     t.start()
     return t
 
 
-def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(tmp_path: Path, gym_env, policy_key,
-                                                                            tag: str):
-    faults = ["500:seed=1,match=What is 1 + 9?",  # task 3, rollout 1: HTTP 500 every time
-              "garbage:seed=3,match=What is 2 * 6?",  # task 2, rollout 3: 200 with a body that is not JSON
-              "500:nth=1"]  # the run's first request (task 0) fails once: Gym's client retries it, it succeeds
-    with faultkit.fake_policy(tmp_path, "--delay", "0.2", *[a for f in faults for a in ("--fault", f)],
-                              key=policy_key) as fake:
+def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(
+    tmp_path: Path, gym_env, policy_key, tag: str
+):
+    faults = [
+        "500:seed=1,match=What is 1 + 9?",  # task 3, rollout 1: HTTP 500 every time
+        "garbage:seed=3,match=What is 2 * 6?",  # task 2, rollout 3: 200 with a body that is not JSON
+        "500:nth=1",
+    ]  # the run's first request (task 0) fails once: Gym's client retries it, it succeeds
+    with faultkit.fake_policy(
+        tmp_path, "--delay", "0.2", *[a for f in faults for a in ("--fault", f)], key=policy_key
+    ) as fake:
         run_dir = tmp_path / "run"
-        cfg = gymkit.write_config(tmp_path / "run.yaml", gymkit.write_input(tmp_path / "input.jsonl"), run_dir,
-                                  fake.base_url)
+        cfg = gymkit.write_config(
+            tmp_path / "run.yaml", gymkit.write_input(tmp_path / "input.jsonl"), run_dir, fake.base_url
+        )
         rc, out, took = submit(cfg)
         requests = fake.requests()
     assert rc == 0, out + gymkit.log_text(run_dir)
     assert "shard 00000: sealed (14 rollouts, 2 failed)" in out
     prompts = gymkit.prompt_and_seed(run_dir)
-    failures = {(r["_ng_task_index"], r["_ng_rollout_index"]): r
-                for r in store.iter_jsonl_objects(store.failures_path(run_dir, 0))}
+    failures = {
+        (r["_ng_task_index"], r["_ng_rollout_index"]): r
+        for r in store.iter_jsonl_objects(store.failures_path(run_dir, 0))
+    }
     assert set(failures) == {(3, 1), (2, 3)}
     # Gym's model client itself tries a 500 three times (openai_utils MAX_NUM_TRIES) and garbage once, per attempt
     for key, calls_per_attempt in (((3, 1), 3), ((2, 3), 1)):
@@ -98,20 +107,28 @@ def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(tmp
     assert {i["_ng_rollout_index"] for i in profile[3]["rollout_infos"]} == {0, 2, 3}
     assert faultkit.leftovers(tag, also=run_dir) == []
     assert no_key_in(run_dir, policy_key)
-    faultkit.counts_line("500/garbage", seconds=round(took), failed_rows=2, model_requests=len(requests),
-                         transient_500s=len(transient))
+    faultkit.counts_line(
+        "500/garbage", seconds=round(took), failed_rows=2, model_requests=len(requests), transient_500s=len(transient)
+    )
 
 
 def test_policy_server_that_accepts_connections_but_never_answers_fails_the_shard_in_bounded_time(
-        tmp_path: Path, gym_env, policy_key, tag: str):
+    tmp_path: Path, gym_env, policy_key, tag: str
+):
     """The whole server wedged (SIGSTOP: the kernel still accepts connections, nothing answers)."""
     with faultkit.fake_policy(tmp_path, "--delay", "0.3", key=policy_key) as fake:
         run_dir = tmp_path / "run"
-        cfg = gymkit.write_config(tmp_path / "run.yaml", gymkit.write_input(tmp_path / "input.jsonl"), run_dir,
-                                  fake.base_url, gym={"health_interval_s": 2, "stall_timeout_s": 300})
+        cfg = gymkit.write_config(
+            tmp_path / "run.yaml",
+            gymkit.write_input(tmp_path / "input.jsonl"),
+            run_dir,
+            fake.base_url,
+            gym={"health_interval_s": 2, "stall_timeout_s": 300},
+        )
         frozen_at: list[float] = []
-        after_first_rollout(run_dir, lambda: (os.kill(fake.proc.pid, signal.SIGSTOP),
-                                              frozen_at.append(time.monotonic())))
+        after_first_rollout(
+            run_dir, lambda: (os.kill(fake.proc.pid, signal.SIGSTOP), frozen_at.append(time.monotonic()))
+        )
         rc, out, _ = submit(cfg)
         failed_after = time.monotonic() - frozen_at[0]
     assert rc == 4, out
@@ -127,14 +144,20 @@ def test_policy_server_that_accepts_connections_but_never_answers_fails_the_shar
     faultkit.counts_line("policy frozen", seconds_to_fail=round(failed_after))
 
 
-def test_model_that_never_answers_chat_requests_stalls_and_fails_in_bounded_time(tmp_path: Path, gym_env,
-                                                                                policy_key, tag: str):
+def test_model_that_never_answers_chat_requests_stalls_and_fails_in_bounded_time(
+    tmp_path: Path, gym_env, policy_key, tag: str
+):
     """/v1/models answers (health checks pass) but every chat request hangs: Gym would wait forever."""
     stall = 15.0
     with faultkit.fake_policy(tmp_path, "--delay", "0.3", key=policy_key) as fake:
         run_dir = tmp_path / "run"
-        cfg = gymkit.write_config(tmp_path / "run.yaml", gymkit.write_input(tmp_path / "input.jsonl"), run_dir,
-                                  fake.base_url, gym={"stall_timeout_s": stall})
+        cfg = gymkit.write_config(
+            tmp_path / "run.yaml",
+            gymkit.write_input(tmp_path / "input.jsonl"),
+            run_dir,
+            fake.base_url,
+            gym={"stall_timeout_s": stall},
+        )
         hung_at: list[float] = []
         after_first_rollout(run_dir, lambda: (fake.set_faults(["hang:after=0"]), hung_at.append(time.monotonic())))
         rc, out, _ = submit(cfg)
@@ -172,12 +195,18 @@ def server_pids(tag: str, server_dir: str) -> list[int]:
     return out
 
 
-def test_gym_server_that_dies_fails_the_shard_in_bounded_time_with_its_name(tmp_path: Path, gym_env, policy_key,
-                                                                           tag: str):
+def test_gym_server_that_dies_fails_the_shard_in_bounded_time_with_its_name(
+    tmp_path: Path, gym_env, policy_key, tag: str
+):
     with faultkit.fake_policy(tmp_path, "--delay", "0.3", key=policy_key) as fake:
         run_dir = tmp_path / "run"
-        cfg = gymkit.write_config(tmp_path / "run.yaml", gymkit.write_input(tmp_path / "input.jsonl"), run_dir,
-                                  fake.base_url, gym={"health_interval_s": 2, "stall_timeout_s": 300})
+        cfg = gymkit.write_config(
+            tmp_path / "run.yaml",
+            gymkit.write_input(tmp_path / "input.jsonl"),
+            run_dir,
+            fake.base_url,
+            gym={"health_interval_s": 2, "stall_timeout_s": 300},
+        )
         killed: list[tuple[float, list[int]]] = []
 
         def kill_resources_server() -> None:

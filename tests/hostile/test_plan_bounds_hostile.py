@@ -20,16 +20,24 @@ from shardrun.core.gym_names import MATERIALIZED, MAX_JSON_DEPTH, MAX_REPEATS, M
 
 
 def row(i: int, **extra) -> dict:
-    return {"responses_create_params": {"input": [{"role": "user", "content": f"q{i}"}]}, "agent_ref": {"name": "a"},
-            **extra}
+    return {
+        "responses_create_params": {"input": [{"role": "user", "content": f"q{i}"}]},
+        "agent_ref": {"name": "a"},
+        **extra,
+    }
 
 
 def write_config(tmp: Path, rows: list[dict] | None = None, **settings) -> Path:
     inp = tmp / "input.jsonl"
     if rows is not None:
         inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = {"input_jsonl": str(inp), "run_dir": str(tmp / "run"), "num_repeats": 2,
-            "sharding": {"num_shards": 2}, **settings}
+    data = {
+        "input_jsonl": str(inp),
+        "run_dir": str(tmp / "run"),
+        "num_repeats": 2,
+        "sharding": {"num_shards": 2},
+        **settings,
+    }
     cfg = tmp / "run.yaml"
     cfg.write_text(yaml.safe_dump(data))
     return cfg
@@ -44,6 +52,7 @@ def nested(depth: int) -> object:
 
 # -- indices and repeats ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("index", [MAX_TASK_INDEX + 1, 2**63, 2**64 - 1, 2**70])
 def test_a_task_index_the_merge_cannot_hold_is_refused_with_its_line(tmp_path, unchanged, index):
     rows = [row(0, _ng_task_index=0), row(1, _ng_task_index=index)]
@@ -55,9 +64,11 @@ def test_a_task_index_the_merge_cannot_hold_is_refused_with_its_line(tmp_path, u
 
 def measured_plan(cfg: Path) -> tuple[subprocess.CompletedProcess, int]:
     """`shardrun plan --write` in a child process: its result and its peak resident memory in MiB."""
-    code = ("import resource, sys\nfrom shardrun.cli import main\nsys.argv = ['shardrun', 'plan', sys.argv[1], "
-            "'--write']\ntry:\n    main()\nfinally:\n    print('maxrss', resource.getrusage(resource.RUSAGE_SELF)"
-            ".ru_maxrss, file=sys.stderr)")
+    code = (
+        "import resource, sys\nfrom shardrun.cli import main\nsys.argv = ['shardrun', 'plan', sys.argv[1], "
+        "'--write']\ntry:\n    main()\nfinally:\n    print('maxrss', resource.getrusage(resource.RUSAGE_SELF)"
+        ".ru_maxrss, file=sys.stderr)"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, timeout=600)
     rss_kib = int(proc.stderr.rsplit("maxrss", 1)[1].split()[0])
     return proc, rss_kib // 1024
@@ -84,16 +95,19 @@ def test_many_repeats_stream_in_bounded_memory(tmp_path):
     assert lines == MAX_REPEATS
 
 
-@pytest.mark.parametrize("setting, key", [
-    ({"num_repeats": 10**9}, "num_repeats"),
-    ({"num_repeats": {"a": 3, "_default": MAX_REPEATS + 1}}, "num_repeats"),
-    ({"seed_offset": 2**64}, "seed_offset"),
-    ({"seed_offset": -1}, "seed_offset"),
-    ({"sharding": {"num_shards": 10**12}}, "sharding.num_shards"),
-    ({"cluster": {"nodes": 2**40}}, "cluster.nodes"),
-    ({"cluster": {"array_parallelism": 10**10}}, "cluster.array_parallelism"),
-    ({"gym": {"max_rollout_attempts": 10**7}}, "gym.max_rollout_attempts"),
-])
+@pytest.mark.parametrize(
+    "setting, key",
+    [
+        ({"num_repeats": 10**9}, "num_repeats"),
+        ({"num_repeats": {"a": 3, "_default": MAX_REPEATS + 1}}, "num_repeats"),
+        ({"seed_offset": 2**64}, "seed_offset"),
+        ({"seed_offset": -1}, "seed_offset"),
+        ({"sharding": {"num_shards": 10**12}}, "sharding.num_shards"),
+        ({"cluster": {"nodes": 2**40}}, "cluster.nodes"),
+        ({"cluster": {"array_parallelism": 10**10}}, "cluster.array_parallelism"),
+        ({"gym": {"max_rollout_attempts": 10**7}}, "gym.max_rollout_attempts"),
+    ],
+)
 def test_an_integer_out_of_its_range_is_refused_with_the_key(tmp_path, unchanged, setting, key):
     cfg = write_config(tmp_path, [row(0), row(1)], **setting)
     with unchanged(tmp_path):
@@ -102,6 +116,7 @@ def test_an_integer_out_of_its_range_is_refused_with_the_key(tmp_path, unchanged
 
 
 # -- nesting ----------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 300, 1000])
 def test_nesting_deeper_than_the_writer_supports_is_refused_with_the_line(tmp_path, unchanged, depth):
@@ -123,6 +138,7 @@ def test_the_deepest_nesting_allowed_plans_and_writes(tmp_path):
 
 
 # -- files that are not files -----------------------------------------------------------------------------------
+
 
 def test_a_fifo_as_input_is_refused_without_waiting_for_a_writer(tmp_path, unchanged):
     os.mkfifo(tmp_path / "input.jsonl")
@@ -172,7 +188,9 @@ def test_a_config_with_a_few_aliases_is_fine(tmp_path):
     # valid but unusual: YAML anchors used the ordinary way
     (tmp_path / "input.jsonl").write_text(json.dumps(row(0)) + "\n")
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(f"input_jsonl: {tmp_path / 'input.jsonl'}\nrun_dir: {tmp_path / 'run'}\n"
-                   "sharding: &s {num_shards: 1}\nnum_repeats: &n 3\n")
+    cfg.write_text(
+        f"input_jsonl: {tmp_path / 'input.jsonl'}\nrun_dir: {tmp_path / 'run'}\n"
+        "sharding: &s {num_shards: 1}\nnum_repeats: &n 3\n"
+    )
     outcome = invoke("plan", cfg, "--write")
     assert outcome.exit_code == 0, outcome.output

@@ -32,19 +32,37 @@ def config(workspace, **sections) -> str:
 
 
 CASES = {
-    "HF token under policy.vllm.env": ({"policy": {"vllm": {"model": "m", "env": {"HF_TOKEN": HF}}}}, [],
-                                       "policy.vllm.env.HF_TOKEN"),
+    "HF token under policy.vllm.env": (
+        {"policy": {"vllm": {"model": "m", "env": {"HF_TOKEN": HF}}}},
+        [],
+        "policy.vllm.env.HF_TOKEN",
+    ),
     "OpenAI key inside a gym override": ({"gym": {"overrides": [f"policy_api_key={OPENAI}"]}}, [], "gym.overrides[0]"),
-    "GitHub token in a setup line": ({"cluster": {"setup": [f"git clone https://{GITHUB}@github.com/x/y"]}}, [],
-                                     "cluster.setup[0]"),
-    "AWS key id as NAME=value in env_vars": ({"cluster": {"env_vars": [f"AWS_ACCESS_KEY_ID={AWS_ID}"]}}, [],
-                                             "cluster.env_vars[0]"),
-    "Slack token in additional_parameters": ({"cluster": {"additional_parameters": {"comment": SLACK}}}, [],
-                                             "cluster.additional_parameters.comment"),
-    "random password under a key-like name": ({"cluster": {"env_vars": [f"DB_PASSWORD={RANDOM_PASSWORD}"]}}, [],
-                                              "cluster.env_vars[0]"),
-    "token given as an override": ({}, [f"++gym.responses_create_params.metadata={OPENAI}"],
-                                   "gym.responses_create_params.metadata"),
+    "GitHub token in a setup line": (
+        {"cluster": {"setup": [f"git clone https://{GITHUB}@github.com/x/y"]}},
+        [],
+        "cluster.setup[0]",
+    ),
+    "AWS key id as NAME=value in env_vars": (
+        {"cluster": {"env_vars": [f"AWS_ACCESS_KEY_ID={AWS_ID}"]}},
+        [],
+        "cluster.env_vars[0]",
+    ),
+    "Slack token in additional_parameters": (
+        {"cluster": {"additional_parameters": {"comment": SLACK}}},
+        [],
+        "cluster.additional_parameters.comment",
+    ),
+    "random password under a key-like name": (
+        {"cluster": {"env_vars": [f"DB_PASSWORD={RANDOM_PASSWORD}"]}},
+        [],
+        "cluster.env_vars[0]",
+    ),
+    "token given as an override": (
+        {},
+        [f"++gym.responses_create_params.metadata={OPENAI}"],
+        "gym.responses_create_params.metadata",
+    ),
 }
 
 
@@ -72,18 +90,28 @@ def test_a_credential_resolved_from_the_environment_is_refused(workspace, unchan
 def test_paths_and_urls_from_the_environment_stay_allowed(workspace, monkeypatch):
     monkeypatch.setenv("MODEL_DIR", "/lustre/models/Qwen3-8B-Instruct-2507-x9Kq7Pz")
     monkeypatch.setenv("ENDPOINT", "http://node-17.cluster:8000/v1?session=Zx81Qa7LmN2pR5tY")
-    cfg = config(workspace, policy={"vllm": {"model": "${oc.env:MODEL_DIR}", "env": {"VLLM_TOKENIZER": "${oc.env:MODEL_DIR}"}}},
-                 gym={"overrides": ["policy_base_url=${oc.env:ENDPOINT}"]})
+    cfg = config(
+        workspace,
+        policy={"vllm": {"model": "${oc.env:MODEL_DIR}", "env": {"VLLM_TOKENIZER": "${oc.env:MODEL_DIR}"}}},
+        gym={"overrides": ["policy_base_url=${oc.env:ENDPOINT}"]},
+    )
     outcome = invoke("plan", cfg, "--write")
     assert outcome.exit_code == 0, outcome.output
     assert (workspace / "run" / "plan.json").is_file()
 
 
-@pytest.mark.parametrize("name, value", [
-    ("max_tokens", "4096"), ("model", "Qwen/Qwen3-8B-Instruct"), ("api_key_env", "OPENAI_API_KEY"),
-    ("tokenizer", "meta-llama/Llama-3.1-8B-Instruct"), ("password", "short"), ("comment", "the_quick_brown_fox_jumps"),
-    ("token", "/home/user/.cache/huggingface/token"),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("max_tokens", "4096"),
+        ("model", "Qwen/Qwen3-8B-Instruct"),
+        ("api_key_env", "OPENAI_API_KEY"),
+        ("tokenizer", "meta-llama/Llama-3.1-8B-Instruct"),
+        ("password", "short"),
+        ("comment", "the_quick_brown_fox_jumps"),
+        ("token", "/home/user/.cache/huggingface/token"),
+    ],
+)
 def test_ordinary_values_are_not_credentials(name, value):
     assert secret_reason(name, value) is None
 

@@ -28,9 +28,14 @@ def run(tmp_path):
 
 
 def inside(run_dir: Path) -> dict[str, Path]:
-    return {"plan": run_dir / "plan.json", "rollouts": run_dir / "shards" / "00000" / "rollouts.jsonl",
-            "merged": run_dir / "merged" / "rollouts.jsonl", "new file": run_dir / "curriculum.jsonl",
-            "run dir": run_dir, "dot-dot": run_dir / "merged" / ".." / "plan.json"}
+    return {
+        "plan": run_dir / "plan.json",
+        "rollouts": run_dir / "shards" / "00000" / "rollouts.jsonl",
+        "merged": run_dir / "merged" / "rollouts.jsonl",
+        "new file": run_dir / "curriculum.jsonl",
+        "run dir": run_dir,
+        "dot-dot": run_dir / "merged" / ".." / "plan.json",
+    }
 
 
 @pytest.mark.parametrize("where", ["plan", "rollouts", "merged", "new file", "run dir", "dot-dot"])
@@ -119,18 +124,20 @@ def test_a_link_to_a_regular_file_elsewhere_is_followed_and_kept(run, tmp_path, 
     assert target.read_bytes().count(b"\n") == 6 and b"old" not in target.read_bytes()
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--min-mean", "nan"], "--min-mean"),
-    (["--max-mean", "nan"], "--max-mean"),
-    (["--min-std", "nan"], "--min-std"),
-    (["--max-mean", "inf"], "--max-mean"),
-    (["--solved-threshold", "nan", "--drop-solved"], "--solved-threshold"),
-    (["--min-mean", "0.8", "--max-mean", "0.2"], "--min-mean 0.8 is above --max-mean 0.2"),
-    (["--min-std", "-1"], "--min-std"),
-    (["--top-k-hardest", "0"], "--top-k-hardest"),
-])
-def test_rules_no_task_can_meet_are_refused_before_anything_is_read_or_written(run, tmp_path, unchanged, flags,
-                                                                                named):
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--min-mean", "nan"], "--min-mean"),
+        (["--max-mean", "nan"], "--max-mean"),
+        (["--min-std", "nan"], "--min-std"),
+        (["--max-mean", "inf"], "--max-mean"),
+        (["--solved-threshold", "nan", "--drop-solved"], "--solved-threshold"),
+        (["--min-mean", "0.8", "--max-mean", "0.2"], "--min-mean 0.8 is above --max-mean 0.2"),
+        (["--min-std", "-1"], "--min-std"),
+        (["--top-k-hardest", "0"], "--top-k-hardest"),
+    ],
+)
+def test_rules_no_task_can_meet_are_refused_before_anything_is_read_or_written(run, tmp_path, unchanged, flags, named):
     run_dir, _ = run
     out = tmp_path / "c.jsonl"
     with unchanged(tmp_path):

@@ -29,8 +29,10 @@ def _cannot_install() -> str | None:
     start = SHARED_SLURM / "start-local-slurm.sh"
     if not start.is_file():
         return f"the local Slurm script is not there ({start})"
-    have = all(shutil.which(c, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") for c in
-               ("slurmctld", "slurmd", "sbatch", "munged", "slurmdbd"))
+    have = all(
+        shutil.which(c, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+        for c in ("slurmctld", "slurmd", "sbatch", "munged", "slurmdbd")
+    )
     if os.geteuid() != 0:
         return "the local Slurm runs its daemons as root; this test session is not root"
     if not have and shutil.which("apt-get") is None:
@@ -55,14 +57,18 @@ def slurm_cluster():
         pytest.skip(f"Slurm cannot be installed here: {reason}")
     was_running = _ctld_running()
     t0 = time.time()
-    res = subprocess.run(["bash", str(SHARED_SLURM / "start-local-slurm.sh"), str(STATE), "--cpus", CPUS,
-                          "--port-base", PORT], capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        ["bash", str(SHARED_SLURM / "start-local-slurm.sh"), str(STATE), "--cpus", CPUS, "--port-base", PORT],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if res.returncode != 0:
         pytest.fail(f"start-local-slurm.sh failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
     env = {}
     for line in res.stdout.splitlines():
         if line.startswith("export ") and "=" in line:
-            key, _, value = line[len("export "):].partition("=")
+            key, _, value = line[len("export ") :].partition("=")
             env[key] = value.strip().strip("'\"")
     assert "SLURM_CONF" in env, res.stdout
     saved = {k: os.environ.get(k) for k in env}
@@ -78,13 +84,19 @@ def slurm_cluster():
             else:
                 os.environ[k] = v
         if not was_running and os.environ.get("SHARDRUN_TEST_SLURM_KEEP") != "1":
-            subprocess.run(["bash", str(SHARED_SLURM / "stop-local-slurm.sh"), str(STATE)], capture_output=True,
-                           timeout=300)
+            subprocess.run(
+                ["bash", str(SHARED_SLURM / "stop-local-slurm.sh"), str(STATE)], capture_output=True, timeout=300
+            )
 
 
 def squeue_names(*names: str) -> list[str]:
-    out = subprocess.run(["squeue", "--noheader", "--array", f"--name={','.join(names)}", "--format=%i|%T|%r"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["squeue", "--noheader", "--array", f"--name={','.join(names)}", "--format=%i|%T|%r"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     return [line for line in out.splitlines() if line.strip()]
 
 

@@ -36,8 +36,21 @@ def fake_policy(tmp: Path, *args: str, offset: int = 0) -> Iterator[harness.Fake
     """The stand-in OpenAI-compatible policy server (tests/fakes/policy_server.py) stands in for vLLM."""
     port = free_port(offset)
     log = tmp / f"policy-{port}-requests.jsonl"
-    proc = processes.start([sys.executable, str(harness.FAKE), "--port", str(port), "--api-key", harness.API_KEY,
-                            "--request-log", str(log), *args], tmp / f"policy-{port}.log", name="fake-policy")
+    proc = processes.start(
+        [
+            sys.executable,
+            str(harness.FAKE),
+            "--port",
+            str(port),
+            "--api-key",
+            harness.API_KEY,
+            "--request-log",
+            str(log),
+            *args,
+        ],
+        tmp / f"policy-{port}.log",
+        name="fake-policy",
+    )
     fake = harness.FakePolicy(proc, port, log)
     try:
         processes.wait_http(f"http://127.0.0.1:{port}/health", watch=[proc], timeout=30, what="fake policy")
@@ -52,16 +65,38 @@ def math_input(path: Path, rows: int) -> Path:
     return path
 
 
-def write_config(path: Path, input_jsonl: Path, run_dir: Path, policy_url: str, *, repeats: int, shards: int,
-                 cluster: dict, gym: dict | None = None) -> Path:
+def write_config(
+    path: Path,
+    input_jsonl: Path,
+    run_dir: Path,
+    policy_url: str,
+    *,
+    repeats: int,
+    shards: int,
+    cluster: dict,
+    gym: dict | None = None,
+) -> Path:
     data = {
-        "input_jsonl": str(input_jsonl), "run_dir": str(run_dir), "num_repeats": repeats,
+        "input_jsonl": str(input_jsonl),
+        "run_dir": str(run_dir),
+        "num_repeats": repeats,
         "sharding": {"num_shards": shards},
-        "gym": {"config_paths": GYM_CONFIG_PATHS, "num_samples_in_parallel": 2, "stall_timeout_s": 600,
-                "ready_timeout_s": 300} | (gym or {}),
+        "gym": {
+            "config_paths": GYM_CONFIG_PATHS,
+            "num_samples_in_parallel": 2,
+            "stall_timeout_s": 600,
+            "ready_timeout_s": 300,
+        }
+        | (gym or {}),
         "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": harness.API_KEY_ENV},
-        "cluster": {"executor": "slurm", "partition": os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
-                    "time_limit": "00:15:00", "cpus_per_task": 1, "mem_gb": 2, "job_name_prefix": "srtest"}
+        "cluster": {
+            "executor": "slurm",
+            "partition": os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
+            "time_limit": "00:15:00",
+            "cpus_per_task": 1,
+            "mem_gb": 2,
+            "job_name_prefix": "srtest",
+        }
         | cluster,
     }
     path.write_text(yaml.safe_dump(data))
@@ -69,11 +104,17 @@ def write_config(path: Path, input_jsonl: Path, run_dir: Path, policy_url: str, 
 
 
 def shardrun(*args: str, cwd: Path, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "shardrun.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardrun.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
     if check:
-        assert proc.returncode == 0, f"shardrun {' '.join(map(str, args))} exited {proc.returncode}:\n" \
-                                     f"{proc.stdout}\n{proc.stderr}"
+        assert proc.returncode == 0, (
+            f"shardrun {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -94,14 +135,23 @@ def wait_for(check, timeout: float, what: str, interval: float = 2.0):
 
 def squeue(*names: str) -> list[tuple[str, str, str]]:
     """(job id, state, reason) of the live jobs carrying one of `names`."""
-    out = subprocess.run(["squeue", "--noheader", "--array", f"--name={','.join(names)}", "--format=%i|%T|%r"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["squeue", "--noheader", "--array", f"--name={','.join(names)}", "--format=%i|%T|%r"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     return [tuple(line.split("|")) for line in out.splitlines() if line.strip()]  # type: ignore[misc]
 
 
 def sacct_state(job_id: str) -> str | None:
-    out = subprocess.run(["sacct", "--noheader", "--parsable2", "--allocations", "--format=JobID,State",
-                          "--jobs", job_id], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        ["sacct", "--noheader", "--parsable2", "--allocations", "--format=JobID,State", "--jobs", job_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     for line in out.splitlines():
         jid, _, state = line.partition("|")
         if jid == job_id:

@@ -13,8 +13,13 @@ pytestmark = pytest.mark.slurm
 
 
 def test_query_sacct_reads_real_array_tasks(slurm_cluster):
-    out = subprocess.run(["sbatch", "--parsable", "--array=0-1", "--job-name=shardrun-cost-test", "--time=2",
-                          "--wrap", "sleep 2"], capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["sbatch", "--parsable", "--array=0-1", "--job-name=shardrun-cost-test", "--time=2", "--wrap", "sleep 2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     array = out.strip().split(";")[0]
     ids = [f"{array}_0", f"{array}_1"]
     deadline = time.time() + 120

@@ -26,8 +26,9 @@ def env(slurm_cluster, monkeypatch):
 def held_run(tmp_path: Path, **cluster) -> tuple[Path, Path]:
     run_dir = tmp_path / "run"
     inp = math_input(tmp_path / "input.jsonl", 5)
-    cfg = write_config(tmp_path / "run.yaml", inp, run_dir, "http://127.0.0.1:9/v1", repeats=1, shards=5,
-                       cluster={**HELD, **cluster})
+    cfg = write_config(
+        tmp_path / "run.yaml", inp, run_dir, "http://127.0.0.1:9/v1", repeats=1, shards=5, cluster={**HELD, **cluster}
+    )
     return run_dir, cfg
 
 

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import orjson
@@ -21,8 +20,19 @@ import pytest
 
 from shardrun.rundir import seal
 from shardrun.rundir import store
-from slurm_helpers import (fake_policy, launches, math_input, planned_identities, sacct_state, scancel_names,
-                           shardrun, squeue, status_json, wait_for, write_config)
+from slurm_helpers import (
+    fake_policy,
+    launches,
+    math_input,
+    planned_identities,
+    sacct_state,
+    scancel_names,
+    shardrun,
+    squeue,
+    status_json,
+    wait_for,
+    write_config,
+)
 from tests.fakes import harness
 
 pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -69,9 +79,16 @@ def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: 
     run_dir = tmp_path / "run"
     inp = math_input(tmp_path / "input.jsonl", 3)
     with fake_policy(tmp_path, "--delay", "1") as fake:
-        cfg = write_config(tmp_path / "run.yaml", inp, run_dir, fake.base_url, repeats=4, shards=3,
-                           cluster={"array_parallelism": 2, "max_array_size": 2},
-                           gym={"num_samples_in_parallel": 1})
+        cfg = write_config(
+            tmp_path / "run.yaml",
+            inp,
+            run_dir,
+            fake.base_url,
+            repeats=4,
+            shards=3,
+            cluster={"array_parallelism": 2, "max_array_size": 2},
+            gym={"num_samples_in_parallel": 1},
+        )
         out = shardrun("submit", cfg, cwd=tmp_path)
         rec = launches(run_dir)[0]
         tag, merge_name = rec["tag"], rec["merge_job_name"]
@@ -127,13 +144,22 @@ def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: 
                 assert by[2]["log"].endswith(f"{a1}_0_log.out")
             job0_log = store.job_log_path(run_dir, f"{a0}_0").read_text()
             assert "this job is preempted" in job0_log and "Requeued job" in job0_log
-            starts = re.findall(r"(\d+) of 4 planned rollouts to run \((\d+) done",
-                                store.shard_log_path(run_dir, 0).read_text())
+            starts = re.findall(
+                r"(\d+) of 4 planned rollouts to run \((\d+) done", store.shard_log_path(run_dir, 0).read_text()
+            )
             assert len(starts) == 2 and int(starts[1][1]) >= kept >= 1, starts  # resumed from its rollouts
 
             # two resumes at once: the run lock makes the second see the first one's jobs and submit nothing
-            procs = [subprocess.Popen([sys.executable, "-m", "shardrun.cli", "resume", str(run_dir)], cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "shardrun.cli", "resume", str(run_dir)],
+                    cwd=tmp_path,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for _ in range(2)
+            ]
             outs = [p.communicate(timeout=300) for p in procs]
             assert [p.returncode for p in procs] == [0, 0], outs
             texts = [o[0] for o in outs]
@@ -178,9 +204,15 @@ def test_time_limit_checkpoint_requeue_and_resume_inside_the_shard(tmp_path: Pat
     run_dir = tmp_path / "run"
     inp = math_input(tmp_path / "input.jsonl", 4)
     with fake_policy(tmp_path, "--fault", "hang:after=3") as fake:
-        cfg = write_config(tmp_path / "run.yaml", inp, run_dir, fake.base_url, repeats=2, shards=1,
-                           cluster={"time_limit": "00:01:00", "signal_delay_s": 5, "max_requeues": 10,
-                                    "array_parallelism": 1})
+        cfg = write_config(
+            tmp_path / "run.yaml",
+            inp,
+            run_dir,
+            fake.base_url,
+            repeats=2,
+            shards=1,
+            cluster={"time_limit": "00:01:00", "signal_delay_s": 5, "max_requeues": 10, "array_parallelism": 1},
+        )
         shardrun("submit", cfg, "--no-merge-job", cwd=tmp_path)
         rec = launches(run_dir)[0]
         job = rec["jobs"]["0"]
@@ -202,7 +234,7 @@ def test_time_limit_checkpoint_requeue_and_resume_inside_the_shard(tmp_path: Pat
     assert "FAILED" not in shard_log
     # every identity exactly once; what was complete at the checkpoint is kept byte for byte
     final = store.rollouts_path(run_dir, 0).read_bytes()
-    kept = at_checkpoint[:at_checkpoint.rfind(b"\n") + 1]
+    kept = at_checkpoint[: at_checkpoint.rfind(b"\n") + 1]
     assert final.startswith(kept)
     ids = harness.keys(store.rollouts_path(run_dir, 0))
     assert sorted(ids) == planned_identities(run_dir, 1) and len(set(ids)) == 8

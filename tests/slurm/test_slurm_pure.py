@@ -48,9 +48,20 @@ def test_format_ranges_and_describe():
     assert "3 job array(s), 5 shard(s)" in text and "--array=0-1%1  shards 0-1" in text
 
 
-@pytest.mark.parametrize("value,minutes", [
-    ("30", 30), ("30:30", 31), ("01:00:00", 60), ("04:00:00", 240), ("1-00", 1440), ("1-02:03", 1563),
-    ("0-00:01:00", 1), (5, 5), ("1", 1)])
+@pytest.mark.parametrize(
+    "value,minutes",
+    [
+        ("30", 30),
+        ("30:30", 31),
+        ("01:00:00", 60),
+        ("04:00:00", 240),
+        ("1-00", 1440),
+        ("1-02:03", 1563),
+        ("0-00:01:00", 1),
+        (5, 5),
+        ("1", 1),
+    ],
+)
 def test_parse_time_limit(value, minutes):
     assert slurm.parse_time_limit(value) == minutes
 
@@ -71,10 +82,21 @@ def test_time_limit_per_partition_and_signal_delay():
 
 
 def test_shard_parameters():
-    c = ClusterConfig(executor="slurm", account="acc", partition="gpu", qos="high", time_limit="01:30:00",
-                      gpus_per_node=8, cpus_per_task=32, mem_gb=256, env_vars=["HF_HOME=/x y", "WANDB_API_KEY"],
-                      setup=["module load cuda"], containers={"shardrun": "/img.sqsh"}, mounts=["/a:/a", "/b:/b"],
-                      additional_parameters={"exclusive": True})
+    c = ClusterConfig(
+        executor="slurm",
+        account="acc",
+        partition="gpu",
+        qos="high",
+        time_limit="01:30:00",
+        gpus_per_node=8,
+        cpus_per_task=32,
+        mem_gb=256,
+        env_vars=["HF_HOME=/x y", "WANDB_API_KEY"],
+        setup=["module load cuda"],
+        containers={"shardrun": "/img.sqsh"},
+        mounts=["/a:/a", "/b:/b"],
+        additional_parameters={"exclusive": True},
+    )
     p = slurm.shard_parameters(c, job_name="sr-abc", comment="shardrun /runs/x", pass_through_env=["OPENAI_KEY"])
     assert p["time"] == 90 and p["mem"] == "256GB" and p["gpus_per_node"] == 8 and p["qos"] == "high"
     assert p["srun_args"] == ["--container-image=/img.sqsh", "--container-mounts=/a:/a,/b:/b"]
@@ -116,8 +138,10 @@ def test_parse_max_array_size():
 
 
 def test_parse_squeue():
-    text = ("5_2|PENDING|JobArrayTaskLimit|N/A|sr-x\n5_0|RUNNING|None|2026-11-22T00:20:07|sr-x\n"
-            "9|PENDING|Dependency|N/A|sr-x-merge\n\n")
+    text = (
+        "5_2|PENDING|JobArrayTaskLimit|N/A|sr-x\n5_0|RUNNING|None|2026-11-22T00:20:07|sr-x\n"
+        "9|PENDING|Dependency|N/A|sr-x-merge\n\n"
+    )
     jobs = slurm.parse_squeue(text)
     assert set(jobs) == {"5_2", "5_0", "9"}
     assert jobs["5_0"].running and not jobs["5_2"].running and jobs["5_2"].array_id == "5"
@@ -127,8 +151,10 @@ def test_parse_squeue():
 
 
 def test_parse_sacct():
-    text = ("7_0|COMPLETED|0:0|a|b\n7_1|CANCELLED by 0|0:15|a|b\n7_[2-4]|CANCELLED by 0|0:0|None|b\n"
-            "8|TIMEOUT|0:0|a|b\n|ignored|x|y|z\n")
+    text = (
+        "7_0|COMPLETED|0:0|a|b\n7_1|CANCELLED by 0|0:15|a|b\n7_[2-4]|CANCELLED by 0|0:0|None|b\n"
+        "8|TIMEOUT|0:0|a|b\n|ignored|x|y|z\n"
+    )
     jobs = slurm.parse_sacct(text)
     assert set(jobs) == {"7_0", "7_1", "7_2", "7_3", "7_4", "8"}
     assert jobs["7_1"].state == "CANCELLED" and jobs["7_3"].state == "CANCELLED"

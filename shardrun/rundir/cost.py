@@ -68,7 +68,8 @@ def shard_cost(marker: Mapping[str, Any]) -> ShardCost:
     started, finished = _num(marker.get("started_at")), _num(marker.get("finished_at"))
     gpus = int(_num(marker.get("gpus")))
     gpu_hours = _opt(marker.get("gpu_hours"))
-    extra = marker.get("extra") if isinstance(marker.get("extra"), Mapping) else {}
+    extra_field = marker.get("extra")
+    extra: Mapping[str, Any] = extra_field if isinstance(extra_field, Mapping) else {}
     tokens = {k: int(extra[k]) for k in TOKEN_KEYS if _opt(extra.get(k)) is not None}
     job = marker.get("job_id")
     return ShardCost(
@@ -107,7 +108,9 @@ class RunCost:
 
     @property
     def wall_s(self) -> float:
-        return max(0.0, self.finished_at - self.started_at) if self.started_at is not None else 0.0
+        if self.started_at is None or self.finished_at is None:
+            return 0.0
+        return max(0.0, self.finished_at - self.started_at)
 
     @property
     def rollouts_per_gpu_hour(self) -> float | None:
@@ -238,7 +241,10 @@ def parse_sacct_usage(text: str) -> dict[str, SacctUsage]:
 
 def with_sacct(shards: Sequence[ShardCost], jobs: Mapping[str, SacctUsage]) -> list[ShardCost]:
     """Attach sacct GPU-hours (elapsed x allocated GPUs) to the shards whose job id sacct knows."""
-    return [replace(s, sacct_gpu_hours=jobs[s.job_id].gpu_hours) if s.job_id in jobs else s for s in shards]
+    return [
+        replace(s, sacct_gpu_hours=jobs[s.job_id].gpu_hours) if s.job_id is not None and s.job_id in jobs else s
+        for s in shards
+    ]
 
 
 Runner = Callable[..., subprocess.CompletedProcess]

@@ -36,7 +36,7 @@ def key_of(row: dict[str, Any]) -> Key:
 
 @dataclass
 class Ledger:
-    planned: dict[Key, dict[str, Any]]  # identity -> agent_ref
+    planned: dict[Key, Any]  # identity -> agent_ref (as the planned row has it; None when absent)
     done: set[Key]
     failed: set[Key]
     attempts: Counter
@@ -70,13 +70,13 @@ def tally(
     attempt_rows: Iterable[dict],
     max_attempts: int,
 ) -> Ledger:
-    planned = {}
+    planned: dict[Key, Any] = {}
     for r in planned_rows:
         planned[key_of(r)] = r.get(AGENT_KEY)
     done: set[Key] = set()
     duplicates = 0
     unplanned = []
-    usage = Counter()
+    usage: Counter[str] = Counter()
     for r in rollout_rows:
         k = key_of(r)
         if k in done:

@@ -17,15 +17,13 @@ from __future__ import annotations
 import difflib
 import hashlib
 import math
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
-from shardrun.rundir import store
+from shardrun.rundir import safepaths, store
 from shardrun.profile import taskstats
 from shardrun.core.errors import BadInput, PlanMismatch
 from shardrun.core.gym_names import TASK_KEY
@@ -245,40 +243,6 @@ def _hashed_lines(path: Path, hasher: "hashlib._Hash") -> Iterator[bytes]:
             yield raw
 
 
-_SPECIAL_FILES = (
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISDIR, "a directory"),
-)
-
-
-def output_target(output: Path, run_dir: Path, source: Path) -> Path:
-    """The regular file `select -o OUTPUT` may (re)place: BadInput for a path inside the run directory, the input
-    file, a device, a FIFO, a socket or a directory, or a symlink to one of these. A symlink to anything else is
-    followed, so the link stays and its target is replaced atomically."""
-    target = Path(os.path.realpath(output))
-    via = f" (a symlink to {target})" if target != Path(os.path.abspath(output)) else ""
-    try:
-        mode = target.stat().st_mode
-    except FileNotFoundError:
-        mode = None
-    for is_kind, kind in _SPECIAL_FILES:
-        if mode is not None and is_kind(mode):
-            raise BadInput(f"--output {output}{via} is {kind}, not a file; name a regular file. Nothing was written")
-    if target.is_relative_to(Path(os.path.realpath(run_dir))):
-        raise BadInput(
-            f"--output {output}{via} is inside the run directory {run_dir}, whose files shardrun owns; "
-            f"write the subset somewhere else. Nothing was written"
-        )
-    if target == Path(os.path.realpath(source)):
-        raise BadInput(
-            f"--output {output}{via} is the input file itself; write the subset somewhere else. Nothing was written"
-        )
-    return target
-
-
 def select_run(
     run_dir: Path, output: Path, rules: Rules, stats_key: str | None = None, input_path: Path | None = None
 ) -> SelectResult:
@@ -286,7 +250,7 @@ def select_run(
     check_bounds(rules)
     plan = store.load_plan(run_dir)
     source = Path(input_path or plan.input.path)
-    target = output_target(Path(output), run_dir, source)
+    target = safepaths.output_target(Path(output), "--output", run_dir, [source])
     selection = choose(taskstats.load_profile(run_dir), rules, plan.num_tasks)
     output = Path(output)
     chosen = {t.task_index: t for t in selection.kept}

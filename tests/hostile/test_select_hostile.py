@@ -63,23 +63,56 @@ def test_the_input_file_is_refused_directly_and_through_a_link(run, tmp_path, un
         refused(invoke("select", run_dir, "-o", link), str(link), "input file itself")
 
 
-def a_character_device() -> str:
-    """A character device this machine really has: /dev/null is one almost everywhere, but some sandboxes put a
-    regular file in its place, and that would prove nothing about devices."""
+def a_character_device(tmp_path: Path) -> Path:
+    """A character device that surely exists: made here with mknod (the null device's numbers, 1:3) where this
+    user may (root, as in CI), else /dev/null, /dev/zero, ... whichever this machine really has as a character
+    device. A sandbox may put a regular file at /dev/null; that would prove nothing about devices, and missing
+    every device is a broken environment: a failure in CI, a skip elsewhere."""
+    made = tmp_path / "null-device"
+    try:
+        os.mknod(made, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        return made
+    except (PermissionError, OSError):
+        pass
     for candidate in ("/dev/null", "/dev/zero", "/dev/full", "/dev/urandom", "/dev/random", "/dev/tty"):
         if os.path.exists(candidate) and stat.S_ISCHR(os.stat(candidate).st_mode):
-            return candidate
-    pytest.skip("this machine has no character device under /dev to aim `select -o` at")
+            return Path(candidate)
+    message = "no character device: mknod is not permitted and /dev has none"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def test_a_device_is_refused(run, tmp_path, unchanged):
     run_dir, _ = run
-    device = a_character_device()
+    device = a_character_device(tmp_path)
     before = os.stat(device)
+    assert stat.S_ISCHR(before.st_mode)
     with unchanged(tmp_path):
-        refused(invoke("select", run_dir, "-o", device), device, "character device")
-    after = os.stat(device)
-    assert (after.st_mode, after.st_rdev) == (before.st_mode, before.st_rdev)
+        refused(invoke("select", run_dir, "-o", device), str(device), "character device")
+    after = os.lstat(device)
+    assert (after.st_mode, after.st_rdev, after.st_ino) == (before.st_mode, before.st_rdev, before.st_ino)
+
+
+def test_a_link_to_a_device_is_refused_and_stays_a_link(run, tmp_path, unchanged):
+    run_dir, _ = run
+    link = tmp_path / "to-device.jsonl"
+    link.symlink_to(a_character_device(tmp_path))
+    with unchanged(tmp_path):
+        refused(invoke("select", run_dir, "-o", link), str(link), "character device")
+
+
+@pytest.mark.parametrize("path", ["/dev/null", "/dev/shardrun-not-a-device.jsonl", "/proc/self/comm", "/sys/x"])
+def test_a_path_under_the_kernel_file_systems_is_refused_whatever_it_is_here(run, tmp_path, unchanged, path):
+    """/dev/null may be a regular file in a sandbox, and a new name under /dev is no file either: the location
+    decides, not what this machine happens to have there (a root user's atomic rename would replace the node)."""
+    run_dir, _ = run
+    before = os.lstat("/dev/null")
+    with unchanged(tmp_path):
+        refused(invoke("select", run_dir, "-o", path), path, "kernel files")
+    after = os.lstat("/dev/null")
+    assert (after.st_mode, after.st_rdev, after.st_ino) == (before.st_mode, before.st_rdev, before.st_ino)
+    assert not os.path.lexists("/dev/shardrun-not-a-device.jsonl")
 
 
 def test_a_fifo_and_a_link_to_one_are_refused(run, tmp_path, unchanged):

@@ -1,0 +1,146 @@
+"""Where shardrun may write and what it may follow: user-named outputs, the run directory's root, and links.
+
+- `output_target`: the one check every user-named output passes before it is written (today `select -o`): never a
+  path inside the run directory, never an input, never a device, FIFO, socket or directory, never a path under the
+  kernel's file systems (/dev, /proc, /sys), and never a symlink to any of these. A symlink to a regular file
+  elsewhere is followed: the link stays and its target is replaced atomically.
+- `check_run_root`: `run_dir` is absent, empty or a shardrun run directory; never `/`, the home directory or a
+  folder that holds other files.
+- `refuse_links`: nothing inside a run directory is a symlink shardrun would follow out of it (`merged/`,
+  `shards/`, a shard directory, a run file); the run directory itself may be a link.
+
+Pure checks over the file system: they read (lstat, listdir) and never write.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from shardrun.core.errors import BadInput, RunDirError
+
+KERNEL_FILE_SYSTEMS = (Path("/dev"), Path("/proc"), Path("/sys"))
+"""Where device nodes and kernel files live. Whatever a path there is on this machine (a sandbox may give a regular
+file for /dev/null), it is never the place for a data file, and a root user could replace a device node there."""
+
+_KINDS = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def kind_of(mode: int) -> str:
+    """What a file of this mode is, in words ('a regular file' for a regular file)."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((kind for is_kind, kind in _KINDS if is_kind(mode)), "not a regular file")
+
+
+def _real(path: Path | str) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def output_target(output: Path, option: str, run_dir: Path | None = None, inputs: Sequence[Path] = ()) -> Path:
+    """The regular file a user-named output (`option`, e.g. '--output') may (re)place: the real path behind
+    `output`. BadInput, naming the option and the path, for a path inside `run_dir`, one of `inputs`, anything
+    but a regular file (or nothing yet), a path under /dev, /proc or /sys, or a symlink to any of these."""
+    output = Path(output)
+    if not str(output).strip():
+        raise BadInput(f"{option}: an empty path; name a file. Nothing was written")
+    target = _real(output)
+    via = f" (a symlink to {target})" if target != Path(os.path.abspath(output)) else ""
+    said = f"{option} {output}{via}"
+    for system in KERNEL_FILE_SYSTEMS:
+        if target == system or target.is_relative_to(system):
+            raise BadInput(
+                f"{said} is under {system}, where devices and kernel files live, not a data file; name a "
+                f"regular file elsewhere. Nothing was written"
+            )
+    try:
+        mode: int | None = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise BadInput(f"{said} is {kind_of(mode)}, not a regular file; name a regular file. Nothing was written")
+    if run_dir is not None and target.is_relative_to(_real(run_dir)):
+        raise BadInput(
+            f"{said} is inside the run directory {run_dir}, whose files shardrun owns; write it somewhere else. "
+            f"Nothing was written"
+        )
+    for source in inputs:
+        if target == _real(source) or (mode is not None and _same_file(target, source)):
+            raise BadInput(f"{said} is the input file itself ({source}); write it somewhere else. Nothing was written")
+    return target
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """A hard link is the same file under another name."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- the run directory's root
+
+
+def check_run_root(run_dir: Path | str, own_markers: Iterable[str]) -> None:
+    """BadInput unless `run_dir` may become (or already is) a run directory: not an empty path, not `/`, the home
+    directory or a kernel file system, not a file, and absent, empty, or holding one of `own_markers` (the plan,
+    or the run lock a first write takes before it writes anything: a run whose first write was interrupted)."""
+    if not str(run_dir).strip():
+        raise BadInput("run_dir: an empty path (it would be the current directory); name the run directory")
+    real = _real(run_dir)
+    if real == Path(real.anchor):
+        raise BadInput(f"run_dir: {run_dir} is the root of the file system; name a directory of its own")
+    if real == _real(Path.home()):
+        raise BadInput(f"run_dir: {run_dir} is the home directory; name a directory of its own (e.g. ~/runs/NAME)")
+    if any(real == s or real.is_relative_to(s) for s in KERNEL_FILE_SYSTEMS):
+        raise BadInput(f"run_dir: {run_dir} is under a kernel file system (/dev, /proc, /sys); name a directory")
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise BadInput(f"run_dir: {run_dir} exists and is {kind_of(mode)}, not a directory")
+    names = sorted(os.listdir(real))
+    if not names or any(m in names for m in own_markers):
+        return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise BadInput(
+        f"run_dir: {run_dir} is a directory that is not empty and holds no shardrun run ({shown}); shardrun "
+        f"writes only into an absent or empty directory or a run directory of its own. Name a new directory"
+    )
+
+
+# ---------------------------------------------------------------- links inside a run directory
+
+
+def refuse_links(paths: Iterable[Path], run_dir: Path) -> None:
+    """RunDirError naming the first of `paths` (entries of the run directory) that is a symlink: shardrun would
+    read or write through it, out of the run directory. Missing paths are fine."""
+    for path in paths:
+        if os.path.islink(path):
+            raise RunDirError(
+                f"{path} is a symlink (to {os.readlink(path)}); shardrun never follows a link inside a run directory "
+                f"out of {run_dir}. Replace the link by the real {'directory' if _points_to_dir(path) else 'file'}"
+            )
+
+
+def _points_to_dir(path: Path) -> bool:
+    return os.path.isdir(path)
+
+
+def refuse_links_in(directory: Path, names: Iterable[str] | None, run_dir: Path) -> None:
+    """`refuse_links` over the entries of `directory` (those in `names`, or all when None), listed in one call."""
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    wanted = None if names is None else set(names)
+    refuse_links((Path(e.path) for e in entries if (wanted is None or e.name in wanted) and e.is_symlink()), run_dir)

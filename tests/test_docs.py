@@ -12,6 +12,9 @@ Convention (what a doc writer must follow; the harness refuses anything else):
     <!-- doc-test: syntax (reason) -->             `bash -n` on the block and on each ./scripts/*.sh it calls
                                                    (set-up scripts that install packages)
 - A ```yaml block preceded by <!-- doc-test: file=NAME --> is written to NAME in the workspace first.
+- A ```python block preceded by <!-- doc-test: python --> is run in the workspace like a notebook cell: a page's
+  python blocks run in order in one namespace, and an exception (a failing assert included) fails the page.
+  (A ```python block without it is shown, not run.)
 
 Each doc runs in a fresh workspace (a temp dir as the current directory) holding copies of examples/ and
 cluster_configs/, data/prompts.jsonl (20,000 synthetic rows, for the 20k-prompt recipe) and, for every example
@@ -212,6 +215,14 @@ def check_syntax(code: str, ws: Path, where: str) -> None:
         assert res.returncode == 0, f"{where}: bash -n {script}: {res.stderr}"
 
 
+def check_python(code: str, namespace: dict, where: str) -> None:
+    """Run one python block in the page's namespace (the cells before it ran there already)."""
+    try:
+        exec(compile(code, where, "exec"), namespace)
+    except Exception as e:
+        pytest.fail(f"{where}: the python block raised {type(e).__name__}: {e}")
+
+
 def check_block(b: Block, ws: Path, where: str) -> None:
     cmds = commands(b.code)
     mode = (b.directive or "").split(" ", 1)[0]
@@ -238,6 +249,7 @@ def test_every_command_shown_runs(page, workspace):
     if not path.exists():
         pytest.fail(f"{page} is missing")
     n = 0
+    namespace: dict = {"__name__": "__doc_test__"}
     for b in blocks(path.read_text()):
         where = f"{page}:{b.line}"
         assert b.lang not in ("sh", "shell", "console", "zsh", "shell-session"), (
@@ -251,6 +263,8 @@ def test_every_command_shown_runs(page, workspace):
         if b.lang == "bash":
             check_block(b, workspace, where)
             n += 1
+        elif b.lang == "python" and b.directive == "python":
+            check_python(b.code, namespace, where)
     if page in ("README.md", "docs/quickstart.md", "docs/recipes.md", "docs/troubleshooting.md"):
         assert n, f"{page} shows no commands? the harness found no ```bash block"
 
@@ -273,6 +287,14 @@ def test_harness_catches_a_wrong_command(workspace):
         check_help(["shardrun select runs/arith --no-such-option"], workspace, "t")
     with pytest.raises(AssertionError, match="should exit 2"):
         check_fails(["shardrun plan examples/arith/plan-only.yaml"], 'fails exit=2 output="x"', workspace, "t")
+
+
+def test_harness_runs_python_blocks_in_order_in_one_namespace(workspace):
+    namespace: dict = {}
+    check_python("from shardrun import api\nplan = api.load_plan('runs/arith')", namespace, "t:1")
+    check_python("assert plan.num_tasks > 0", namespace, "t:2")  # a later cell sees the earlier ones
+    with pytest.raises(pytest.fail.Exception, match="t:3: the python block raised AssertionError"):
+        check_python("assert plan.num_tasks == 0", namespace, "t:3")
 
 
 # ---------------------------------------------------------------- reference, links, index

@@ -3,7 +3,8 @@
 A profile row (`<rollouts stem>_reward_profiling.jsonl`, one per task) carries `_ng_task_index`, the stats
 `{mean,max,min,median,std}/<field>` for `reward` and every other numeric rollout field, `sample` (the task's
 materialized input row, so `sample.agent_ref.name` is its agent), `num_rollouts`, `expected_num_rollouts` and
-`rollout_infos` (one dict per completed rollout, with its `reward`).
+`rollout_infos` (one dict per completed rollout, with its `reward`). A TaskStat keeps, in `inputs`, the fields of
+`sample` its reader asks for (e.g. `question`).
 
 pass@k is `aggregate.pass_at_k` (Gym's `compute_pass_majority_metrics` definition, written once) over the
 rewards of the profile rows.
@@ -37,6 +38,7 @@ class TaskStat:
     expected_num_rollouts: int
     stats: Mapping[str, float] = field(default_factory=dict)
     rewards: tuple[float, ...] = ()  # per completed rollout, in rollout-index order
+    inputs: Mapping[str, Any] = field(default_factory=dict)  # the asked-for fields of its planned row (`sample`)
 
     def stat(self, name: str, metric: str = "reward") -> float | None:
         return self.stats.get(f"{name}/{metric}")
@@ -59,8 +61,9 @@ def _rewards_of(row: Mapping[str, Any]) -> tuple[float, ...]:
     return tuple(float(i["reward"]) for i in ordered if _is_number(i.get("reward")))
 
 
-def task_stat(row: Mapping[str, Any], where: str = "profile row") -> TaskStat:
-    """One profile row -> TaskStat. BadInput if the row has no integer task index."""
+def task_stat(row: Mapping[str, Any], where: str = "profile row", fields: Sequence[str] = ()) -> TaskStat:
+    """One profile row -> TaskStat, with the `fields` its `sample` has in `inputs`. BadInput if the row has no
+    integer task index."""
     index = row.get(TASK_KEY)
     if isinstance(index, bool) or not isinstance(index, int):
         raise BadInput(
@@ -70,14 +73,19 @@ def task_stat(row: Mapping[str, Any], where: str = "profile row") -> TaskStat:
     n = row.get("num_rollouts")
     n = n if isinstance(n, int) else len(row.get("rollout_infos") or [])
     expected = row.get("expected_num_rollouts")
-    return TaskStat(index, _agent_of(row), n, expected if isinstance(expected, int) else n, stats, _rewards_of(row))
+    sample = row.get("sample")
+    inputs = {f: sample[f] for f in fields if f in sample} if fields and isinstance(sample, Mapping) else {}
+    expected = expected if isinstance(expected, int) else n
+    return TaskStat(index, _agent_of(row), n, expected, stats, _rewards_of(row), inputs)
 
 
-def task_stats(rows: Iterable[Mapping[str, Any]], source: str = "profile") -> list[TaskStat]:
+def task_stats(
+    rows: Iterable[Mapping[str, Any]], source: str = "profile", fields: Sequence[str] = ()
+) -> list[TaskStat]:
     """All profile rows -> TaskStats sorted by task index; a repeated task index is an error."""
     out: dict[int, TaskStat] = {}
     for n, row in enumerate(rows, 1):
-        t = task_stat(row, f"{source}:{n}")
+        t = task_stat(row, f"{source}:{n}", fields)
         if t.task_index in out:
             raise BadInput(f"{source}:{n}: task {t.task_index} appears twice in the profile")
         out[t.task_index] = t
@@ -178,9 +186,10 @@ def agent_summaries(tasks: Iterable[TaskStat]) -> list[AgentSummary]:
 # ---------------------------------------------------------------- reading (the one edge)
 
 
-def load_profile(run_dir: Path) -> list[TaskStat]:
-    """RUN_DIR's merged reward profile as TaskStats; RunDirError when it was not merged yet."""
+def load_profile(run_dir: Path, fields: Sequence[str] = ()) -> list[TaskStat]:
+    """RUN_DIR's merged reward profile as TaskStats (with `fields` of each task's planned row in `inputs`);
+    RunDirError when it was not merged yet."""
     path = store.merged_reward_profiling_path(run_dir)
     if not path.is_file():
         raise RunDirError(f"no reward profile at {path}; run `shardrun merge-and-profile {run_dir}` first")
-    return task_stats(store.iter_jsonl_objects(path), str(path))
+    return task_stats(store.iter_jsonl_objects(path), str(path), fields)

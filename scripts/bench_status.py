@@ -14,8 +14,8 @@
    Target for 2,500 shards: 3 (plus 1 for the merge job). Without Slurm it counts the scripts `submit --dry-run`
    renders instead, and says so.
 
-Slurm: set SLURM_CONF (e.g. `. /tmp/shardrun-slurm/env.sh` after `start-local-slurm.sh /tmp/shardrun-slurm`);
-with --start-slurm the bench starts the local cluster itself through ../shared/slurm/start-local-slurm.sh.
+Slurm: set SLURM_CONF (`eval "$(scripts/local-slurm.sh start)"`); with --start-slurm the bench starts the local
+cluster itself through scripts/local-slurm.sh (stop it with `scripts/local-slurm.sh stop`).
 """
 
 from __future__ import annotations
@@ -51,9 +51,8 @@ def slurm_available() -> bool:
 
 
 def start_slurm() -> None:
-    script = ROOT.parent / "shared" / "slurm" / "start-local-slurm.sh"
     out = subprocess.run(
-        ["bash", str(script), "/tmp/shardrun-slurm", "--cpus", "8", "--port-base", "23817"],
+        ["bash", str(ROOT / "scripts" / "local-slurm.sh"), "start"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -62,7 +61,7 @@ def start_slurm() -> None:
     for line in out.splitlines():
         if line.startswith("export "):
             key, _, value = line[7:].partition("=")
-            os.environ[key] = value.strip("'\"")
+            os.environ[key] = value
 
 
 def synthetic_run(tmp: Path, shards: int):
@@ -227,7 +226,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--submit-shards", type=int, default=2500)
     p.add_argument("--max-array-size", type=int, default=1001)
-    p.add_argument("--start-slurm", action="store_true", help="start the local Slurm (shared script) first")
+    p.add_argument("--start-slurm", action="store_true", help="start the local Slurm (scripts/local-slurm.sh) first")
     args = p.parse_args()
     if args.start_slurm:
         start_slurm()

@@ -1,7 +1,9 @@
 """Shared fixtures: where the real NeMo Gym and vLLM venvs live (installed by scripts/setup.sh).
 
-Outside CI a missing venv skips the tests that need it, with the reason; in CI (CI=true) it is an error, so a
-broken set-up can never pass as green.
+Outside CI a missing part of the environment (a venv, Slurm, a C compiler, setpriv, a tmpfs mount, ...) skips the
+tests that need it, with the reason; in CI (CI=true) every such skip is a failure (pytest_runtest_makereport
+below), so a broken set-up can never pass as green. A test that does not apply to a parametrised case is not a
+missing environment: it skips with a reason starting with NOT_APPLICABLE, which stays a skip in CI.
 """
 
 from __future__ import annotations
@@ -15,15 +17,42 @@ CACHE = Path(os.environ.get("SHARDRUN_CACHE", Path.home() / ".cache" / "shardrun
 GYM_VENV = Path(os.environ.get("SHARDRUN_GYM_VENV", CACHE / "gym-venv"))
 VLLM_VENV = Path(os.environ.get("SHARDRUN_VLLM_VENV", CACHE / "vllm-venv"))
 REPO = Path(__file__).resolve().parent.parent
+NOT_APPLICABLE = "not applicable: "
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def _environment_skip_fails_in_ci(report: pytest.TestReport | pytest.CollectReport) -> None:
+    if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if not reason.startswith(NOT_APPLICABLE):
+        report.outcome = "failed"
+        report.longrepr = f"CI=true: skipped for a missing part of the environment, which fails in CI: {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    report = yield
+    _environment_skip_fails_in_ci(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    report = yield
+    _environment_skip_fails_in_ci(report)
+    return report
 
 
 def _need(path: Path, what: str) -> Path:
     if (path / ".shardrun-ok").exists():
         return path
-    msg = f"{what} not installed at {path}; run ./scripts/setup.sh"
-    if os.environ.get("CI") == "true":
-        pytest.fail(msg)
-    pytest.skip(msg)
+    pytest.skip(f"{what} not installed at {path}; run ./scripts/setup.sh")
 
 
 @pytest.fixture(scope="session")

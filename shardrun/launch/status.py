@@ -22,11 +22,10 @@ from typing import Callable, Iterable, Mapping
 
 import orjson
 
-from shardrun.rundir import cost
+from shardrun.rundir import cost, ledger
 from shardrun.rundir import seal
-from shardrun.launch import slurm
+from shardrun.launch import scheduler, slurm
 from shardrun.rundir import store
-from shardrun.core.errors import ShardrunError
 from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
 from shardrun.plan.planner import Plan
 
@@ -73,7 +72,7 @@ class RunStatus:
     warnings: list[str] = field(default_factory=list)
     sealed_cost: dict = field(default_factory=dict)  # cost.run_row over the sealed shards' markers
     merge_jobs: list[dict] = field(default_factory=list)  # the run's merge jobs still queued or running
-    failed: list["FailedRollout"] = field(default_factory=list)  # rollouts recorded as failed (first MAX_FAILED)
+    failed: list[ledger.FailedRollout] = field(default_factory=list)  # rollouts recorded as failed (first MAX_FAILED)
     failed_listed_of: int = 0  # how many there are in all
 
     @property
@@ -170,13 +169,13 @@ def local_live(launches: Launches) -> tuple[dict[str, Live], list[str]]:
 
 
 def slurm_live(
-    launches: Launches, query: Callable[[Iterable[str]], dict[str, slurm.LiveJob]]
+    launches: Launches, query: Callable[[Iterable[str]], dict[str, scheduler.LiveJob]]
 ) -> tuple[dict[str, Live], str | None]:
     if not launches.names:
         return {}, None
     try:
         jobs = query(launches.names)
-    except slurm.SlurmError as e:
+    except scheduler.SlurmError as e:
         return {}, f"cannot ask Slurm which jobs are live ({e}); launched shards that are not sealed show as failed"
     live = {}
     for job_id, j in jobs.items():
@@ -203,7 +202,7 @@ def classify(
     launches: Launches,
     live: Mapping[str, Live],
     failure: Mapping | None,
-    ended: Mapping[str, slurm.EndedJob],
+    ended: Mapping[str, scheduler.SacctJob],
     counts: tuple[int, int],
     *,
     max_attempts: int,
@@ -250,12 +249,12 @@ def classify(
     )
 
 
-def failure_reason(job_id: str, failure: Mapping | None, ended: Mapping[str, slurm.EndedJob]) -> str:
+def failure_reason(job_id: str, failure: Mapping | None, ended: Mapping[str, scheduler.SacctJob]) -> str:
     """The shard job's own error record for that job if there is one, else what Slurm accounting says."""
     if failure and str(failure.get("job_id")) == job_id and failure.get("error"):
         return str(failure["error"])
     if job_id in ended:
-        return slurm.describe_ended(ended[job_id])
+        return scheduler.describe_ended(ended[job_id])
     if failure and failure.get("error"):
         return f"job {job_id} ended without sealing the shard (an earlier attempt failed: {failure['error']})"
     return f"job {job_id} ended without sealing the shard"
@@ -266,25 +265,11 @@ def failure_reason(job_id: str, failure: Mapping | None, ended: Mapping[str, slu
 MAX_FAILED = 200
 
 
-@dataclass(frozen=True)
-class FailedRollout:
-    task: int
-    rollout: int
-    shard: int
-    attempts: int  # failure rows in the sidecar (a terminal row counts its own attempts)
-    reason: str
-
-
-def failed_rollouts(run_dir: Path, plan: Plan) -> list[FailedRollout]:
-    """Every identity a shard's failure sidecar records as failed for good, with its last reason: a terminal row
-    (shardrun's, after gym.max_rollout_attempts) or as many rows as attempts (Gym's own; its resume skips them)."""
-    from shardrun.rundir import ledger
-
-    try:
-        settings = store.read_launch_settings(run_dir)
-    except ShardrunError:
-        settings = None
-    max_attempts = settings.gym.max_rollout_attempts if settings and settings.gym else 3
+def failed_rollouts(run_dir: Path, plan: Plan) -> list[ledger.FailedRollout]:
+    """Every identity a shard's failure sidecar records as failed for good (ledger.failed_rollouts, the one
+    definition): a terminal row (shardrun's, after gym.max_rollout_attempts) or as many rows as attempts (Gym's own;
+    its resume skips them). Rollouts are not read here, so the gate alone decides (see ledger.failed_for_good)."""
+    max_attempts = ledger.launched_max_attempts(run_dir)
     out = []
     for spec in plan.shards:
         path = store.failures_path(run_dir, spec.index)
@@ -297,14 +282,7 @@ def failed_rollouts(run_dir: Path, plan: Plan) -> list[FailedRollout]:
         for row in store.iter_jsonl_objects(path):
             if isinstance(row, dict) and isinstance(row.get(TASK_KEY), int) and isinstance(row.get(ROLLOUT_KEY), int):
                 rows.setdefault((row[TASK_KEY], row[ROLLOUT_KEY]), []).append(row)
-        for (t, r), got in sorted(rows.items()):
-            terminal = [x for x in got if x.get(ledger.TERMINAL_KEY)]
-            if not terminal and len(got) < max_attempts:
-                continue
-            last = (terminal or got)[-1]
-            reason = str(last.get("reason") or last.get(ledger.FAILURE_CLASS_KEY) or last.get("error") or "failed")
-            attempts = int(terminal[-1].get("attempts") or len(got)) if terminal else len(got)
-            out.append(FailedRollout(t, r, spec.index, attempts, reason))
+        out += ledger.failed_rollouts(spec.index, rows, max_attempts)
     return out
 
 
@@ -316,8 +294,8 @@ def collect(
     *,
     now: float | None = None,
     plan: Plan | None = None,
-    query_live: Callable[[Iterable[str]], dict[str, slurm.LiveJob]] = slurm.query_live_jobs,
-    query_ended: Callable[[Iterable[str]], dict[str, slurm.EndedJob]] = slurm.query_ended_jobs,
+    query_live: Callable[[Iterable[str]], dict[str, scheduler.LiveJob]] = scheduler.query_live_jobs,
+    query_ended: Callable[[Iterable[str]], dict[str, scheduler.SacctJob]] = scheduler.query_sacct,
 ) -> RunStatus:
     """Read the run directory, ask Slurm once for the run's live jobs, and classify every shard."""
     run_dir = Path(run_dir)
@@ -356,7 +334,7 @@ def collect(
             for i, st in seals.items()
             if not st.sealed
         }
-        ended: dict[str, slurm.EndedJob] = ending.result() if ending else {}
+        ended: dict[str, scheduler.SacctJob] = ending.result() if ending else {}
     # a local worker runs its shards one after another: those it has not started since the launch are waiting
     queued_locally = {
         i

@@ -8,7 +8,10 @@ resumed collector and this ledger always agree on what is left. shardrun's own r
 (a /run error aborts Gym's collector); at `max_attempts` the identity is written to the sidecar as terminal, with
 its reason and no reward.
 
-`tally` and `quarantine_row` are pure; `load` reads the files (complete lines only).
+The one definition of a *failed rollout* (used by the ledger, `shardrun status` and the merge) lives here:
+`failed_for_good`, `failure_reason` and `failed_rollouts`.
+
+`tally`, `quarantine_row` and the failed-rollout rules are pure; `load` reads the files (complete lines only).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import orjson
 
 from shardrun.rundir import store
-from shardrun.core.errors import ShardFailed
+from shardrun.core.config import GymConfig
+from shardrun.core.errors import ShardFailed, ShardrunError
 from shardrun.core.gym_names import AGENT_KEY, ROLLOUT_KEY, TASK_KEY
 
 Key = tuple[int, int]
@@ -28,6 +34,10 @@ FAILURE_CLASS_KEY = "_ng_failure_class"
 TERMINAL_KEY = "_ng_failure_terminal"
 QUARANTINE_CLASS = "shardrun_max_attempts"
 USAGE_KEYS = ("input_tokens", "output_tokens", "total_tokens")
+# where a failure row says why, first found wins: shardrun's own reason (its terminal rows also carry the class
+# QUARANTINE_CLASS, which says only that the attempts ran out), then Gym's failure class, then the error text
+REASON_KEYS = ("reason", FAILURE_CLASS_KEY, "error", "failure")
+NO_REASON = "unknown"
 
 
 def key_of(row: dict[str, Any]) -> Key:
@@ -100,7 +110,7 @@ def tally(
             terminal.add(k)
         if r.get("reason"):
             reasons[k] = str(r["reason"])
-    failed = terminal | {k for k, n in side_attempts.items() if n >= max_attempts}
+    failed = {k for k, n in side_attempts.items() if gave_up(k in terminal, n, max_attempts)}
     attempts: Counter = Counter()
     for r in attempt_rows:
         if TASK_KEY in r and ROLLOUT_KEY in r:
@@ -183,3 +193,80 @@ def last_reasons(run_dir: Path, index: int) -> dict[Key, str]:
         if TASK_KEY in r and ROLLOUT_KEY in r:
             out[key_of(r)] = str(r.get("reason", "failed"))
     return out
+
+
+# ---------------------------------------------------------------- failed rollouts (the one definition)
+
+
+@dataclass(frozen=True)
+class FailedRollout:
+    """A planned identity recorded as failed for good, with its shard, reason and number of attempts."""
+
+    task: int
+    rollout: int
+    shard: int
+    reason: str
+    attempts: int
+
+
+def launched_max_attempts(run_dir: Path) -> int:
+    """gym.max_rollout_attempts of the run's latest launch (the config's default when none is readable)."""
+    try:
+        settings = store.read_launch_settings(run_dir)
+    except ShardrunError:
+        settings = None
+    if settings is not None and settings.gym is not None:
+        return settings.gym.max_rollout_attempts
+    return int(GymConfig.model_fields["max_rollout_attempts"].default)
+
+
+def gave_up(terminal: bool, rows: int, max_attempts: int) -> bool:
+    """NeMo Gym 0.4.0's resume gate: a terminal failure row, or at least `max_attempts` failure rows."""
+    return terminal or rows >= max_attempts
+
+
+def failure_reason(row: Mapping[str, Any]) -> str:
+    """Why a failure row says its rollout failed: the first of REASON_KEYS that is set (JSON for non-strings)."""
+    for key in REASON_KEYS:
+        value = row.get(key)
+        if value not in (None, ""):
+            return value if isinstance(value, str) else orjson.dumps(value).decode()
+    return NO_REASON
+
+
+def failed_for_good(rows: Sequence[Mapping[str, Any]], max_attempts: int, *, sealed: bool = False) -> bool:
+    """Has a planned identity without a rollout failed for good, by its failure rows (file order)?
+
+    Yes when the rows pass Gym's resume gate (`gave_up`), or when its shard is sealed: the runtime seals a shard
+    only once every identity is done or has failed for good under the settings it ran with, so there any failure
+    row of an identity without a rollout is final. The caller checks "without a rollout"; a reader that does not
+    read the rollouts (status) passes sealed=False, where the gate alone decides (a gated identity is never run
+    again, so it never gets a rollout)."""
+    return sealed or gave_up(any(r.get(TERMINAL_KEY) for r in rows), len(rows), max_attempts)
+
+
+def failed_rollout(task: int, rollout: int, shard: int, rows: Sequence[Mapping[str, Any]]) -> FailedRollout:
+    """The failed rollout an identity's failure rows (file order) describe: the reason of its last terminal row
+    (else of its last row), and the attempts a terminal row counts (else one per row)."""
+    terminal = [r for r in rows if r.get(TERMINAL_KEY)]
+    last = (terminal or rows)[-1]
+    counted = terminal[-1].get("attempts") if terminal else None
+    attempts = counted if type(counted) is int and counted > 0 else len(rows)
+    return FailedRollout(task, rollout, shard, failure_reason(last), attempts)
+
+
+def failed_rollouts(
+    shard: int,
+    rows: Mapping[Key, Sequence[Mapping[str, Any]]],
+    max_attempts: int,
+    *,
+    sealed: bool = False,
+    done: Callable[[Key], bool] | None = None,
+) -> list[FailedRollout]:
+    """The failed rollouts of one shard, by identity, from its failure rows grouped by identity (file order
+    within each). `done` says which identities have a rollout (None: not known, see failed_for_good)."""
+    return [
+        failed_rollout(t, r, shard, got)
+        for (t, r), got in sorted(rows.items())
+        if (done is None or not done((t, r))) and failed_for_good(got, max_attempts, sealed=sealed and done is not None)
+    ]

@@ -261,6 +261,49 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+LINE_BLOCK = 8 << 20
+
+
+class CompleteLines:
+    """The one reader of JSONL files another process may still be appending to: the complete lines of an open
+    file, read in blocks of LINE_BLOCK bytes. A last line without its newline (a killed or still running writer)
+    is never handed out; afterwards `torn` is its length. Every byte read is hashed into `hasher`; the complete
+    lines are copied to `copy_to` (a snapshot whose offsets equal the file's); bytes past `limit` are not read."""
+
+    def __init__(
+        self,
+        f: IO[bytes],
+        limit: int | None = None,
+        hasher: "hashlib._Hash | None" = None,
+        copy_to: IO[bytes] | None = None,
+    ):
+        self.f, self.limit, self.hasher, self.copy_to = f, limit, hasher, copy_to
+        self.torn = 0
+
+    def blocks(self) -> Iterator[tuple[int, list[bytes]]]:
+        """(offset of the block's first line, the block's complete lines without their newline), block by block."""
+        offset, carry, remaining = 0, b"", self.limit
+        while remaining is None or remaining > 0:
+            data = self.f.read(LINE_BLOCK if remaining is None else min(LINE_BLOCK, remaining))
+            if not data:
+                break
+            if remaining is not None:
+                remaining -= len(data)
+            if self.hasher is not None:
+                self.hasher.update(data)
+            cut = data.rfind(b"\n") + 1
+            if not cut:  # no line ends in this block: a line longer than a block goes on
+                carry += data
+                continue
+            lines = carry + data[:cut] if carry else data[:cut]
+            carry = data[cut:]
+            if self.copy_to is not None:
+                self.copy_to.write(lines)
+            yield offset, lines[:-1].split(b"\n")
+            offset += len(lines)
+        self.torn = len(carry)
+
+
 def complete_lines(path: Path) -> Iterator[bytes]:
     """Yield the complete (newline-terminated) non-blank lines of a JSONL file; a torn last line is skipped."""
     try:
@@ -268,9 +311,8 @@ def complete_lines(path: Path) -> Iterator[bytes]:
     except FileNotFoundError:
         return
     with f:
-        for raw in f:
-            if raw.endswith(b"\n") and raw.strip():
-                yield raw
+        for _offset, lines in CompleteLines(f).blocks():
+            yield from (line + b"\n" for line in lines if line.strip())
 
 
 def repair_torn_tail(path: Path) -> int:

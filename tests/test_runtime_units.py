@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from shardrun.shard import collector
+from shardrun.shard import gym_adapter
 from shardrun.shard import gym_stack
 from shardrun.launch import submission
 from shardrun.rundir import ledger
@@ -87,19 +88,54 @@ aiohttp.client_exceptions.ClientResponseError: 500, message='Internal Server Err
 """
 
 
+V04 = gym_adapter.for_version("0.4.0")
+V07 = gym_adapter.for_version("0.7.0")
+
+
 def test_failed_identities_and_reasons_from_the_collector_log() -> None:
-    got = collector.failed_identities(COLLECTOR_LOG)
+    got = collector.failed_identities(V04, COLLECTOR_LOG)
     assert got == {
         (2, 1): "/run failed with HTTP 500 (VLLMModel___policy_model: injected 400)",
         (7, 0): "/run failed with HTTP 502",
     }
-    assert collector.failed_identities("Traceback\nKeyError: 'x'\n") == {}
+    assert collector.failed_identities(V04, "Traceback\nKeyError: 'x'\n") == {}
+    # Gym 0.7 records a failed /run in the failures sidecar itself (route_failures_to_sidecar): nothing from the log
+    assert collector.failed_identities(V07, COLLECTOR_LOG) == {}
 
 
-def test_collector_command_resumes_the_shard_files(tmp_path: Path) -> None:
+def test_adapters_by_version() -> None:
+    assert type(gym_adapter.for_version("0.4.0")).__name__ == "GymV04"
+    assert gym_adapter.for_version("0.7.3").version == "0.7.3"
+    for bad in ("0.5.0", "1.0.0", "nightly"):
+        with pytest.raises(BadInput, match="not"):
+            gym_adapter.for_version(bad)
+    assert "environment_servers" in V07.server_kinds and "environment_servers" not in V04.server_kinds
+    assert V07.profile_file_suffixes()[-1] == "_repeat_level_metrics.json"
+    assert V04.profile_command(Path("/v"), Path("m.jsonl"), Path("r.jsonl"), True) == [
+        "/v/bin/ng_reward_profile",
+        "+materialized_inputs_jsonl_fpath=m.jsonl",
+        "+rollouts_jsonl_fpath=r.jsonl",
+        "++allow_partial_rollouts=True",
+    ]
+    assert V07.profile_command(Path("/v"), Path("m.jsonl"), Path("r.jsonl"), False) == [
+        "/v/bin/gym",
+        "eval",
+        "profile",
+        "--inputs",
+        "m.jsonl",
+        "--rollouts",
+        "r.jsonl",
+    ]
+
+
+@pytest.mark.parametrize("adapter", [V04, V07], ids=["0.4", "0.7"])
+def test_collector_command_resumes_the_shard_files(tmp_path: Path, adapter) -> None:
     gym = GymConfig(num_samples_in_parallel=3, collect_overrides=["+x=1"])
-    cmd = collector.command(Path("/v"), 4242, tmp_path, 7, gym)
-    assert cmd[0] == "/v/bin/ng_collect_rollouts"
+    cmd = collector.command(adapter, Path("/v"), 4242, tmp_path, 7, gym)
+    if adapter is V04:
+        assert cmd[0] == "/v/bin/ng_collect_rollouts"
+    else:
+        assert cmd[:4] == ["/v/bin/gym", "eval", "run", "--no-serve"] and "+route_failures_to_sidecar=true" in cmd
     assert f"+input_jsonl_fpath={store.materialized_path(tmp_path, 7)}" in cmd
     assert f"+output_jsonl_fpath={store.rollouts_path(tmp_path, 7)}" in cmd
     assert {
@@ -130,7 +166,13 @@ def test_env_yaml_and_ng_run_command(tmp_path: Path) -> None:
     ]
     assert gym_stack.hydra_list(["a/b.yaml", "c d.yaml"]) == "[a/b.yaml,'c d.yaml']"
     gym = GymConfig(config_paths=["x.yaml"], overrides=["+foo=1"])
-    cmd = gym_stack.ng_run_command(Path("/v"), gym, 5555, tmp_path)
+    assert gym_stack.ng_run_command(V07, Path("/v"), gym, 5555, tmp_path)[:4] == [
+        "/v/bin/gym",
+        "env",
+        "start",
+        "+config_paths=[x.yaml]",
+    ]
+    cmd = gym_stack.ng_run_command(V04, Path("/v"), gym, 5555, tmp_path)
     assert cmd[:2] == ["/v/bin/ng_run", "+config_paths=[x.yaml]"]
     assert {
         "+head_server.host=127.0.0.1",
@@ -148,12 +190,15 @@ def test_env_yaml_is_written_0600(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and b"secret" in path.read_bytes()
 
 
-def fake_venv(root: Path) -> Path:
+def fake_venv(root: Path, version: str = "0.4.0") -> Path:
     venv = root / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "ng_run").write_text("")
     (venv / "pyvenv.cfg").write_text("home = /opt/python3.12/bin\nversion = 3.12.1\n")
     site = venv / "lib" / "python3.12" / "site-packages"
+    meta = site / f"nemo_gym-{version}.dist-info" / "METADATA"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(f"Metadata-Version: 2.4\nName: nemo-gym\nVersion: {version}\n\nREADME text\n")
     for d in (
         "resources_servers/math",
         "responses_api_agents/simple_agent",
@@ -167,8 +212,8 @@ def fake_venv(root: Path) -> Path:
 def test_shared_venv_links_and_environment(tmp_path: Path) -> None:
     venv = fake_venv(tmp_path)
     links = tmp_path / "links"
-    assert gym_stack.link_server_venvs(links, venv) == 3
-    assert gym_stack.link_server_venvs(links, venv) == 0  # idempotent
+    assert gym_stack.link_server_venvs(links, venv, V04.server_kinds) == 3
+    assert gym_stack.link_server_venvs(links, venv, V04.server_kinds) == 0  # idempotent
     assert (links / "resources_servers" / "math" / ".venv").resolve() == venv.resolve()
     assert not (links / "resources_servers" / "__pycache__").exists()
     env = gym_stack.stack_env({"PATH": "/usr/bin", "VIRTUAL_ENV": "/x", "KEEP": "1"}, venv, tmp_path / "ray", True)
@@ -178,8 +223,20 @@ def test_shared_venv_links_and_environment(tmp_path: Path) -> None:
     assert gym_stack.gym_venv(GymConfig(venv=str(venv)), {}) == venv
     with pytest.raises(BadInput, match="SHARDRUN_GYM_VENV"):
         gym_stack.gym_venv(GymConfig(), {})
-    with pytest.raises(BadInput, match="no bin/ng_run"):
+    with pytest.raises(BadInput, match="no nemo-gym installed"):
         gym_stack.gym_venv(GymConfig(venv=str(tmp_path)), {})
+    (venv / "bin" / "ng_run").unlink()
+    with pytest.raises(BadInput, match="has nemo-gym 0.4.0 but no bin/ng_run"):
+        gym_stack.gym_venv(GymConfig(venv=str(venv)), {})
+
+
+def test_gym_version_from_the_venv_metadata(tmp_path: Path) -> None:
+    from shardrun.core import gym_version
+
+    venv = fake_venv(tmp_path, "0.7.0")
+    assert gym_version.detect(venv) == "0.7.0" and gym_version.series("0.7.12") == "0.7"
+    assert gym_version.of_settings(None, {gym_version.VENV_ENV: str(venv)}) == "0.7.0"
+    assert gym_version.of_settings(None, {}) is None and gym_version.installed_version(tmp_path) is None
 
 
 # ---------------------------------------------------------------- watchdog
@@ -363,6 +420,7 @@ def test_missing_api_key_fails_before_any_server(tmp_path: Path, monkeypatch) ->
     data = cfg.model_dump(mode="json")
     data["policy"]["api_key_env"] = "SHARDRUN_TEST_UNSET_KEY"
     monkeypatch.delenv("SHARDRUN_TEST_UNSET_KEY", raising=False)
+    monkeypatch.setenv(gym_stack.VENV_ENV, str(fake_venv(tmp_path)))
     store.write_launch_settings(cfg.run_dir, RunConfig.model_validate(data))
     with pytest.raises(BadInput, match="SHARDRUN_TEST_UNSET_KEY"):
         runtime.run_shard(cfg.run_dir, 0)

@@ -352,6 +352,7 @@ class Plan:
     shards: tuple[ShardSpec, ...]
     warnings: tuple[str, ...] = ()
     fingerprint: str = ""
+    gym_version: str | None = None  # the nemo-gym release of gym.venv when planned (not in the fingerprint)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -398,7 +399,7 @@ def public_config(cfg: RunConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json")
 
 
-def make_plan(cfg: RunConfig, info: InputInfo, summary: InputSummary) -> Plan:
+def make_plan(cfg: RunConfig, info: InputInfo, summary: InputSummary, gym_version: str | None = None) -> Plan:
     shards = make_shards(summary.num_rollouts, shard_count(summary.num_rollouts, cfg), cfg.sharding.slicing)
     plan = Plan(
         planner_version=PLANNER_VERSION,
@@ -410,6 +411,7 @@ def make_plan(cfg: RunConfig, info: InputInfo, summary: InputSummary) -> Plan:
         agents={a: asdict(s) for a, s in sorted(summary.agents.items())},
         shards=shards,
         warnings=tuple(summary.warnings),
+        gym_version=gym_version,
     )
     return _with_fingerprint(plan)
 

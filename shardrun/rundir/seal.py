@@ -36,6 +36,7 @@ def make_marker(
     collect_s: float,
     gpus: int,
     extra: dict[str, Any] | None = None,
+    gym_version: str | None = None,
 ) -> dict[str, Any]:
     """The marker's content (pure). Times are Unix seconds; `extra` holds optional accounting such as tokens."""
     marker = {
@@ -57,6 +58,8 @@ def make_marker(
         "gpus": gpus,
         "gpu_hours": gpus * (finished_at - started_at) / 3600.0,
     }
+    if gym_version is not None:
+        marker["gym_version"] = gym_version  # the nemo-gym release the shard ran with
     if extra:
         marker["extra"] = extra
     return marker

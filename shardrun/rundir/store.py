@@ -24,6 +24,7 @@ import orjson
 from filelock import FileLock
 
 from shardrun.plan import planner
+from shardrun.core import gym_version
 from shardrun.core.config import RunConfig
 from shardrun.core.errors import BadInput, PlanMismatch, RunDirError
 from shardrun.core.gym_names import FAILURES, MATERIALIZED, ROLLOUTS
@@ -399,7 +400,8 @@ def scan_input(cfg: RunConfig) -> Plan:
     hasher = hashlib.sha256()
     summary = planner.scan(read_lines(src, hasher), cfg, str(src))
     info = planner.InputInfo(path=str(src), sha256=hasher.hexdigest(), num_lines=summary.num_lines)
-    return planner.make_plan(cfg, info, summary)
+    version = gym_version.of_settings(cfg.gym.venv if cfg.gym else None, os.environ)
+    return planner.make_plan(cfg, info, summary, gym_version=version)
 
 
 def existing_plan_matches(run_dir: Path, plan: Plan) -> bool:

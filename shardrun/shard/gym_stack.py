@@ -1,6 +1,7 @@
 """The shard's NeMo Gym servers: env.yaml, `ng_run` in its own process group, readiness, health, teardown.
 
-What Gym 0.4.0 needs here (docs/runtime.md has the measurements):
+The command, the server kinds and the release's own flags come from the release's adapter (gym_adapter.py); what
+every supported release needs here (docs/runtime.md has the measurements):
 - `env.yaml` in ng_run's working directory carries `policy_base_url` (a string or a list), `policy_api_key` and
   `policy_model_name`; it holds the key, so it is written 0600 and deleted at teardown.
 - A head-server port per stack (`+head_server.host` and `+head_server.port` together), chosen free by the kernel
@@ -10,10 +11,7 @@ What Gym 0.4.0 needs here (docs/runtime.md has the measurements):
   107 bytes) and RAY_AUTH_MODE=disabled (no ~/.ray token).
 - server_venvs=shared: `<uv_venv_dir>/<type>/<impl>/.venv` symlinks to the Gym venv and
   `+skip_venv_if_present=true`: no uv run at all (UV_OFFLINE=1 as a guard).
-- `+global_aiohttp_client_request_debug=true` makes the collector name the identity of a failed /run (the collector
-  takes the client settings from the head server's config), which the retry ledger needs. It also makes
-  Gym print a failed request's headers, the policy key among them: ng_run's output reaches its log through
-  processes' redactor, which masks the key.
+- ng_run's output reaches its log through processes' redactor, which masks the policy key wherever Gym prints it.
 - ng_run is stopped with SIGTERM to its process group, then stragglers (Ray workers leave the group) are killed.
 """
 
@@ -32,13 +30,14 @@ from typing import Mapping, Sequence
 import yaml
 
 from shardrun.shard import processes
+from shardrun.shard.gym_adapter import GymAdapter, for_venv
 from shardrun.rundir import store
+from shardrun.core import gym_version
 from shardrun.core.config import GymConfig
 from shardrun.core.errors import BadInput, ServerFailure
 
-VENV_ENV = "SHARDRUN_GYM_VENV"
+VENV_ENV = gym_version.VENV_ENV
 HEAD_HOST = "127.0.0.1"
-SERVER_KINDS = ("resources_servers", "responses_api_agents", "responses_api_models")
 STOP_GRACE_S = 5.0  # ng_run exits about 3 s after SIGTERM; results are on disk by then
 STRAGGLER_GRACE_S = 0.5
 PORT_TRIES = 3
@@ -66,13 +65,13 @@ def hydra_list(items: Sequence[str]) -> str:
     return "[" + ",".join(one(s) for s in items) + "]"
 
 
-def ng_run_command(venv: Path, gym: GymConfig, port: int, venvs_dir: Path) -> list[str]:
+def ng_run_command(adapter: GymAdapter, venv: Path, gym: GymConfig, port: int, venvs_dir: Path) -> list[str]:
     return [
-        str(venv / "bin" / "ng_run"),
+        *adapter.stack_command(venv),
         f"+config_paths={hydra_list(gym.config_paths)}",
         f"+head_server.host={HEAD_HOST}",
         f"+head_server.port={port}",
-        "+global_aiohttp_client_request_debug=true",
+        *adapter.stack_flags(),
         "+skip_venv_if_present=true",
         f"+uv_venv_dir={venvs_dir}",
         *gym.overrides,
@@ -105,15 +104,19 @@ def stack_env(base: Mapping[str, str], venv: Path, ray_tmp: Path, shared: bool) 
 
 
 def gym_venv(gym: GymConfig, env: Mapping[str, str]) -> Path:
-    venv = gym.venv or env.get(VENV_ENV)
-    if not venv:
+    """The configured Gym venv; BadInput unless it holds a supported nemo-gym with its commands."""
+    path = gym_version.configured_venv(gym.venv, env)
+    if path is None:
         raise BadInput(
             f"gym.venv is not set and ${VENV_ENV} is empty: name the venv that has nemo-gym "
             f"(scripts/setup.sh gym builds one)"
         )
-    path = Path(venv)
-    if not (path / "bin" / "ng_run").exists():
-        raise BadInput(f"gym venv {path} has no bin/ng_run; install nemo-gym there (scripts/setup.sh gym)")
+    adapter = for_venv(path)
+    if not (path / "bin" / adapter.entry_point).exists():
+        raise BadInput(
+            f"gym venv {path} has nemo-gym {adapter.version} but no bin/{adapter.entry_point}; "
+            f"reinstall it (scripts/setup.sh gym)"
+        )
     return path
 
 
@@ -124,11 +127,11 @@ def site_packages(venv: Path) -> Path:
     return found[-1]
 
 
-def link_server_venvs(venvs_dir: Path, venv: Path) -> int:
-    """`<venvs_dir>/<kind>/<impl>/.venv` -> the Gym venv, for every server the Gym install ships."""
+def link_server_venvs(venvs_dir: Path, venv: Path, server_kinds: Sequence[str]) -> int:
+    """`<venvs_dir>/<kind>/<impl>/.venv` -> the Gym venv, for every server of these kinds the Gym install ships."""
     n = 0
     root = site_packages(venv)
-    for kind in SERVER_KINDS:
+    for kind in server_kinds:
         for server in sorted(p for p in (root / kind).glob("*") if p.is_dir() and not p.name.startswith("_")):
             link = venvs_dir / kind / server.name / ".venv"
             link.parent.mkdir(parents=True, exist_ok=True)
@@ -222,6 +225,21 @@ def write_env_yaml(path: Path, text: str) -> None:
         f.write(text.encode())
 
 
+@dataclass(frozen=True)
+class StackPlace:
+    """Where a Gym stack lives: `home` (a shard's directory, or a warm worker's), ng_run's working dir and log."""
+
+    home: Path
+    work: Path
+    log: Path
+
+
+def shard_place(run_dir: Path, index: int) -> StackPlace:
+    return StackPlace(
+        store.shard_dir(run_dir, index), store.gym_dir(run_dir, index), store.gym_log_path(run_dir, index)
+    )
+
+
 def start(
     run_dir: Path,
     index: int,
@@ -230,30 +248,34 @@ def start(
     api_key: str | None,
     model_name: str,
     env: Mapping[str, str] | None = None,
+    place: StackPlace | None = None,
 ) -> GymStack:
-    """Write env.yaml and start ng_run for shard `index` (not waiting for readiness)."""
+    """Write env.yaml and start ng_run for shard `index`, or at `place` (a warm worker's), not waiting for
+    readiness."""
     base_env = dict(os.environ if env is None else env)
     venv = gym_venv(gym, base_env)
-    work = store.gym_dir(run_dir, index)
+    adapter = for_venv(venv)
+    place = place or shard_place(run_dir, index)
+    work = place.work
     work.mkdir(parents=True, exist_ok=True)
     shared = gym.server_venvs == "shared"
     if shared:
-        venvs_dir = store.server_venvs_dir(run_dir, index)
-        link_server_venvs(venvs_dir, venv)
+        venvs_dir = work / store.SERVER_VENVS
+        link_server_venvs(venvs_dir, venv, adapter.server_kinds)
     else:
         venvs_dir = Path(gym.uv_venv_dir) if gym.uv_venv_dir else venv.parent / (venv.name + "-server-venvs")
         venvs_dir.mkdir(parents=True, exist_ok=True)
-    env_yaml = store.env_yaml_path(run_dir, index)
+    env_yaml = work / store.ENV_YAML
     write_env_yaml(env_yaml, env_yaml_text(base_urls, api_key, model_name))
-    ray_tmp = ray_tmp_dir(store.shard_dir(run_dir, index))
+    ray_tmp = ray_tmp_dir(place.home)
     port = processes.free_port(HEAD_HOST)
-    cmd = ng_run_command(venv, gym, port, venvs_dir)
+    cmd = ng_run_command(adapter, venv, gym, port, venvs_dir)
     if not shared:
         cmd.append(f"+uv_cache_dir={venvs_dir / 'uv-cache'}")
     # with request debugging on, Gym's model adapter prints a failed request's headers (the key among them)
     proc = processes.start(
         cmd,
-        store.gym_log_path(run_dir, index),
+        place.log,
         name="ng_run",
         cwd=work,
         env=stack_env(base_env, venv, ray_tmp, shared),
@@ -281,11 +303,12 @@ def start_ready(
     api_key: str | None,
     model_name: str,
     env: Mapping[str, str] | None = None,
+    place: StackPlace | None = None,
 ) -> tuple[GymStack, float]:
     """start + wait_ready; a head port taken between choosing and binding it is retried with another port."""
     t0 = time.monotonic()
     for attempt in range(PORT_TRIES):
-        stack = start(run_dir, index, gym, base_urls, api_key, model_name, env)
+        stack = start(run_dir, index, gym, base_urls, api_key, model_name, env, place)
         try:
             wait_ready(stack, max(1.0, gym.ready_timeout_s - (time.monotonic() - t0)))
             return stack, time.monotonic() - t0

@@ -1,0 +1,52 @@
+"""NeMo Gym 0.7.x (Python >= 3.13.14 declared; runs on 3.13.0, installed with --ignore-requires-python).
+
+- Commands: the `gym` command (`gym env start`, `gym eval run --no-serve`, `gym eval profile --inputs --rollouts`);
+  the `ng_*` scripts still exist as deprecated aliases that print a notice and re-enter `gym`.
+- Servers: besides resources_servers, responses_api_agents and responses_api_models, ng_run starts one
+  `environment_servers/legacy_agent` per agent (`<agent>_environment_server`), which needs its own venv dir too.
+- `+route_failures_to_sidecar=true`: a failed /run becomes a `rollouts_failures.jsonl` row
+  (`_ng_failure_class` agent_run_error or agent_request_failed, with `_ng_failure_message` and the HTTP status)
+  and collection goes on; resume gates an identity with a terminal row or NEMO_GYM_MAX_ROLLOUT_ATTEMPTS rows, so
+  the release counts the attempts itself and nothing is read from the log.
+- Resume (`+resume_from_cache=true`) on a pre-materialized file dispatches exactly the identities that are
+  neither done nor gated, keeps the file unchanged, and repairs a torn last line of the rollouts and the sidecar
+  itself. The output directory is created if missing.
+- The profiler also writes `_repeat_level_metrics.json` (one row per agent and rollout index) and adds
+  across-repeat statistics (`mean_across_repeats/...`) to `_agent_metrics.json`; a missing or failed rollout is
+  left out of the profile (the collector's `count_missing_rollouts_as_zero` is off by default).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardrun.shard.gym_adapter import GymAdapter
+
+
+class GymV07(GymAdapter):
+    series = "0.7"
+    python = "3.13"
+    entry_point = "gym"
+    server_kinds = ("resources_servers", "responses_api_agents", "responses_api_models", "environment_servers")
+    repeat_level_metrics = True
+    missing_policy = "omit"
+
+    def stack_command(self, venv: Path) -> list[str]:
+        return [str(venv / "bin" / "gym"), "env", "start"]
+
+    def collect_command(self, venv: Path) -> list[str]:
+        return [str(venv / "bin" / "gym"), "eval", "run", "--no-serve"]
+
+    def collect_flags(self) -> list[str]:
+        return ["+route_failures_to_sidecar=true"]
+
+    def profile_command(self, venv: Path, materialized: Path, rollouts: Path, partial: bool) -> list[str]:
+        return [
+            str(venv / "bin" / "gym"),
+            "eval",
+            "profile",
+            "--inputs",
+            str(materialized),
+            "--rollouts",
+            str(rollouts),
+        ] + (["++allow_partial_rollouts=True"] if partial else [])

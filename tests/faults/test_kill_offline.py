@@ -6,10 +6,18 @@ byte-identical to an uninterrupted run (merge_summary.json: except its timings).
 
 The killed commands run in children forked from the test process (the CLI's own code path, without paying the
 interpreter start-up for every kill); the recovery runs are the real `shardrun` executable.
+
+The sealing kills are placed by what the shard worker has done, not by the clock: the worker is frozen (SIGSTOP,
+and the kernel shows it stopped) and let run in short slices, and the kill comes at the first frozen look that
+shows the seeded target (a chosen shard mid-seal, or just sealed), so each kill's category is what the frozen
+state showed, and a loaded machine only makes the slices do less.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import time
 import uuid
 from collections import Counter
@@ -24,6 +32,8 @@ from shardrun.rundir import store
 from tests.faults import faultkit, synthetic
 
 KILLS = 20  # per stage, at least
+MID_SHARD = "mid-shard (started, not sealed)"
+SEALED_SOME = "sealed some shards before the kill"
 pytestmark = pytest.mark.timeout(600)
 SHARDS = 16
 
@@ -43,6 +53,64 @@ def sealed(run_dir: Path, n: int) -> set[int]:
     return {i for i in range(n) if seal.check(run_dir, plan, i, deep=True).sealed}
 
 
+def new_log(run_dir: Path, index: int, since: int) -> bytes:
+    """What shard `index` logged after its log had `since` bytes."""
+    try:
+        with open(store.shard_log_path(run_dir, index), "rb") as f:
+            f.seek(since)
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
+def worker_pid(run_dir: Path, todo: list[int], sizes: list[int]) -> int | None:
+    """The pid of the shard worker, from the first `start:` line this run logged (runtime.py logs its pid)."""
+    for i in todo:
+        m = re.search(rb"start: attempt \d+, .*, pid (\d+)", new_log(run_dir, i, sizes[i]))
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of `pid` (R, S, D, T, t, Z, ...), None when it is gone."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2 :].split()[0].decode()
+
+
+def freeze(pid: int, timeout: float = 60) -> bool:
+    """SIGSTOP `pid` and wait until the kernel shows it stopped, so its files hold all it wrote and nothing more
+    comes; False if it has exited."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout
+    while (state := process_state(pid)) not in ("T", "t"):
+        if state in (None, "Z", "X"):
+            return False
+        if time.monotonic() > deadline:
+            pytest.fail(f"pid {pid} did not stop within {timeout:.0f} s of SIGSTOP (state {state})")
+        time.sleep(0.0002)
+    return True
+
+
+def step_until(pid: int, reached, slice_s: float = 0.002, limit: int = 200_000) -> bool:
+    """With `pid` frozen: until `reached()` holds on the frozen state, let it run one short slice (SIGCONT, sleep,
+    freeze). Returns True with the process frozen where `reached()` held; False if it exited first."""
+    for _ in range(limit):
+        if reached():
+            return True
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(slice_s)
+        if not freeze(pid):
+            return False
+    pytest.fail(f"pid {pid} did not get there in {limit} slices")
+
+
 @pytest.fixture
 def tagged(monkeypatch) -> str:
     tag = uuid.uuid4().hex
@@ -60,10 +128,8 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
     planned = [k for i in range(SHARDS) for k in run.identities(i)]
 
     # the uninterrupted run: `shardrun resume` seals every shard without starting servers
-    t0 = time.monotonic()
     proc = faultkit.fork_cli("resume", run_dir, log=tmp_path / "reference.log")
-    first = faultkit.wait_for(lambda: any(shard_log_sizes(run_dir, SHARDS)), 120, "the first shard to start", proc=proc)
-    t_first = time.monotonic()
+    first = faultkit.wait_for(lambda: any(shard_log_sizes(run_dir, SHARDS)), 300, "the first shard to start", proc=proc)
     faultkit.wait_for(
         lambda: (
             all(
@@ -77,7 +143,6 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
         "every shard to seal",
         proc=proc,
     )
-    sealing_s = time.monotonic() - t_first  # from the first shard's start to the last shard's seal
     assert first and proc.wait(300) == 0, (tmp_path / "reference.log").read_text()
     assert sealed(run_dir, SHARDS) == set(range(SHARDS))
     reference = synthetic.shard_files(run_dir, SHARDS)
@@ -93,37 +158,46 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
         }
         for i in range(SHARDS)
     }
-    startup_s = t_first - t0
 
+    # Each kill has a seeded target among the shards this resume seals: a shard mid-seal (started, no `.done`
+    # yet), at the first to third frozen look that shows it there, or the same shard just sealed (its `.done` in
+    # place). Kills go on until both kinds have landed often enough; a look that missed its target (the shard
+    # sealed within one slice) still kills and counts as what it was, so the loop only needs more turns.
     rng = faultkit.seeded(4242)
     synthetic.restore(pristine, run_dir)
     landed: Counter = Counter()
     kills = chains = 0
-    for _attempt in range(6 * KILLS):
-        if kills >= KILLS:
+    for attempt in range(6 * KILLS):
+        if kills >= KILLS and landed[MID_SHARD] >= KILLS // 2 and landed[SEALED_SOME] >= KILLS // 2:
             break
         before = sealed(run_dir, SHARDS)
+        todo = sorted(set(range(SHARDS)) - before)
         sizes = shard_log_sizes(run_dir, SHARDS)
+        target = rng.choice(todo)
+        looks = rng.randint(1, 3) if attempt % 2 == 0 else None  # None: kill once the target is sealed
+        seen: Counter = Counter()
+
+        def at_target() -> bool:
+            if store.done_path(run_dir, target).exists():
+                return True
+            if looks is None or b"start:" not in new_log(run_dir, target, sizes[target]):
+                return False
+            seen["mid-shard looks"] += 1
+            return seen["mid-shard looks"] >= looks
+
         proc = faultkit.fork_cli("resume", run_dir, log=tmp_path / "chaos.log")
-        started = faultkit.wait_for(
-            lambda: shard_log_sizes(run_dir, SHARDS) != sizes,
-            120 + startup_s,
-            "a shard job to start sealing",
-            proc=proc,
-        )
-        if started:
-            time.sleep(rng.uniform(0.0, sealing_s))
+        pid = faultkit.wait_for(lambda: worker_pid(run_dir, todo, sizes), 300, "the shard worker to start", proc=proc)
+        if pid and freeze(pid):
+            step_until(pid, at_target)
         if proc.poll() is None:
             faultkit.kill_tree(proc, tag=tagged)
             kills += 1
             now = sealed(run_dir, SHARDS)
-            landed["sealed some shards before the kill"] += bool(now - before)
+            landed[SEALED_SOME] += bool(now - before)
             landed["left a temp file"] += bool(synthetic.temps(run_dir / "shards"))
-            landed["mid-shard (started, not sealed)"] += any(
-                i not in now and b"start:" in store.shard_log_path(run_dir, i).read_bytes()[sizes[i] :]
-                for i in range(SHARDS)
-                if store.shard_log_path(run_dir, i).exists()
-            )
+            landed[MID_SHARD] += any(i not in now and b"start:" in new_log(run_dir, i, sizes[i]) for i in range(SHARDS))
+            landed["killed at the target, mid-shard"] += looks is not None and target not in now
+            landed["killed at the target, just sealed"] += looks is None and target in now
             assert faultkit.leftovers(tagged, also=run_dir) == []
         else:
             assert proc.returncode == 0, (tmp_path / "chaos.log").read_text()[-3000:]
@@ -153,7 +227,7 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
     st = faultkit.cli("status", run_dir, "--json")  # the failed rollouts are listed, with their reasons
     assert {(f["task"], f["rollout"]) for f in orjson.loads(st.stdout)["failed"]} == failed
     assert kills >= KILLS, (kills, landed)
-    assert landed["mid-shard (started, not sealed)"] >= KILLS // 2, landed
+    assert landed[MID_SHARD] >= KILLS // 2 and landed[SEALED_SOME] >= KILLS // 2, landed
     faultkit.counts_line(
         "sealing",
         kills=kills,

@@ -147,9 +147,13 @@ def test_policy_server_that_accepts_connections_but_never_answers_fails_the_shar
 def test_model_that_never_answers_chat_requests_stalls_and_fails_in_bounded_time(
     tmp_path: Path, gym_env, policy_key, tag: str
 ):
-    """/v1/models answers (health checks pass) but every chat request hangs: Gym would wait forever."""
+    """/v1/models answers (health checks pass) but every chat request after the first `answered` hangs: Gym would
+    wait forever. The fault is in place before the run starts (the stand-in server counts the requests), so the run
+    cannot finish before the model hangs. No rollout lands before the first answered request arrives, nor long after
+    the last one."""
     stall = 15.0
-    with faultkit.fake_policy(tmp_path, "--delay", "0.3", key=policy_key) as fake:
+    answered = 2
+    with faultkit.fake_policy(tmp_path, "--delay", "0.3", "--fault", f"hang:after={answered}", key=policy_key) as fake:
         run_dir = tmp_path / "run"
         cfg = gymkit.write_config(
             tmp_path / "run.yaml",
@@ -158,16 +162,21 @@ def test_model_that_never_answers_chat_requests_stalls_and_fails_in_bounded_time
             fake.base_url,
             gym={"stall_timeout_s": stall},
         )
-        hung_at: list[float] = []
-        after_first_rollout(run_dir, lambda: (fake.set_faults(["hang:after=0"]), hung_at.append(time.monotonic())))
         rc, out, _ = submit(cfg)
-        failed_after = time.monotonic() - hung_at[0]
+        ended = time.time()
+        requests = sorted(fake.requests(), key=lambda r: r["n"])
     assert rc == 4, out
     assert "shard 00000: failed (ShardFailed: stalled: no rollout landed for" in out, out
     assert f"gym.stall_timeout_s = {stall:g}" in out
-    assert stall <= failed_after < stall + 45, f"failed {failed_after:.0f} s after the model hung"
+    assert [r["fault"] for r in requests[:answered]] == [None] * answered, requests
+    assert any(r["fault"] == "hang" for r in requests[answered:]), "no request reached the hanging model"
+    # the stall is counted from the last rollout that landed: after the first answered request arrived, and soon
+    # after the last one did (the server logs each arrival with time.time(), this clock)
+    since_first, failed_after = ended - requests[0]["t"], ended - requests[answered - 1]["t"]
+    assert since_first >= stall, f"failed {since_first:.1f} s after the first answered request, before the stall"
+    assert failed_after < stall + 45, f"failed {failed_after:.0f} s after the last answered request"
     done = store.count_complete_lines(store.rollouts_path(run_dir, 0))
-    assert 1 <= done < 16 and not store.done_path(run_dir, 0).exists()
+    assert 1 <= done <= answered and not store.done_path(run_dir, 0).exists()
     assert faultkit.leftovers(tag, also=run_dir) == []
     assert no_key_in(run_dir, policy_key)
     faultkit.counts_line("model hangs", seconds_to_fail=round(failed_after), stall_timeout_s=stall)

@@ -9,9 +9,10 @@ DataFrame, and the merged rollouts (docs/api.md shows each in use).
     for rollout in api.iter_rollouts("runs/arith"): ...      # dicts, in (task, rollout) order, streamed
 
 This module only arranges what the stages already read: the plan is `rundir.store.load_plan`'s, the status
-`launch.status.collect`'s, the profile `profile.taskstats.load_profile`'s (over `merged/rollouts_reward_profiling.jsonl`)
-and the rollouts are the lines of `merged/rollouts.jsonl`, the files `shardrun merge-and-profile` writes. Errors are
-the domain errors of shardrun.core.errors (a run that is not merged yet: RunDirError; a field no task has: BadInput).
+`launch.status.collect`'s, the profile `profile.taskstats.load_profile`'s (of
+`merged/rollouts_reward_profiling.jsonl`), and the rollouts are the lines of `merged/rollouts.jsonl`: the files
+`shardrun merge-and-profile` writes. Errors are the domain errors of shardrun.core.errors (a run that is not merged
+yet: RunDirError; a field no task has: BadInput).
 """
 
 from __future__ import annotations

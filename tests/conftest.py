@@ -60,20 +60,6 @@ def gym_venv() -> Path:
     return _need(GYM_VENV, "NeMo Gym venv")
 
 
-GYM_VERSIONS = ("0.4.0", "0.7.0")  # what scripts/setup.sh gyms builds: the vs-Gym equality tests run against each
-
-
-def gym_venv_of_version(version: str) -> Path:
-    """The venv scripts/setup.sh builds for that nemo-gym version (missing: a skip, a failure in CI)."""
-    return _need(CACHE / f"gym-venv-{version}", f"NeMo Gym {version} venv")
-
-
-@pytest.fixture(scope="session", params=GYM_VERSIONS, ids=[f"gym-{v}" for v in GYM_VERSIONS])
-def gym_venv_each(request) -> Path:
-    """Each supported Gym version's venv in turn (for the tests that compare shardrun with Gym itself)."""
-    return gym_venv_of_version(request.param)
-
-
 @pytest.fixture(scope="session")
 def vllm_venv() -> Path:
     return _need(VLLM_VENV, "vLLM CPU venv")
@@ -97,16 +83,3 @@ def tiny_model(vllm_venv: Path) -> Path:
         env={**os.environ, "SHARDRUN_VLLM_VENV": str(vllm_venv), "SHARDRUN_MODELS": str(models)},
     )
     return models / "tiny-chatml"
-
-
-@pytest.fixture(params=["c-scanner", "pure-python"])
-def scan_path(request, monkeypatch) -> str:
-    """Run a merge test on both read paths: the C line scanner (shardrun.merge._jsonlscan) and the pure-Python one
-    that stands in where no C compiler was found at install time; they must give the same results."""
-    from shardrun.merge import linescan
-
-    if request.param == "c-scanner":
-        assert linescan.AVAILABLE, "shardrun.merge._jsonlscan is not built; run ./scripts/setup.sh"
-    else:
-        monkeypatch.setattr(linescan, "AVAILABLE", False)
-    return request.param

@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # Idempotent set-up from the project's own files. Usage: scripts/setup.sh [project] [gym] [vllm] [slurm] ...
 #   project  .venv: Python 3.12 venv with shardrun (editable) and its test, report and dev (ruff, mypy, import-linter) extras
-#   gym      $SHARDRUN_GYM_VENV: Python 3.12 venv with nemo-gym 0.4.0 and uv (what each shard runs)
+#   gym      the NeMo Gym venv of version $SHARDRUN_GYM_VERSION (default: the newest supported) with uv and the
+#            servers' requirements (what each shard runs): $SHARDRUN_CACHE/gym-venv-<version>, and
+#            $SHARDRUN_CACHE/gym-venv a link to the default version's; $SHARDRUN_GYM_VENV names one venv instead
+#   gyms     the Gym venvs of every supported version (what CI builds: the vs-Gym tests run against each)
 #   vllm     $SHARDRUN_VLLM_VENV: Python 3.11 venv with the vLLM CPU build (stands in for GPU vLLM here)
 #   models   $SHARDRUN_CACHE/models: tiny-chatml (tests) and SmolLM2-135M-Instruct (demo), via scripts/setup-models.sh
 # Caches live in $SHARDRUN_CACHE (default ~/.cache/shardrun) so a second run starts quickly.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export SHARDRUN_CACHE=${SHARDRUN_CACHE:-$HOME/.cache/shardrun}
-export SHARDRUN_GYM_VENV=${SHARDRUN_GYM_VENV:-$SHARDRUN_CACHE/gym-venv}
+# Gym versions shardrun supports, oldest first; the default is the newest. Each needs its own Python: 0.7.0 declares
+# Python >= 3.13.14, which no interpreter here offers, and installs and runs on 3.13.0 with --ignore-requires-python.
+GYM_VERSIONS="0.4.0 0.7.0"
+GYM_DEFAULT_VERSION=0.4.0
+export SHARDRUN_GYM_VERSION=${SHARDRUN_GYM_VERSION:-$GYM_DEFAULT_VERSION}
 export SHARDRUN_VLLM_VENV=${SHARDRUN_VLLM_VENV:-$SHARDRUN_CACHE/vllm-venv}
 mkdir -p "$SHARDRUN_CACHE"
 log() { echo "[setup] $*" >&2; }
@@ -46,34 +53,90 @@ setup_project() {
   fi
 }
 
-setup_gym() {
-  if [ ! -f "$SHARDRUN_GYM_VENV/.shardrun-ok" ]; then
-    log "NeMo Gym venv ($SHARDRUN_GYM_VENV): nemo-gym 0.4.0 + uv, about 3 minutes"
-    "$(find_python 3.12)" -m venv "$SHARDRUN_GYM_VENV"
-    pip_install "$SHARDRUN_GYM_VENV" nemo-gym==0.4.0 uv
-    "$SHARDRUN_GYM_VENV/bin/python" -c "import nemo_gym"
-    touch "$SHARDRUN_GYM_VENV/.shardrun-ok"
+gym_python() {  # gym_python VERSION -> the Python minor version that Gym release needs
+  case "$1" in
+    0.4.*) echo 3.12 ;;
+    0.7.*) echo 3.13 ;;
+    *) log "nemo-gym $1 is not supported here (supported: $GYM_VERSIONS)"; return 1 ;;
+  esac
+}
+
+gym_pip_flags() {  # gym_pip_flags VERSION -> extra pip flags for that release
+  case "$1" in
+    0.7.*) echo --ignore-requires-python ;;  # declares >=3.13.14; runs on the 3.13.0 found here
+  esac
+}
+
+gym_venv_version() {  # gym_venv_version VENV -> the nemo-gym version installed there (its dist-info), or nothing
+  local m
+  for m in "$1"/lib/python3*/site-packages/nemo_gym-*.dist-info/METADATA; do
+    [ -f "$m" ] && sed -n 's/^Version: //p' "$m" | head -1 && return 0
+  done
+  return 0
+}
+
+link_default_gym_venv() {  # $SHARDRUN_CACHE/gym-venv -> gym-venv-<default version> (a venv built there before moves)
+  local link="$SHARDRUN_CACHE/gym-venv" old
+  if [ -d "$link" ] && [ ! -L "$link" ]; then
+    old=$(gym_venv_version "$link")
+    if [ -n "$old" ] && [ ! -e "$link-$old" ]; then
+      # its scripts name .../gym-venv/bin/python, which the link keeps valid
+      mv "$link" "$link-$old"
+    else
+      log "$link is a directory that is not a Gym venv of a known version; leaving it alone"; return 0
+    fi
   fi
-  setup_gym_servers
+  [ -d "$link-$GYM_DEFAULT_VERSION" ] || return 0
+  ln -sfn "gym-venv-$GYM_DEFAULT_VERSION" "$link.tmp.$$" && mv -T "$link.tmp.$$" "$link"
+}
+
+setup_gym() {  # setup_gym VERSION [VENV]
+  local version=$1 venv=${2:-$SHARDRUN_CACHE/gym-venv-$1} py flags
+  py=$(gym_python "$version")
+  flags=$(gym_pip_flags "$version")
+  if [ -f "$venv/.shardrun-ok" ] && [ "$(gym_venv_version "$venv")" != "$version" ]; then
+    log "$venv holds nemo-gym $(gym_venv_version "$venv"), not $version: rebuilding it"; rm -rf "$venv"
+  fi
+  if [ ! -f "$venv/.shardrun-ok" ]; then
+    log "NeMo Gym venv ($venv): Python $py, nemo-gym $version + uv, about 3 minutes"
+    "$(find_python "$py")" -m venv --clear "$venv"
+    # shellcheck disable=SC2086
+    pip_install "$venv" $flags "nemo-gym==$version" uv
+    "$venv/bin/python" -c "import nemo_gym"
+    touch "$venv/.shardrun-ok"
+  fi
+  setup_gym_servers "$venv" "$flags"
 }
 
 # The Gym servers' own requirements (minus their nemo-gym self-reference), installed into the Gym venv so shards
 # run every server from that one venv (shardrun's gym.server_venvs=shared: no uv, no network at shard start).
 SHARDRUN_GYM_SERVERS=${SHARDRUN_GYM_SERVERS:-resources_servers/math_with_judge resources_servers/example_single_tool_call responses_api_agents/simple_agent}
-setup_gym_servers() {
-  local site stamp reqs=() d
-  site=$("$SHARDRUN_GYM_VENV/bin/python" -c "import nemo_gym, pathlib; print(pathlib.Path(nemo_gym.__file__).parent.parent)")
-  stamp="$SHARDRUN_GYM_VENV/.shardrun-servers-$(echo "$SHARDRUN_GYM_SERVERS" | cksum | cut -d' ' -f1)"
+setup_gym_servers() {  # setup_gym_servers VENV [PIP FLAGS]
+  local venv=$1 flags=${2:-} site stamp reqs=() d
+  site=$("$venv/bin/python" -c "import nemo_gym, pathlib; print(pathlib.Path(nemo_gym.__file__).parent.parent)")
+  stamp="$venv/.shardrun-servers-$(echo "$SHARDRUN_GYM_SERVERS" | cksum | cut -d' ' -f1)"
   [ -f "$stamp" ] && return 0
   for d in $SHARDRUN_GYM_SERVERS; do
     [ -f "$site/$d/requirements.txt" ] && reqs+=("$site/$d/requirements.txt")
   done
-  log "Gym server requirements into $SHARDRUN_GYM_VENV: $SHARDRUN_GYM_SERVERS"
+  log "Gym server requirements into $venv: $SHARDRUN_GYM_SERVERS"
   if [ ${#reqs[@]} -gt 0 ]; then
     cat "${reqs[@]}" | grep -v -F '../..' | sort -u > "$stamp.txt"
-    "$SHARDRUN_GYM_VENV/bin/pip" install -q -r "$stamp.txt" >"$stamp.log" 2>&1 || { cat "$stamp.log" >&2; return 1; }
+    # shellcheck disable=SC2086
+    "$venv/bin/pip" install -q $flags -r "$stamp.txt" >"$stamp.log" 2>&1 || { cat "$stamp.log" >&2; return 1; }
   fi
   touch "$stamp"
+}
+
+setup_gyms() {  # setup_gyms VERSION...: each version's venv; the default link; a user-named venv gets the first
+  local v
+  if [ -n "${SHARDRUN_GYM_VENV:-}" ]; then
+    setup_gym "$1" "$SHARDRUN_GYM_VENV"
+    return
+  fi
+  link_default_gym_venv
+  for v in "$@"; do setup_gym "$v"; done
+  link_default_gym_venv
 }
 
 setup_vllm() {
@@ -93,7 +156,8 @@ setup_vllm() {
 for part in "$@"; do
   case "$part" in
     project) setup_project ;;
-    gym) setup_gym ;;
+    gym) setup_gyms "$SHARDRUN_GYM_VERSION" ;;
+    gyms) setup_gyms $GYM_VERSIONS ;;
     vllm) setup_vllm ;;
     models) "$ROOT/scripts/setup-models.sh" ;;
     *) [ -x "$ROOT/scripts/setup-$part.sh" ] && "$ROOT/scripts/setup-$part.sh" || { log "unknown part $part"; exit 2; } ;;

@@ -60,6 +60,20 @@ def gym_venv() -> Path:
     return _need(GYM_VENV, "NeMo Gym venv")
 
 
+GYM_VERSIONS = ("0.4.0", "0.7.0")  # what scripts/setup.sh gyms builds: the vs-Gym equality tests run against each
+
+
+def gym_venv_of_version(version: str) -> Path:
+    """The venv scripts/setup.sh builds for that nemo-gym version (missing: a skip, a failure in CI)."""
+    return _need(CACHE / f"gym-venv-{version}", f"NeMo Gym {version} venv")
+
+
+@pytest.fixture(scope="session", params=GYM_VERSIONS, ids=[f"gym-{v}" for v in GYM_VERSIONS])
+def gym_venv_each(request) -> Path:
+    """Each supported Gym version's venv in turn (for the tests that compare shardrun with Gym itself)."""
+    return gym_venv_of_version(request.param)
+
+
 @pytest.fixture(scope="session")
 def vllm_venv() -> Path:
     return _need(VLLM_VENV, "vLLM CPU venv")

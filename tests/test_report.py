@@ -152,8 +152,8 @@ def test_slurm_run_adds_sacct_gpu_hours(tmp_path, monkeypatch):
     fake = tmp_path / "bin" / "sacct"
     fake.parent.mkdir()
     fake.write_text(
-        "#!/bin/sh\necho '500_0|7200|cpu=8,gres/gpu=2,node=1|COMPLETED'\n"
-        "echo '500_1|3600|cpu=8,gres/gpu=2,node=1|COMPLETED'\n"
+        "#!/bin/sh\necho '500_0|COMPLETED|0:0|x|y|7200|cpu=8,gres/gpu=2,node=1'\n"
+        "echo '500_1|COMPLETED|0:0|x|y|3600|cpu=8,gres/gpu=2,node=1'\n"
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")

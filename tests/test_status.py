@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from shardrun.core import config
 from shardrun.rundir import seal
-from shardrun.launch import slurm
+from shardrun.launch import scheduler
 from shardrun.launch import status
 from shardrun.rundir import store
 
@@ -94,7 +94,7 @@ def record(run_dir: Path, jobs: dict[int, str], **kw) -> None:
 
 
 def squeue(text: str):
-    return lambda names: slurm.parse_squeue(text)
+    return lambda names: scheduler.parse_squeue(text)
 
 
 def no_sacct(ids):
@@ -154,12 +154,12 @@ def test_failure_reason_from_sacct_and_gave_up(tmp_path):
     run_dir, plan = make_run(tmp_path, shards=3)
     for attempt in range(3):
         record(run_dir, {0: f"{10 + attempt}_0", 1: f"{10 + attempt}_1"})
-    sacct = "12_0|TIMEOUT|0:0|x|y\n12_1|CANCELLED by 0|0:15|x|y\n"
+    sacct = "12_0|TIMEOUT|0:0|x|y|60|cpu=1\n12_1|CANCELLED by 0|0:15|x|y|60|cpu=1\n"
     asked = []
 
     def ended(ids):
         asked.append(sorted(ids))
-        return slurm.parse_sacct(sacct)
+        return scheduler.parse_sacct(sacct)
 
     st = status.collect(run_dir, query_live=squeue(""), query_ended=ended)
     by = {s.index: s for s in st.shards}
@@ -247,7 +247,7 @@ def test_squeue_unavailable_is_a_warning(tmp_path):
     record(run_dir, {0: "5_0"})
 
     def broken(names):
-        raise slurm.SlurmError("squeue not found")
+        raise scheduler.SlurmError("squeue not found")
 
     st = status.collect(run_dir, query_live=broken, query_ended=no_sacct)
     assert st.shards[0].state == "failed"

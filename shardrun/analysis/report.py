@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import orjson
 
+from shardrun.launch import scheduler
 from shardrun.rundir import cost
 from shardrun.rundir import seal
 from shardrun.rundir import store
@@ -90,8 +91,9 @@ def gather(run_dir: Path, use_sacct: bool = True) -> ReportData:
     markers, unsealed = sealed_markers(run_dir, plan)
     shards = cost.shard_costs(markers)
     if use_sacct:
-        jobs = cost.query_sacct(slurm_job_ids(store.read_launches(run_dir), plan, shards))
-        shards = cost.with_sacct(shards, jobs) if jobs else shards
+        ids = slurm_job_ids(store.read_launches(run_dir), plan, shards)
+        jobs = scheduler.query_sacct(ids)
+        shards = cost.with_sacct(shards, {j: jobs[j].gpu_hours for j in ids if j in jobs})
     return ReportData(
         plan,
         tasks,

@@ -24,7 +24,7 @@ from filelock import Timeout
 
 from shardrun.core import config as config_mod
 from shardrun.plan import planner
-from shardrun.launch import slurm
+from shardrun.launch import scheduler, slurm
 from shardrun.launch import status
 from shardrun.rundir import store
 from shardrun.core.config import RunConfig
@@ -163,8 +163,8 @@ def cancel(run_dir: Path, lock_timeout: float = LOCK_TIMEOUT_S) -> CancelResult:
             launches = status.fold_launches(store.read_launches(run_dir))
             ids: list[str] = []
             if launches.names:
-                live = slurm.query_live_jobs(launches.names)
-                ids = slurm.cancel({j.array_id for j in live.values()})
+                live = scheduler.query_live_jobs(launches.names)
+                ids = scheduler.cancel({j.array_id for j in live.values()})
             pids = []
             live_local, _ = status.local_live(launches)
             for pid in live_local:

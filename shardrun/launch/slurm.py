@@ -1,6 +1,5 @@
-"""Slurm specifics. The top of the module is pure (job naming, array layout, sbatch parameters, time limits,
-parsing of `scontrol show config`, `squeue` and `sacct` output); the thin side effects that run those commands
-are at the bottom, each one command and one parse.
+"""Slurm specifics, pure: job naming, array layout, sbatch parameters, time limits. What asks or tells the
+scheduler after submission (squeue, sacct, scancel, scontrol) is scheduler.py.
 
 The sbatch parameters use submitit's SlurmExecutor names (`time` in minutes, `mem` as "64GB", `setup`,
 `srun_args`, `additional_parameters`, ...); launch.py hands them to submitit, which renders the script.
@@ -16,29 +15,18 @@ import hashlib
 import math
 import re
 import shlex
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig
-from shardrun.core.errors import BadInput, ShardrunError
+from shardrun.core.config import ClusterConfig
+from shardrun.core.errors import BadInput
 
 DEFAULT_TIME_LIMIT = "04:00:00"
 MERGE_SUFFIX = "-merge"
 CONTAINER_ROLE = "shardrun"
-COMMAND_TIMEOUT_S = 60.0
-
-# squeue states of a job that holds (or is about to hold) its node; everything else squeue lists is waiting
-RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "RESIZING"})
 
 _SECRET_NAME = re.compile(r"(KEY|TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL)S?$", re.IGNORECASE)
-
-
-class SlurmError(ShardrunError):
-    """A Slurm command failed or answered something we cannot read."""
-
-    exit_code = 6
 
 
 # ---------------------------------------------------------------- naming
@@ -280,160 +268,3 @@ def merge_parameters(cluster: ClusterConfig, *, job_name: str, comment: str, aft
         params["srun_args"] = srun_args
     return params
 
-
-# ---------------------------------------------------------------- parsing (pure)
-
-
-def parse_max_array_size(scontrol_show_config: str) -> int | None:
-    m = re.search(r"^\s*MaxArraySize\s*=\s*(\d+)\s*$", scontrol_show_config, re.MULTILINE)
-    return int(m.group(1)) if m else None
-
-
-SQUEUE_FORMAT = "%i|%T|%r|%S|%j"
-
-
-@dataclass(frozen=True)
-class LiveJob:
-    """A job (or one array task) that squeue still lists."""
-
-    job_id: str  # "123" or "123_4"
-    state: str  # Slurm state, e.g. PENDING, RUNNING
-    reason: str  # Slurm reason, e.g. JobArrayTaskLimit, Dependency, None
-    start: str  # start time (or expected start) as squeue prints it, N/A if unknown
-    name: str
-
-    @property
-    def running(self) -> bool:
-        return self.state in RUNNING_STATES
-
-    @property
-    def array_id(self) -> str:
-        return self.job_id.split("_", 1)[0]
-
-
-def parse_squeue(text: str) -> dict[str, LiveJob]:
-    """Parse `squeue --noheader --array --format=SQUEUE_FORMAT` output into {job id: LiveJob}."""
-    jobs: dict[str, LiveJob] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        parts = line.split("|")
-        if len(parts) < 5:
-            raise SlurmError(f"unexpected squeue line: {line!r}")
-        job_id, state, reason, start = (p.strip() for p in parts[:4])
-        name = "|".join(parts[4:]).strip()
-        jobs[job_id] = LiveJob(job_id, state, reason, start, name)
-    return jobs
-
-
-SACCT_FORMAT = "JobID,State,ExitCode,Start,End"
-
-
-@dataclass(frozen=True)
-class EndedJob:
-    job_id: str
-    state: str  # COMPLETED, FAILED, CANCELLED, TIMEOUT, OUT_OF_MEMORY, NODE_FAIL, PREEMPTED, ...
-    exit_code: str
-    start: str
-    end: str
-
-
-def parse_sacct(text: str) -> dict[str, EndedJob]:
-    """Parse `sacct --noheader --parsable2 --allocations --format=SACCT_FORMAT` into {job id: EndedJob}.
-
-    Array ranges that never started ("123_[4-9]") are expanded; "CANCELLED by 0" becomes CANCELLED."""
-    out: dict[str, EndedJob] = {}
-    for line in text.splitlines():
-        parts = line.split("|")
-        if len(parts) < 5 or not parts[0].strip():
-            continue
-        job_id, state, code, start, end = (p.strip() for p in parts[:5])
-        state = state.split(" ", 1)[0]
-        m = re.fullmatch(r"(\d+)_\[([\d,\-]+)(?:%\d+)?\]", job_id)
-        ids = [job_id]
-        if m:
-            ids = [f"{m.group(1)}_{i}" for i in _expand(m.group(2))]
-        for jid in ids:
-            out[jid] = EndedJob(jid, state, code, start, end)
-    return out
-
-
-def _expand(spec: str) -> list[int]:
-    values: list[int] = []
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        values.extend(range(int(lo), int(hi or lo) + 1))
-    return values
-
-
-def describe_ended(job: EndedJob) -> str:
-    """A failure reason from sacct, in words."""
-    words = {
-        "TIMEOUT": "hit its time limit",
-        "CANCELLED": "was cancelled",
-        "OUT_OF_MEMORY": "ran out of memory",
-        "NODE_FAIL": "lost its node",
-        "PREEMPTED": "was preempted",
-        "FAILED": f"failed (exit code {job.exit_code})",
-        "BOOT_FAIL": "node failed to boot",
-        "DEADLINE": "missed its deadline",
-        "COMPLETED": "completed without sealing the shard",
-    }
-    return f"Slurm job {job.job_id} {words.get(job.state, job.state.lower())}"
-
-
-# ---------------------------------------------------------------- side effects (thin)
-
-
-def _run(cmd: list[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except FileNotFoundError:
-        raise SlurmError(f"{cmd[0]} not found: is this a Slurm login node (and SLURM_CONF set if needed)?") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"{shlex.join(cmd)} did not answer in {timeout:.0f} s") from None
-    if res.returncode != 0:
-        raise SlurmError(f"{shlex.join(cmd)} failed (exit {res.returncode}): {res.stderr.strip()[:500]}")
-    return res.stdout
-
-
-def query_max_array_size() -> int:
-    """MaxArraySize from `scontrol show config` (Slurm's default when it is not listed)."""
-    return parse_max_array_size(_run(["scontrol", "show", "config"])) or DEFAULT_MAX_ARRAY_SIZE
-
-
-def max_array_size(cluster: ClusterConfig) -> int:
-    """The configured override, else what the cluster says."""
-    return cluster.max_array_size or query_max_array_size()
-
-
-def squeue_command(names: Iterable[str]) -> list[str]:
-    return ["squeue", "--noheader", "--array", f"--name={','.join(sorted(set(names)))}", f"--format={SQUEUE_FORMAT}"]
-
-
-def query_live_jobs(names: Iterable[str]) -> dict[str, LiveJob]:
-    """Every queued or running job carrying one of `names`: one squeue call."""
-    names = [n for n in names if n]
-    if not names:
-        return {}
-    return parse_squeue(_run(squeue_command(names)))
-
-
-def query_ended_jobs(array_ids: Iterable[str]) -> dict[str, EndedJob]:
-    """What accounting says about jobs that left the queue: one sacct call. Empty when accounting is off."""
-    ids = sorted(set(array_ids), key=lambda s: (len(s), s))
-    if not ids:
-        return {}
-    cmd = ["sacct", "--noheader", "--parsable2", "--allocations", f"--format={SACCT_FORMAT}", "--jobs", ",".join(ids)]
-    try:
-        return parse_sacct(_run(cmd))
-    except SlurmError:
-        return {}
-
-
-def cancel(job_ids: Iterable[str]) -> list[str]:
-    """scancel the given job (or array) ids; returns them."""
-    ids = sorted(set(job_ids))
-    if ids:
-        _run(["scancel", *ids])
-    return ids

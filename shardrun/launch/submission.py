@@ -38,7 +38,7 @@ from submitit.helpers import Checkpointable
 
 from shardrun.shard import processes
 from shardrun.rundir import seal
-from shardrun.launch import slurm
+from shardrun.launch import scheduler, slurm
 from shardrun.launch import status
 from shardrun.rundir import store
 from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig, RunConfig
@@ -439,7 +439,7 @@ def slurm_executor(run_dir: Path, cluster: ClusterConfig, params: dict[str, Any]
     try:
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
     except RuntimeError as e:  # no srun on PATH
-        raise slurm.SlurmError(f"cannot submit to Slurm from here: {e}") from None
+        raise scheduler.SlurmError(f"cannot submit to Slurm from here: {e}") from None
     executor.update_parameters(**params)
     return executor
 
@@ -535,8 +535,8 @@ def max_array_size_for_dry_run(cluster: ClusterConfig) -> tuple[int, str]:
     if cluster.max_array_size:
         return cluster.max_array_size, "cluster.max_array_size"
     try:
-        return slurm.query_max_array_size(), "scontrol show config"
-    except slurm.SlurmError:
+        return scheduler.query_max_array_size(), "scontrol show config"
+    except scheduler.SlurmError:
         return DEFAULT_MAX_ARRAY_SIZE, "Slurm's default; scontrol is not available here"
 
 
@@ -590,7 +590,7 @@ def submit_slurm(
             f"they are submitted from (sbatch --export=ALL); export them and submit again"
         )
     sp = slurm_plan(
-        cfg, run_dir, plan.fingerprint, indices, max_array_size=slurm.max_array_size(cluster), merge_job=False
+        cfg, run_dir, plan.fingerprint, indices, max_array_size=scheduler.max_array_size(cluster), merge_job=False
     )
     launch.tag, launch.merge_name = sp.tag, sp.merge_name
     job = ShardJob(str(run_dir))
@@ -603,9 +603,9 @@ def submit_slurm(
         # the run's merge jobs still waiting would run before the new shards end: replace them by one merge job
         # after every array of the run that is still queued or running
         names = status.fold_launches(store.read_launches(run_dir)).names | {sp.tag, sp.merge_name}
-        live = slurm.query_live_jobs(names)
+        live = scheduler.query_live_jobs(names)
         merges = {j.job_id for j in live.values() if j.name.endswith(slurm.MERGE_SUFFIX)}
-        slurm.cancel(merges)
+        scheduler.cancel(merges)
         after = sorted(
             {j.array_id for j in live.values() if j.job_id not in merges} | set(launch.arrays),
             key=lambda s: (len(s), s),

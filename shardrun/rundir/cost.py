@@ -1,23 +1,21 @@
 """Cost accounting: GPU-hours, rollouts per GPU-hour and tokens per second, per shard and per run.
 
-Pure functions over sealed `.done` markers (seal.make_marker) and, on Slurm, `sacct` records; the one edge is
-`query_sacct`, which runs `sacct` when it is on PATH. Token counts come from the marker's optional `extra`
+Pure functions over sealed `.done` markers (seal.make_marker) and, on Slurm, the GPU-hours sacct reports for the
+markers' jobs (asked by launch/scheduler.py). Token counts come from the marker's optional `extra`
 (`output_tokens`, `input_tokens`, `total_tokens`). Markers describe the attempt that sealed each shard, so
 GPU-hours from markers leave out failed attempts; `sacct` reports what the scheduler allocated for the jobs the
 markers name (elapsed x allocated GPUs), including start-up.
 
     costs = cost.shard_costs(markers)                 # markers: dicts, e.g. seal.check(...).marker
-    total = cost.run_costs(costs)                     # or cost.run_costs(cost.with_sacct(costs, jobs))
+    total = cost.run_costs(costs)                     # or cost.run_costs(cost.with_sacct(costs, gpu_hours))
     print(render.table(cost.cost_rows(total)))
 """
 
 from __future__ import annotations
 
 import math
-import shutil
-import subprocess
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 TOKEN_KEYS = ("input_tokens", "output_tokens", "total_tokens")
 
@@ -176,95 +174,12 @@ def throughput(shards: Sequence[ShardCost], bins: int = 60) -> Throughput:
 # ---------------------------------------------------------------- sacct
 
 
-@dataclass(frozen=True)
-class SacctUsage:
-    job_id: str
-    elapsed_s: float
-    gpus: int
-    state: str
-
-    @property
-    def gpu_hours(self) -> float:
-        return self.elapsed_s * self.gpus / 3600.0
-
-
-SACCT_USAGE_FIELDS = "JobID,ElapsedRaw,AllocTRES,State"
-
-
-def sacct_usage_command(job_ids: Iterable[str]) -> list[str]:
-    """The sacct call for these job ids: allocations only (-X), parsable, no header."""
-    return ["sacct", "-n", "-P", "-X", "-j", ",".join(sorted(set(job_ids))), "-o", SACCT_USAGE_FIELDS]
-
-
-def tres_gpus(tres: str) -> int:
-    """GPUs in an AllocTRES string such as 'billing=8,cpu=64,gres/gpu=8,mem=512G,node=1' (typed gres summed)."""
-    total = 0
-    untyped = None
-    for item in tres.split(","):
-        key, _, value = item.partition("=")
-        if key == "gres/gpu":
-            untyped = int(_num(_int_or_none(value)))
-        elif key.startswith("gres/gpu:"):
-            total += int(_num(_int_or_none(value)))
-    return untyped if untyped is not None else total
-
-
-def _int_or_none(s: str) -> int | None:
-    try:
-        return int(s)
-    except ValueError:
-        return None
-
-
-def parse_elapsed(text: str) -> float:
-    """Slurm's [D-]HH:MM:SS (or MM:SS) as seconds."""
-    days, _, clock = text.rpartition("-")
-    parts = [float(p) for p in clock.split(":")]
-    while len(parts) < 3:
-        parts.insert(0, 0.0)
-    h, m, s = parts[-3:]
-    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + s
-
-
-def parse_sacct_usage(text: str) -> dict[str, SacctUsage]:
-    """`sacct -n -P -X -o JobID,ElapsedRaw,AllocTRES,State` output -> {job id: SacctUsage}; last line per id wins."""
-    jobs = {}
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) < 4 or not parts[0]:
-            continue
-        job_id, elapsed, tres, state = parts[:4]
-        seconds = float(elapsed) if elapsed.replace(".", "", 1).isdigit() else parse_elapsed(elapsed or "0")
-        jobs[job_id] = SacctUsage(job_id, seconds, tres_gpus(tres), state.split()[0] if state else "")
-    return jobs
-
-
-def with_sacct(shards: Sequence[ShardCost], jobs: Mapping[str, SacctUsage]) -> list[ShardCost]:
-    """Attach sacct GPU-hours (elapsed x allocated GPUs) to the shards whose job id sacct knows."""
+def with_sacct(shards: Sequence[ShardCost], gpu_hours: Mapping[str, float]) -> list[ShardCost]:
+    """Attach sacct's GPU-hours (elapsed x allocated GPUs, by job id) to the shards whose job sacct knows."""
     return [
-        replace(s, sacct_gpu_hours=jobs[s.job_id].gpu_hours) if s.job_id is not None and s.job_id in jobs else s
+        replace(s, sacct_gpu_hours=gpu_hours[s.job_id]) if s.job_id is not None and s.job_id in gpu_hours else s
         for s in shards
     ]
-
-
-Runner = Callable[..., subprocess.CompletedProcess]
-
-
-def query_sacct(
-    job_ids: Iterable[str], runner: Runner = subprocess.run, which: Callable[[str], str | None] = shutil.which
-) -> dict[str, SacctUsage] | None:
-    """Run sacct for these job ids -> {job id: usage} for those ids; None when sacct is not installed, fails or
-    there are no ids (the edge)."""
-    ids = [j for j in job_ids if j]
-    if not ids or which("sacct") is None:
-        return None
-    try:
-        done = runner(sacct_usage_command(ids), capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if done.returncode != 0:
-        return None
-    return {j: u for j, u in parse_sacct_usage(done.stdout).items() if j in ids}
 
 
 # ---------------------------------------------------------------- text

@@ -1,4 +1,5 @@
-"""Cost accounting against the real local Slurm (slurmdbd): `sacct` usage for array tasks, as the report uses it."""
+"""sacct against the real local Slurm (slurmdbd): states and GPU-hours of array tasks, as the report and status
+use them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 import pytest
 
+from shardrun.launch import scheduler
 from shardrun.rundir import cost
 
 pytestmark = pytest.mark.slurm
@@ -23,9 +25,9 @@ def test_query_sacct_reads_real_array_tasks(slurm_cluster):
     array = out.strip().split(";")[0]
     ids = [f"{array}_0", f"{array}_1"]
     deadline = time.time() + 120
-    jobs = None
+    jobs: dict[str, scheduler.SacctJob] = {}
     while time.time() < deadline:
-        jobs = cost.query_sacct(ids)
+        jobs = scheduler.query_sacct(ids)
         if jobs and len(jobs) == 2 and all(j.state == "COMPLETED" for j in jobs.values()):
             break
         time.sleep(1)
@@ -33,5 +35,7 @@ def test_query_sacct_reads_real_array_tasks(slurm_cluster):
     for j in jobs.values():
         assert 2 <= j.elapsed_s < 60
         assert j.gpus == 0 and j.gpu_hours == 0.0  # the local cluster has no GPUs (AllocTRES without gres/gpu)
-    shards = cost.with_sacct(cost.shard_costs([{"shard_index": 0, "job_id": ids[0], "gpus": 0}]), jobs)
+    assert set(scheduler.query_sacct([array])) == set(ids)  # an array id answers for its tasks
+    gpu_hours = {job_id: job.gpu_hours for job_id, job in jobs.items()}
+    shards = cost.with_sacct(cost.shard_costs([{"shard_index": 0, "job_id": ids[0], "gpus": 0}]), gpu_hours)
     assert shards[0].sacct_gpu_hours == 0.0 and cost.run_costs(shards).sacct_gpu_hours == 0.0

@@ -1,4 +1,4 @@
-"""Pure Slurm pieces: array layout, time limits, sbatch parameters, scontrol/squeue/sacct parsing (no Slurm)."""
+"""Pure Slurm pieces: array layout, time limits, sbatch parameters (no Slurm)."""
 
 from __future__ import annotations
 
@@ -129,37 +129,6 @@ def test_job_tag_is_per_run_dir_and_plan(tmp_path):
     assert a != slurm.job_tag("sr", tmp_path / "b", "f" * 64) != slurm.job_tag("sr", tmp_path / "a", "e" * 64)
     assert a.startswith("sr-") and len(a) == 13
     assert slurm.merge_job_name(a) == a + "-merge"
-
-
-def test_parse_max_array_size():
-    text = "Configuration data as of ...\nMaxArraySize            = 1001\nMaxJobCount             = 10000\n"
-    assert slurm.parse_max_array_size(text) == 1001
-    assert slurm.parse_max_array_size("MaxJobCount = 3\n") is None
-
-
-def test_parse_squeue():
-    text = (
-        "5_2|PENDING|JobArrayTaskLimit|N/A|sr-x\n5_0|RUNNING|None|2026-11-22T00:20:07|sr-x\n"
-        "9|PENDING|Dependency|N/A|sr-x-merge\n\n"
-    )
-    jobs = slurm.parse_squeue(text)
-    assert set(jobs) == {"5_2", "5_0", "9"}
-    assert jobs["5_0"].running and not jobs["5_2"].running and jobs["5_2"].array_id == "5"
-    assert jobs["9"].reason == "Dependency" and jobs["9"].name == "sr-x-merge"
-    with pytest.raises(slurm.SlurmError):
-        slurm.parse_squeue("garbage")
-
-
-def test_parse_sacct():
-    text = (
-        "7_0|COMPLETED|0:0|a|b\n7_1|CANCELLED by 0|0:15|a|b\n7_[2-4]|CANCELLED by 0|0:0|None|b\n"
-        "8|TIMEOUT|0:0|a|b\n|ignored|x|y|z\n"
-    )
-    jobs = slurm.parse_sacct(text)
-    assert set(jobs) == {"7_0", "7_1", "7_2", "7_3", "7_4", "8"}
-    assert jobs["7_1"].state == "CANCELLED" and jobs["7_3"].state == "CANCELLED"
-    assert slurm.describe_ended(jobs["8"]) == "Slurm job 8 hit its time limit"
-    assert "exit code 1:0" in slurm.describe_ended(slurm.EndedJob("3", "FAILED", "1:0", "", ""))
 
 
 def test_missing_pass_through():

@@ -212,10 +212,17 @@ def resume(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be resubmitted; submit nothing."),
     no_merge_job: bool = typer.Option(False, "--no-merge-job", help="Slurm: no merge-and-profile job afterwards."),
     no_wait: bool = typer.Option(False, "--no-wait", help="Local executor: return after submitting."),
+    allow_config_change: bool = typer.Option(
+        False,
+        "--allow-config-change",
+        help="Accept a changed Gym or policy configuration (config files, overrides, server venvs, model); the "
+        "change is recorded in the run's environment.json. Without it such a change is refused with the differences.",
+    ),
 ) -> None:
     """Resubmit the shards that are not sealed and not queued or running (each resumes from its last complete
-    rollout); refuses if the input or config no longer give the run's plan; gives up on a shard after
-    cluster.max_attempts launches and says why."""
+    rollout); refuses if the input or config no longer give the run's plan, if the Gym venv holds another nemo-gym
+    version than the plan's, or (unless --allow-config-change) if the Gym or policy configuration changed; gives up
+    on a shard after cluster.max_attempts launches and says why."""
     from shardrun.launch import resume as resume_mod
 
     result = run(
@@ -227,6 +234,7 @@ def resume(
         dry_run=dry_run,
         wait_for_jobs=False if no_wait else None,
         echo=typer.echo,
+        allow_config_change=allow_config_change,
     )
     typer.echo(resume_mod.render(result))
     if result.gave_up or result.failed:

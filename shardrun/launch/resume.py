@@ -85,6 +85,7 @@ def resume(
     wait_for_jobs: bool | None = None,
     lock_timeout: float = LOCK_TIMEOUT_S,
     echo: Callable[[str], None] = print,
+    allow_config_change: bool = False,
 ):
     """Check the plan, then submission.launch_unsealed with the attempt cap. Returns submission.SubmitResult."""
     from shardrun.launch import submission
@@ -107,6 +108,7 @@ def resume(
             max_attempts=cfg.cluster_or_default.max_attempts,
             dry_run=dry_run,
             lock_timeout=lock_timeout,
+            allow_config_change=allow_config_change,
         )
     except Timeout:
         raise RunBusy(

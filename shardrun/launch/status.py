@@ -74,6 +74,7 @@ class RunStatus:
     merge_jobs: list[dict] = field(default_factory=list)  # the run's merge jobs still queued or running
     failed: list[ledger.FailedRollout] = field(default_factory=list)  # rollouts recorded as failed (first MAX_FAILED)
     failed_listed_of: int = 0  # how many there are in all
+    gym_version: str | None = None  # the run's nemo-gym release (the plan's, else its sealed shards')
 
     @property
     def complete(self) -> bool:
@@ -289,6 +290,15 @@ def failed_rollouts(run_dir: Path, plan: Plan) -> list[ledger.FailedRollout]:
 # ---------------------------------------------------------------- the run
 
 
+def run_gym_version(plan: Plan, markers: Iterable[Mapping | None]) -> str | None:
+    """The nemo-gym release of the run: the plan's, else the one its sealed shards ran with (all of them, when a run
+    planned without a Gym venv was sealed under several)."""
+    if plan.gym_version:
+        return plan.gym_version
+    found = sorted({str(m["gym_version"]) for m in markers if m and m.get("gym_version")})
+    return ", ".join(found) or None
+
+
 def collect(
     run_dir: Path,
     *,
@@ -407,6 +417,7 @@ def collect(
         merge_jobs=merge_jobs,
         failed=failed[:MAX_FAILED],
         failed_listed_of=len(failed),
+        gym_version=run_gym_version(plan, [s.marker for s in seals.values() if s.sealed]),
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))),
     )
 
@@ -468,6 +479,8 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
         ("sealed cost", cost.sealed_cost_text(st.sealed_cost)),
         ("jobs", st.live_source),
     ]
+    if st.gym_version:
+        rows.insert(1, ("Gym", f"nemo-gym {st.gym_version}"))
     for m in st.merge_jobs:
         rows.append(
             (

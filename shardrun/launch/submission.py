@@ -37,12 +37,15 @@ from typing import Any, Callable, Sequence
 from submitit.helpers import Checkpointable
 
 from shardrun.shard import processes
+from shardrun.core import gym_version
+from shardrun.rundir import env_manifest
 from shardrun.rundir import seal
+from shardrun.shard import gym_adapter
 from shardrun.launch import scheduler, slurm
 from shardrun.launch import status
 from shardrun.rundir import store
 from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig, RunConfig
-from shardrun.core.errors import BadInput, ShardFailed, ShardrunError
+from shardrun.core.errors import BadInput, PlanMismatch, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
 
 LOCAL_DEFAULT_TIMEOUT_MIN = 7 * 24 * 60
@@ -292,6 +295,23 @@ def unsealed(run_dir: Path, plan: Plan) -> tuple[list[int], list[int], list[str]
     return todo, done, ignored
 
 
+def check_gym_version(cfg: RunConfig, plan: Plan) -> None:
+    """Refuse a Gym venv holding an unsupported nemo-gym, or another version than the run was planned with (a run
+    never mixes Gym versions). A venv that is not there is left to the shard to report."""
+    venv = gym_version.configured_venv(cfg.gym.venv, os.environ) if cfg.gym else None
+    found = gym_version.installed_version(venv) if venv else None
+    if found is None:
+        return
+    gym_adapter.for_version(found)
+    if plan.gym_version and found != plan.gym_version:
+        raise PlanMismatch(
+            f"{cfg.run_dir}: gym venv {venv} holds nemo-gym {found}, but this run was planned with nemo-gym "
+            f"{plan.gym_version}; a run never mixes Gym versions. Point gym.venv at a {plan.gym_version} venv "
+            f"(scripts/setup.sh builds one: SHARDRUN_GYM_VERSION={plan.gym_version} ./scripts/setup.sh gym), or plan "
+            f"into a new run directory"
+        )
+
+
 def launch_unsealed(
     cfg: RunConfig,
     run_dir: Path,
@@ -303,11 +323,17 @@ def launch_unsealed(
     max_attempts: int | None = None,
     dry_run: bool = False,
     lock_timeout: float = -1,
+    allow_config_change: bool = False,
 ) -> SubmitResult:
     """Save the launch settings and launch every unsealed shard that is not queued or running already (what submit
     and resume share); with `max_attempts`, not the shards launched that many times (they are listed in gave_up).
     Holds the run lock from the check to the launch record, so two submits or resumes launch once."""
     with store.run_lock(run_dir, timeout=lock_timeout):
+        check_gym_version(cfg, plan)
+        for change in env_manifest.check_and_record(
+            run_dir, cfg, allow_change=allow_config_change, dry_run=dry_run
+        ):
+            echo(f"configuration change accepted ({env_manifest.ALLOW_FLAG}, recorded): {change}")
         todo, done, ignored = unsealed(run_dir, plan)
         st = status.collect(run_dir, plan=plan) if todo else None
         live = set(st.indices(*status.LIVE_STATES)) if st else set()

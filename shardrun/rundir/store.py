@@ -605,6 +605,45 @@ def append_jsonl(path: Path, rows: Iterable[dict]) -> None:
         f.flush()
         os.fsync(f.fileno())
 
+# warm workers: claims on shards and each worker's own directory (docs/workers.md)
+
+CLAIM = ".claim"
+WORKERS_DIR = "workers"
+WORKER_STATE = "worker.json"
+WORKER_LOG = "worker.log"
+
+
+def claim_path(run_dir: Path, index: int) -> Path:
+    """The shard's claim (JSON: worker id, job id, host, pid, claimed at), held by the worker collecting it."""
+    return shard_dir(run_dir, index) / CLAIM
+
+
+def workers_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / WORKERS_DIR
+
+
+def worker_dir(run_dir: Path, worker_id: str) -> Path:
+    """One worker's home: its servers' working dirs and logs (gym/, logs/) and its state (worker.json)."""
+    return workers_dir(run_dir) / worker_id
+
+
+def worker_state_path(run_dir: Path, worker_id: str) -> Path:
+    return worker_dir(run_dir, worker_id) / WORKER_STATE
+
+
+def worker_log_path(run_dir: Path, worker_id: str) -> Path:
+    return worker_dir(run_dir, worker_id) / LOGS / WORKER_LOG
+
+
+def worker_gym_dir(run_dir: Path, worker_id: str) -> Path:
+    """ng_run's working directory for a worker's Gym stack (env.yaml while it runs): WORKER/gym."""
+    return worker_dir(run_dir, worker_id) / GYM_DIR
+
+
+def worker_gym_log_path(run_dir: Path, worker_id: str) -> Path:
+    return worker_dir(run_dir, worker_id) / LOGS / GYM_LOG
+
+
 
 def write_launch_settings(run_dir: Path, cfg: RunConfig) -> None:
     """Save the validated config of a launch (config files name env vars only; no secret values exist in it)."""

@@ -33,13 +33,14 @@ def frame_of(rows: list[dict[str, Any]], agent_of: dict[int, str]) -> RolloutFra
                 if not k.startswith("_") and isinstance(v, (int, float))
             }
         )
-    columns = sorted({k for rec in records for k in rec})
+    columns = {k: np.array([rec.get(k, math.nan) for rec in records]) for k in {k for rec in records for k in rec}}
     return RolloutFrame(
         agent_names=names,
         agent=np.array([names.index(agent_of[r["_ng_task_index"]]) for r in rows]),
         task=np.array([r["_ng_task_index"] for r in rows]),
         rollout=np.array([r["_ng_rollout_index"] for r in rows]),
-        columns={c: np.array([rec.get(c, math.nan) for rec in records], dtype=np.float64) for c in columns},
+        names=list(columns),
+        column=columns.__getitem__,
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -63,13 +63,15 @@ _EXCLUDED_NAMES = frozenset(
 @dataclass(frozen=True)
 class RolloutFrame:
     """The numeric frame of the measured rollouts: per row its agent (a code into `agent_names`), task and rollout
-    index, and each numeric field's value (NaN where the rollout has none)."""
+    index; `column(name)` gives a numeric field's values over all rows (NaN where a rollout has none), asked once
+    per field, so a caller can gather one field at a time."""
 
     agent_names: Sequence[str]
     agent: np.ndarray
     task: np.ndarray
     rollout: np.ndarray
-    columns: dict[str, np.ndarray]
+    names: Sequence[str]
+    column: Callable[[str], np.ndarray]
 
 
 def is_primary_metric(name: str) -> bool:
@@ -104,37 +106,43 @@ def _spread(values: np.ndarray) -> tuple[float, float]:
 def repeat_level_metrics(frame: RolloutFrame) -> list[dict[str, Any]]:
     """Gym 0.7's `*_repeat_level_metrics.json` rows for `frame` (empty when no agent has two rollout indices)."""
     agent, task, rollout = (np.asarray(a, dtype=np.int64) for a in (frame.agent, frame.task, frame.rollout))
-    names = sorted(frame.columns)
+    groups: list[np.ndarray] = []
     out: list[dict[str, Any]] = []
     for code in sorted(set(agent.tolist()), key=lambda a: frame.agent_names[a]):
         mine = np.flatnonzero(agent == code)
-        repeats = np.unique(rollout[mine])
+        by_repeat = np.argsort(rollout[mine], kind="stable")
+        repeats, starts = np.unique(rollout[mine][by_repeat], return_index=True)
         if len(repeats) < 2:
             continue
         total_tasks = len(np.unique(task[mine]))
-        for r in repeats.tolist():
-            rows = mine[rollout[mine] == r]
+        for r, rows in zip(repeats.tolist(), np.split(mine[by_repeat], starts[1:])):
             present = len(np.unique(task[rows]))
-            entry: dict[str, Any] = {
-                AGENT_KEY: {"name": frame.agent_names[code]},
-                ROLLOUT_KEY: int(r),
-                "sample_count": present,
-                "missing_count": total_tasks - present,
-            }
-            for name in names:
-                values = np.asarray(frame.columns[name][rows], dtype=np.float64)
-                values = values[~np.isnan(values)]
-                if len(values) == 0:
-                    continue
-                mean = float(np.mean(values))
-                std, sem = _spread(values)
-                p25, median, p75 = (float(q) for q in np.quantile(values, (0.25, 0.5, 0.75)))
-                stats = (mean, median, std, sem, float(values.min()), float(values.max()), p25, p75)
-                entry.update({f"{s}/{name}": v for s, v in zip(REPEAT_STATS, stats)})
-                ci = t_interval(mean, sem, len(values))
-                if ci:
-                    entry[f"ci_low_95/{name}"], entry[f"ci_high_95/{name}"] = ci
-            out.append(entry)
+            groups.append(rows)
+            out.append(
+                {
+                    AGENT_KEY: {"name": frame.agent_names[code]},
+                    ROLLOUT_KEY: int(r),
+                    "sample_count": present,
+                    "missing_count": total_tasks - present,
+                }
+            )
+    if not out:
+        return out
+    for name in sorted(frame.names):
+        column = np.asarray(frame.column(name), dtype=np.float64)
+        for entry, rows in zip(out, groups):
+            values = column[rows]
+            values = values[~np.isnan(values)]
+            if len(values) == 0:
+                continue
+            mean = float(np.mean(values))
+            std, sem = _spread(values)
+            p25, median, p75 = (float(q) for q in np.quantile(values, (0.25, 0.5, 0.75)))
+            stats = (mean, median, std, sem, float(values.min()), float(values.max()), p25, p75)
+            entry.update({f"{s}/{name}": v for s, v in zip(REPEAT_STATS, stats)})
+            ci = t_interval(mean, sem, len(values))
+            if ci:
+                entry[f"ci_low_95/{name}"], entry[f"ci_high_95/{name}"] = ci
     return out
 
 

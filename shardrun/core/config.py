@@ -213,6 +213,14 @@ class RunConfig(StrictModel):
     policy: PolicyConfig | None = None
     cluster: ClusterConfig | None = None
 
+    @field_validator("input_jsonl", "run_dir", mode="before")
+    @classmethod
+    def _not_empty(cls, v: Any) -> Any:
+        """An empty path would silently be the current directory."""
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("an empty path (it would be the current directory); name the path")
+        return v
+
     @field_validator("num_repeats")
     @classmethod
     def _repeats(cls, v: int | dict[str, int]) -> int | dict[str, int]:

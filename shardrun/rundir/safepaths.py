@@ -89,10 +89,11 @@ def _same_file(a: Path, b: Path) -> bool:
 # ---------------------------------------------------------------- the run directory's root
 
 
-def check_run_root(run_dir: Path | str, own_markers: Iterable[str]) -> None:
+def check_run_root(run_dir: Path | str, plan_name: str, own_names: Iterable[str], tmp_prefix: str) -> None:
     """BadInput unless `run_dir` may become (or already is) a run directory: not an empty path, not `/`, the home
-    directory or a kernel file system, not a file, and absent, empty, or holding one of `own_markers` (the plan,
-    or the run lock a first write takes before it writes anything: a run whose first write was interrupted)."""
+    directory or a kernel file system, not a file, and absent, empty, holding a plan (`plan_name`), or holding
+    only what shardrun creates there (`own_names`, temps starting with `tmp_prefix`): a run whose first write
+    was interrupted."""
     if not str(run_dir).strip():
         raise BadInput("run_dir: an empty path (it would be the current directory); name the run directory")
     real = _real(run_dir)
@@ -108,10 +109,12 @@ def check_run_root(run_dir: Path | str, own_markers: Iterable[str]) -> None:
         return
     if not stat.S_ISDIR(mode):
         raise BadInput(f"run_dir: {run_dir} exists and is {kind_of(mode)}, not a directory")
-    names = sorted(os.listdir(real))
-    if not names or any(m in names for m in own_markers):
+    names = os.listdir(real)
+    own = set(own_names)
+    foreign = sorted(n for n in names if n not in own and not n.startswith(tmp_prefix))
+    if plan_name in names or not foreign:
         return
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
     raise BadInput(
         f"run_dir: {run_dir} is a directory that is not empty and holds no shardrun run ({shown}); shardrun "
         f"writes only into an absent or empty directory or a run directory of its own. Name a new directory"
@@ -126,21 +129,18 @@ def refuse_links(paths: Iterable[Path], run_dir: Path) -> None:
     read or write through it, out of the run directory. Missing paths are fine."""
     for path in paths:
         if os.path.islink(path):
+            what = "directory" if os.path.isdir(path) else "file"
             raise RunDirError(
-                f"{path} is a symlink (to {os.readlink(path)}); shardrun never follows a link inside a run directory "
-                f"out of {run_dir}. Replace the link by the real {'directory' if _points_to_dir(path) else 'file'}"
+                f"{path} is a symlink (to {os.readlink(path)}); shardrun never follows a link inside the run "
+                f"directory {run_dir}, where it could read or write outside it. Put the real {what} there"
             )
 
 
-def _points_to_dir(path: Path) -> bool:
-    return os.path.isdir(path)
-
-
-def refuse_links_in(directory: Path, names: Iterable[str] | None, run_dir: Path) -> None:
-    """`refuse_links` over the entries of `directory` (those in `names`, or all when None), listed in one call."""
+def refuse_links_in(directory: Path, run_dir: Path) -> None:
+    """`refuse_links` over every entry of `directory` (one listing; nothing when it does not exist)."""
     try:
-        entries = list(os.scandir(directory))
+        with os.scandir(directory) as entries:
+            links = sorted(Path(e.path) for e in entries if e.is_symlink())
     except (FileNotFoundError, NotADirectoryError):
         return
-    wanted = None if names is None else set(names)
-    refuse_links((Path(e.path) for e in entries if (wanted is None or e.name in wanted) and e.is_symlink()), run_dir)
+    refuse_links(links, run_dir)

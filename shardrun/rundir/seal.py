@@ -7,6 +7,7 @@ when `deep`). Anything else is reported and ignored: the shard counts as unseale
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ def make_marker(
     gpus: int,
     extra: dict[str, Any] | None = None,
     gym_version: str | None = None,
+    worker: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The marker's content (pure). Times are Unix seconds; `extra` holds optional accounting such as tokens."""
     marker = {
@@ -60,6 +62,8 @@ def make_marker(
     }
     if gym_version is not None:
         marker["gym_version"] = gym_version  # the nemo-gym release the shard ran with
+    if worker:
+        marker["worker"] = worker  # the warm worker that sealed it: {id, servers_warm, ...} (docs/workers.md)
     if extra:
         marker["extra"] = extra
     return marker
@@ -67,6 +71,72 @@ def make_marker(
 
 def write_marker(run_dir: Path, shard_index: int, marker: dict[str, Any]) -> None:
     store.atomic_write_json(store.done_path(run_dir, shard_index), marker)
+
+
+_COUNT = "a whole number >= 0"
+_NUMBER = "a finite number"
+_TEXT = "a string"
+REQUIRED_FIELDS = {
+    "plan_fingerprint": _TEXT,
+    "shard_index": _COUNT,
+    "num_rollouts": _COUNT,
+    "num_failed": _COUNT,
+    "rollouts_sha256": _TEXT,
+    "rollouts_bytes": _COUNT,
+}
+OPTIONAL_FIELDS = {
+    "marker_version": _COUNT,
+    "planned_rollouts": _COUNT,
+    "started_at": _NUMBER,
+    "finished_at": _NUMBER,
+    "server_wait_s": _NUMBER,
+    "collect_s": _NUMBER,
+    "gpu_hours": _NUMBER,
+    "gpus": _COUNT,
+    "attempt": _COUNT,
+    "host": _TEXT,
+    "job_id": _TEXT,
+    "extra": "an object",
+    "gym_version": _TEXT,
+    "worker": "an object",
+}
+"""The marker's fields and what each must be: a marker with a field of another type is invalid (ignored and
+reported), so no reader of a marker ever meets "16" where it counts rollouts. `host` and `job_id` may be null."""
+
+
+def _is(value: Any, kind: str) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == _COUNT:
+        return number and isinstance(value, int) and value >= 0
+    if kind == _NUMBER:
+        return number and math.isfinite(value)
+    if kind == _TEXT:
+        return isinstance(value, str)
+    return isinstance(value, dict)
+
+
+def wrong_field(marker: dict[str, Any]) -> str | None:
+    """What is wrong with the marker's fields, in words; None when every field has its type."""
+    for name, kind in REQUIRED_FIELDS.items():
+        if name not in marker:
+            return f"no {name!r}"
+        if not _is(marker[name], kind):
+            return f"{name!r} is {_shown(marker[name])}, not {kind}"
+    for name, kind in OPTIONAL_FIELDS.items():
+        value = marker.get(name)
+        if value is not None and not _is(value, kind):
+            return f"{name!r} is {_shown(value)}, not {kind}"
+    return None
+
+
+def _shown(value: Any) -> str:
+    """The value as the marker has it (strings and numbers, cut short), or its kind (lists, objects)."""
+    if isinstance(value, bool) or value is None:
+        return orjson.dumps(value).decode()
+    if isinstance(value, (str, int, float)):
+        text = orjson.dumps(value).decode() if isinstance(value, str) else repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    return "a list" if isinstance(value, list) else "an object"
 
 
 @dataclass(frozen=True)
@@ -77,7 +147,9 @@ class SealState:
 
 
 def check(run_dir: Path, plan: Plan, shard_index: int, deep: bool = False) -> SealState:
-    """Is shard `shard_index` sealed under `plan`? `deep` also re-hashes the rollouts file."""
+    """Is shard `shard_index` sealed under `plan`? `deep` also re-hashes the rollouts file. RunDirError when the
+    shard directory or a file in it is a symlink (nothing is read through it)."""
+    store.refuse_links(run_dir, (shard_index,))
     path = store.done_path(run_dir, shard_index)
     try:
         marker = orjson.loads(path.read_bytes())
@@ -99,8 +171,11 @@ def check(run_dir: Path, plan: Plan, shard_index: int, deep: bool = False) -> Se
         return SealState(
             False, f"{path}: marker is for shard {marker.get('shard_index')}, copied here? ignored", marker
         )
+    wrong = wrong_field(marker)
+    if wrong:
+        return SealState(False, f"{path}: invalid marker, {wrong}; ignored")
     planned = plan.shards[shard_index].num_rollouts
-    accounted = (marker.get("num_rollouts") or 0) + (marker.get("num_failed") or 0)
+    accounted = marker["num_rollouts"] + marker["num_failed"]
     if accounted != planned:
         return SealState(
             False, f"{path}: marker accounts for {accounted} of {planned} planned rollouts; ignored", marker

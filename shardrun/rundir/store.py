@@ -22,8 +22,10 @@ from typing import IO, Iterable, Iterator
 
 import orjson
 from filelock import FileLock
+from pydantic import ValidationError
 
 from shardrun.plan import planner
+from shardrun.rundir import safepaths
 from shardrun.core import gym_version
 from shardrun.core.config import RunConfig
 from shardrun.core.errors import BadInput, PlanMismatch, RunDirError
@@ -350,10 +352,12 @@ def repair_torn_tail(path: Path) -> int:
 
 
 def load_plan(run_dir: Path) -> Plan:
-    """Read plan.json and check it was not edited since it was written."""
+    """Read plan.json and check it was not edited since it was written (and that no link at the top of the run
+    directory or in merged/ leads out of it; a shard's own links are refused by seal.check)."""
     path = plan_path(run_dir)
     if not Path(run_dir).is_dir():
         raise RunDirError(f"run directory not found: {run_dir}")
+    refuse_links(run_dir)
     try:
         data = orjson.loads(path.read_bytes())
         plan = Plan.from_json(data)
@@ -372,9 +376,19 @@ def load_plan(run_dir: Path) -> Plan:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise BadInput(f"run_dir: {run_dir} exists and is not a directory")
+    """BadInput unless run_dir is absent, empty or a run directory (never /, the home directory, a file)."""
+    own = (SHARDS_DIR, MERGED_DIR, JOBS_DIR, LAUNCHES_FILE, LAUNCH_SETTINGS, LOCK_FILE)
+    safepaths.check_run_root(run_dir, PLAN_FILE, own, TMP_PREFIX)
+
+
+def refuse_links(run_dir: Path, shards: Iterable[int] = ()) -> None:
+    """RunDirError naming a symlink at the top of the run directory, in merged/, or (for `shards`) in shards/ or a
+    shard directory: shardrun never reads or writes through a link out of a run directory."""
+    safepaths.refuse_links_in(run_dir, run_dir)
+    safepaths.refuse_links_in(merged_dir(run_dir), run_dir)
+    for i in shards:
+        safepaths.refuse_links((shard_dir(run_dir, i),), run_dir)
+        safepaths.refuse_links_in(shard_dir(run_dir, i), run_dir)
 
 
 def prepare_run_dir(run_dir: Path) -> None:
@@ -424,6 +438,8 @@ def write_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[Plan, bool]:
     """Materialize the run directory for `cfg`. Returns (plan, written); an identical plan is a no-op."""
     plan = plan or scan_input(cfg)
     run_dir = cfg.run_dir
+    check_run_dir(run_dir)
+    refuse_links(run_dir, (s.index for s in plan.shards))
     prepare_run_dir(run_dir)
     with run_lock(run_dir):
         if existing_plan_matches(run_dir, plan):
@@ -658,4 +674,14 @@ def read_launch_settings(run_dir: Path) -> RunConfig | None:
         return None
     except orjson.JSONDecodeError as e:
         raise RunDirError(f"{launch_settings_path(run_dir)}: unreadable ({e}); submit again with the config") from None
-    return RunConfig.model_validate(data["config"])
+    try:
+        return RunConfig.model_validate(data["config"])
+    except ValidationError as e:
+        detail = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()[:5])
+        raise RunDirError(
+            f"{launch_settings_path(run_dir)}: invalid launch settings ({detail}); resume with --config CONFIG"
+        ) from None
+    except (KeyError, TypeError):
+        raise RunDirError(
+            f"{launch_settings_path(run_dir)}: no launch settings in it; resume with --config CONFIG"
+        ) from None

@@ -60,10 +60,14 @@ def refused(outcome: Outcome, *names: str) -> None:
 
 @contextmanager
 def unchanged_tree(root: Path, *allowed: Path) -> Iterator[None]:
-    """A context that asserts nothing under root but the `allowed` paths changed."""
+    """A context that asserts nothing under root but the `allowed` paths (and what is below them) changed."""
     before = snapshot(root)
     yield
     after = snapshot(root)
-    skip = {str(Path(a).relative_to(root)) for a in allowed}
-    changed = sorted(k for k in before.keys() | after.keys() if k not in skip and before.get(k) != after.get(k))
+    skip = [Path(a).relative_to(root) for a in allowed]
+
+    def expected(rel: str) -> bool:
+        return any(Path(rel) == a or Path(rel).is_relative_to(a) for a in skip)
+
+    changed = sorted(k for k in before.keys() | after.keys() if not expected(k) and before.get(k) != after.get(k))
     assert not changed, f"changed under {root}: {changed}"

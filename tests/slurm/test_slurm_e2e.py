@@ -78,7 +78,12 @@ def merged_identities(run_dir: Path) -> list[tuple[int, int]]:
 def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: Path, env) -> None:
     run_dir = tmp_path / "run"
     inp = math_input(tmp_path / "input.jsonl", 3)
-    with fake_policy(tmp_path, "--delay", "1") as fake:
+    # Shard 0 (task 0, rollouts 0-3, one at a time) must still be collecting when the preemption comes: its last
+    # rollout's request never gets an answer until the test lifts the fault after the preemption, so however loaded
+    # the machine, shard 0 cannot finish before the signal (the event the test waits on, not a race it hopes to win).
+    task0 = orjson.loads(inp.read_text().splitlines()[0])["question"]
+    hold_shard0 = f"hang:match={task0},seed=3"
+    with fake_policy(tmp_path, "--delay", "1", "--fault", hold_shard0) as fake:
         cfg = write_config(
             tmp_path / "run.yaml",
             inp,
@@ -96,6 +101,7 @@ def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: 
         try:
             # two arrays (MaxArraySize 2): shards 0-1 as tasks 0-1 of the first, shard 2 alone; one sbatch each
             a0, a1 = rec["arrays"]
+            assert {task for task, _ in harness.keys(store.materialized_path(run_dir, 0))} == {0}  # held above
             assert rec["jobs"] == {"0": f"{a0}_0", "1": f"{a0}_1", "2": a1}
             assert f"merge job: {rec['merge_job_id']}" in out.stdout
             script = (store.jobs_dir(run_dir) / f"{a0}_submission.sh").read_text()
@@ -126,6 +132,7 @@ def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: 
             kept = store.count_complete_lines(store.rollouts_path(run_dir, 0))
             subprocess.run(["scancel", "--signal=USR2", f"{a0}_0"], check=True, timeout=60)
             subprocess.run(["scancel", f"{a0}_1", a1], check=True, timeout=60)
+            fake.set_faults([])  # the requeued shard 0 gets its last answer
             merge1 = rec["merge_job_id"]
             wait_for(lambda: sacct_state(merge1) in ("FAILED", "COMPLETED", "CANCELLED"), 500, "first merge job")
             assert sacct_state(merge1) == "FAILED"

@@ -185,7 +185,7 @@ def submit(
         typer.echo(f"warning: {reason}", err=True)
     if result.already_sealed:
         typer.echo(f"already sealed: {len(result.already_sealed)} shard(s), not launched again")
-    if not result.jobs and not result.live:
+    if not result.jobs and not result.workers and not result.live:
         typer.echo(f"run directory: {result.run_dir}\nevery shard is sealed; nothing to launch")
     for o in result.outcomes or []:
         typer.echo(f"shard {o.index:05d}: {o.state}" + (f" ({o.detail})" if o.detail else ""))

@@ -190,6 +190,36 @@ class ClusterConfig(StrictModel):
     merge_mem_gb: float = Field(16, gt=0, description="Memory of the merge job.")
     additional_parameters: dict[str, Any] = Field(default_factory=dict, description="Extra sbatch parameters.")
 
+    workers: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="Warm workers: this many jobs that start their servers once and claim shards until none are "
+        "left (docs/workers.md); null: one job per shard.",
+    )
+    claim_heartbeat_s: float = Field(30.0, gt=0, le=86400, description="Seconds between a worker's claim renewals.")
+    claim_lease_s: float = Field(
+        180.0, gt=0, le=7 * 86400, description="A claim not renewed for this long is stale and taken over."
+    )
+    max_server_restarts: int = Field(
+        2, ge=0, le=1000, description="Times a worker restarts servers that died before it exits non-zero."
+    )
+    auto_resume_rounds: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="Slurm with workers: times the job after the workers resubmits workers for unsealed shards "
+        "before it merges.",
+    )
+
+    @model_validator(mode="after")
+    def _lease_over_heartbeat(self) -> "ClusterConfig":
+        if self.claim_lease_s < 2 * self.claim_heartbeat_s:
+            raise ValueError(
+                f"cluster.claim_lease_s ({self.claim_lease_s:g}) must be at least twice cluster.claim_heartbeat_s "
+                f"({self.claim_heartbeat_s:g}): a claim would go stale between two heartbeats"
+            )
+        return self
     @field_validator("env_vars")
     @classmethod
     def _env_vars(cls, v: list[str]) -> list[str]:

@@ -75,6 +75,8 @@ class RunStatus:
     failed: list[ledger.FailedRollout] = field(default_factory=list)  # rollouts recorded as failed (first MAX_FAILED)
     failed_listed_of: int = 0  # how many there are in all
     gym_version: str | None = None  # the run's nemo-gym release (the plan's, else its sealed shards')
+    workers: list[dict] = field(default_factory=list)  # warm workers: job, host, state, shard, sealed, servers
+    stale_claims: list[dict] = field(default_factory=list)  # claims not renewed within the lease
 
     @property
     def complete(self) -> bool:
@@ -100,6 +102,8 @@ class Launches:
     local_hosts: dict[str, str] = field(default_factory=dict)  # pid -> host it ran on
     merge_jobs: list[str] = field(default_factory=list)
     latest: dict | None = None
+    worker_shards: set[int] = field(default_factory=set)  # shards launched for warm workers (cluster.workers)
+    worker_jobs: dict[str, str] = field(default_factory=dict)  # a worker's job id -> executor
 
     @property
     def slurm_array_ids(self) -> set[str]:
@@ -126,6 +130,9 @@ def fold_launches(records: Iterable[Mapping]) -> Launches:
                 out.local_hosts[str(pid)] = rec.get("host", "")
         if rec.get("merge_job_id"):
             out.merge_jobs.append(str(rec["merge_job_id"]))
+        for job_id in (rec.get("workers") or {}).values():
+            out.worker_jobs[str(job_id)] = executor
+        out.worker_shards.update(int(i) for i in rec.get("worker_shards") or ())
         out.latest = dict(rec)
     return out
 
@@ -384,6 +391,11 @@ def collect(
             )
         )
 
+    workers: list[dict] = []
+    stale: list[dict] = []
+    if launches.worker_shards or launches.worker_jobs:
+        shards, workers, stale = worker_view(run_dir, shards, launches, live, now=now, max_attempts=max_attempts)
+
     failed = failed_rollouts(run_dir, plan)
     done = sum(s.done for s in shards)
     counts = {state: 0 for state in STATES}
@@ -418,8 +430,107 @@ def collect(
         failed=failed[:MAX_FAILED],
         failed_listed_of=len(failed),
         gym_version=run_gym_version(plan, [s.marker for s in seals.values() if s.sealed]),
+        workers=workers,
+        stale_claims=stale,
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))),
     )
+
+
+# ---------------------------------------------------------------- warm workers
+
+
+def worker_view(
+    run_dir: Path,
+    shards: list[ShardStatus],
+    launches: Launches,
+    live: Mapping[str, Live],
+    *,
+    now: float,
+    max_attempts: int,
+) -> tuple[list[ShardStatus], list[dict], list[dict]]:
+    """Shards run by warm workers are not tied to a job: running = held by a live claim, pending = waiting for a
+    live worker, failed = its last attempt failed (attempts from `.failed`) or its workers ended without sealing
+    it. Also the workers section and the stale claims."""
+    from dataclasses import replace
+
+    from shardrun.core.config import ClusterConfig
+    from shardrun.core.errors import ShardrunError
+    from shardrun.rundir import claims
+    from shardrun.shard import worker
+
+    try:
+        settings = store.read_launch_settings(run_dir)
+    except ShardrunError:
+        settings = None
+    lease = (settings.cluster_or_default if settings else ClusterConfig()).claim_lease_s
+    host = socket.gethostname()
+    rows = []
+    any_live = False
+    for w in worker.read_states(run_dir):
+        if w.job_id in live or (w.job_id is None or launches.worker_jobs.get(w.job_id) == "local"):
+            alive = (w.job_id in live) or (w.host == host and pid_start_ticks(w.pid) == w.pid_start)
+        else:
+            alive = False
+        alive = alive and w.state not in (worker.STOPPED, worker.FAILED)
+        any_live = any_live or alive
+        rows.append(
+            {
+                "worker_id": w.worker_id,
+                "job_id": w.job_id,
+                "host": w.host,
+                "state": w.state if alive or w.state in (worker.STOPPED, worker.FAILED) else "gone",
+                "current_shard": w.current_shard if alive else None,
+                "sealed": len(w.sealed),
+                "servers_up_since": w.servers_up_since if alive else None,
+                "server_starts": w.server_starts,
+                "exit_reason": w.exit_reason,
+            }
+        )
+    stale: list[dict] = []
+    out = []
+    for s in shards:
+        if s.state == SEALED or (s.index not in launches.worker_shards and s.job_id is not None):
+            out.append(s)
+            continue
+        info = claims.read(run_dir, s.index)
+        attempts = worker.failed_attempts(run_dir, s.index)
+        failure = _read_failure(run_dir, s.index) or {}
+        if info is not None and info.stale(now, lease):
+            stale.append({"shard": s.index, **info.to_json(), "age_s": round(info.age(now), 1)})
+        if info is not None and not info.stale(now, lease):
+            out.append(
+                replace(
+                    s,
+                    state=RUNNING,
+                    job_id=info.job_id,
+                    attempts=attempts,
+                    reason=f"worker {info.worker_id} on {info.host}",
+                    log=str(store.shard_log_path(run_dir, s.index)),
+                )
+            )
+        elif any_live and attempts < max_attempts:
+            why = (
+                f"stale claim of worker {info.worker_id} (no heartbeat for {info.age(now):.0f} s): taken over next"
+                if info is not None
+                else "waiting for a warm worker"
+            )
+            out.append(replace(s, state=PENDING, attempts=attempts, reason=why, job_id=None))
+        elif failure or s.index in launches.worker_shards:
+            reason = str(failure.get("error") or "its workers ended without sealing it")
+            out.append(
+                replace(
+                    s,
+                    state=FAILED,
+                    attempts=attempts,
+                    reason=reason,
+                    job_id=str(failure.get("job_id")) if failure.get("job_id") else None,
+                    log=str(store.shard_log_path(run_dir, s.index)),
+                    gave_up=attempts >= max_attempts,
+                )
+            )
+        else:
+            out.append(s)
+    return out, rows, stale
 
 
 def _mtime(path: Path) -> float:
@@ -523,9 +634,33 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
         ]
     elif st.counts[FAILED] or st.counts[NEVER_STARTED]:
         out += ["", "run `shardrun resume RUN_DIR` to resubmit the failed and never-started shards"]
+    out += render_workers(st)
     for w in st.warnings:
         out.append(f"warning: {w}")
     return "\n".join(out)
+
+
+def render_workers(st: RunStatus) -> list[str]:
+    """The warm workers section and the stale claims (pure)."""
+    out: list[str] = []
+    if st.workers:
+        out += [
+            "",
+            f"{'worker':<22} {'job':<14} {'host':<16} {'state':<11} {'shard':>5} {'sealed':>6}  servers up since",
+        ]
+        for w in st.workers:
+            since = datetime.fromtimestamp(w["servers_up_since"]).strftime("%H:%M:%S") if w["servers_up_since"] else "-"
+            shard = "-" if w["current_shard"] is None else str(w["current_shard"])
+            out.append(
+                f"{w['worker_id']:<22} {w['job_id'] or '-':<14} {w['host']:<16} {w['state']:<11} {shard:>5} "
+                f"{w['sealed']:>6}  {since}" + (f" ({w['exit_reason']})" if w["state"] == "failed" else "")
+            )
+    for c in st.stale_claims:
+        out.append(
+            f"stale claim: shard {c['shard']} by worker {c['worker_id']} (job {c['job_id']}, host {c['host']}, "
+            f"pid {c['pid']}): no heartbeat for {c['age_s']:.0f} s; the next worker to look takes it over"
+        )
+    return out
 
 
 def render_json(st: RunStatus) -> str:

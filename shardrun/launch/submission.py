@@ -137,6 +137,8 @@ class Launch:
     tag: str | None = None  # Slurm: the job name of the shard jobs
     merge_name: str | None = None  # Slurm: the job name of the merge job
     merge_job_id: str | None = None
+    workers: dict[int, str] = field(default_factory=dict)  # warm workers (cluster.workers): worker -> job id
+    worker_shards: list[int] = field(default_factory=list)  # the shards the workers were launched for
 
 
 def submit_shards(
@@ -149,7 +151,11 @@ def submit_shards(
     launch = Launch(jobs={})
     with contextlib.nullcontext() if locked else store.run_lock(run_dir):
         try:
-            if cluster.executor == "slurm":
+            if cluster.workers is not None:
+                from shardrun.launch import worker_launch
+
+                worker_launch.submit_workers(cfg, run_dir, indices, launch, merge_job=merge_job)
+            elif cluster.executor == "slurm":
                 submit_slurm(cfg, run_dir, store.load_plan(run_dir), indices, launch, merge_job=merge_job)
             else:
                 executor = make_executor(cfg, run_dir)
@@ -159,7 +165,7 @@ def submit_shards(
                     for i in group:
                         launch.jobs[i] = str(job.job_id)
         finally:
-            if launch.jobs:
+            if launch.jobs or launch.workers:
                 store.append_launch(run_dir, launch_record(cfg, run_dir, launch))
     return launch
 
@@ -179,8 +185,12 @@ def launch_record(cfg: RunConfig, run_dir: Path, launch: Launch) -> dict[str, An
         record.update(
             tag=launch.tag, merge_job_name=launch.merge_name, arrays=launch.arrays, merge_job_id=launch.merge_job_id
         )
+    if launch.workers:
+        record.update(
+            workers={str(k): j for k, j in sorted(launch.workers.items())}, worker_shards=launch.worker_shards
+        )
     if cluster.executor == "local":
-        pids = sorted({int(j) for j in launch.jobs.values()})
+        pids = sorted({int(j) for j in [*launch.jobs.values(), *launch.workers.values()]})
         record["pid_start"] = {str(p): processes.start_ticks(p) for p in pids}
     return record
 
@@ -239,6 +249,7 @@ class SubmitResult:
     gave_up: list[status.ShardStatus] = field(default_factory=list)  # launched max_attempts times: not again
     merge_job_id: str | None = None
     dry_run: str | None = None  # --dry-run: what would be submitted
+    workers: dict[int, str] = field(default_factory=dict)  # warm workers launched: worker -> job id
 
     @property
     def failed(self) -> list[ShardOutcome]:
@@ -353,10 +364,16 @@ def launch_unsealed(
             result.outcomes = [] if not result.live else None
             return result
         launch = submit_shards(cfg, run_dir, todo, merge_job=merge_job and not result.gave_up, locked=True)
-    result.jobs = launch.jobs
+    result.jobs, result.workers = launch.jobs, launch.workers
     result.merge_job_id = launch.merge_job_id
     echo(f"run directory: {run_dir}")
-    echo("jobs: " + describe_jobs(launch.jobs))
+    if launch.workers:
+        echo(
+            f"warm workers: {len(launch.workers)} job(s) ({', '.join(launch.workers.values())}) for "
+            f"{len(todo)} shard(s)"
+        )
+    else:
+        echo("jobs: " + describe_jobs(launch.jobs))
     if wait_for_jobs and launch.handles:
         wait(launch, echo)
         result.outcomes = shard_outcomes(run_dir, plan, todo)
@@ -572,6 +589,10 @@ def describe_submission(
     """`--dry-run`: the array layout and every sbatch script that would be submitted (Slurm), or the worker
     groups (local). Nothing is submitted or written."""
     cluster = cfg.cluster_or_default
+    if cluster.workers is not None:
+        from shardrun.launch import worker_launch
+
+        return worker_launch.describe(cfg, run_dir, indices, merge_job)
     if cluster.executor == "local":
         groups = local_groups(list(indices), cluster.array_parallelism)
         return "\n".join(

@@ -225,6 +225,21 @@ def write_env_yaml(path: Path, text: str) -> None:
         f.write(text.encode())
 
 
+@dataclass(frozen=True)
+class StackPlace:
+    """Where a Gym stack lives: `home` (a shard's directory, or a warm worker's), ng_run's working dir and log."""
+
+    home: Path
+    work: Path
+    log: Path
+
+
+def shard_place(run_dir: Path, index: int) -> StackPlace:
+    return StackPlace(
+        store.shard_dir(run_dir, index), store.gym_dir(run_dir, index), store.gym_log_path(run_dir, index)
+    )
+
+
 def start(
     run_dir: Path,
     index: int,
@@ -233,23 +248,26 @@ def start(
     api_key: str | None,
     model_name: str,
     env: Mapping[str, str] | None = None,
+    place: StackPlace | None = None,
 ) -> GymStack:
-    """Write env.yaml and start ng_run for shard `index` (not waiting for readiness)."""
+    """Write env.yaml and start ng_run for shard `index`, or at `place` (a warm worker's), not waiting for
+    readiness."""
     base_env = dict(os.environ if env is None else env)
     venv = gym_venv(gym, base_env)
     adapter = for_venv(venv)
-    work = store.gym_dir(run_dir, index)
+    place = place or shard_place(run_dir, index)
+    work = place.work
     work.mkdir(parents=True, exist_ok=True)
     shared = gym.server_venvs == "shared"
     if shared:
-        venvs_dir = store.server_venvs_dir(run_dir, index)
+        venvs_dir = work / store.SERVER_VENVS
         link_server_venvs(venvs_dir, venv, adapter.server_kinds)
     else:
         venvs_dir = Path(gym.uv_venv_dir) if gym.uv_venv_dir else venv.parent / (venv.name + "-server-venvs")
         venvs_dir.mkdir(parents=True, exist_ok=True)
-    env_yaml = store.env_yaml_path(run_dir, index)
+    env_yaml = work / store.ENV_YAML
     write_env_yaml(env_yaml, env_yaml_text(base_urls, api_key, model_name))
-    ray_tmp = ray_tmp_dir(store.shard_dir(run_dir, index))
+    ray_tmp = ray_tmp_dir(place.home)
     port = processes.free_port(HEAD_HOST)
     cmd = ng_run_command(adapter, venv, gym, port, venvs_dir)
     if not shared:
@@ -257,7 +275,7 @@ def start(
     # with request debugging on, Gym's model adapter prints a failed request's headers (the key among them)
     proc = processes.start(
         cmd,
-        store.gym_log_path(run_dir, index),
+        place.log,
         name="ng_run",
         cwd=work,
         env=stack_env(base_env, venv, ray_tmp, shared),
@@ -285,11 +303,12 @@ def start_ready(
     api_key: str | None,
     model_name: str,
     env: Mapping[str, str] | None = None,
+    place: StackPlace | None = None,
 ) -> tuple[GymStack, float]:
     """start + wait_ready; a head port taken between choosing and binding it is retried with another port."""
     t0 = time.monotonic()
     for attempt in range(PORT_TRIES):
-        stack = start(run_dir, index, gym, base_urls, api_key, model_name, env)
+        stack = start(run_dir, index, gym, base_urls, api_key, model_name, env, place)
         try:
             wait_ready(stack, max(1.0, gym.ready_timeout_s - (time.monotonic() - t0)))
             return stack, time.monotonic() - t0

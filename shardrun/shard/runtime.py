@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from shardrun.shard import collector
 from shardrun.shard import gym_adapter
@@ -66,10 +66,21 @@ class ShardInterrupted(ShardFailed):
     """The shard process got SIGTERM/SIGINT (cancel, walltime): it tears down and exits non-zero."""
 
 
-def run_shard(run_dir: Path | str, index: int, *, job_id: str | None = None) -> ShardResult:
-    """Run shard `index` of the plan in `run_dir` to a seal, or raise a ShardrunError (recorded in `.failed`)."""
+def run_shard(
+    run_dir: Path | str,
+    index: int,
+    *,
+    job_id: str | None = None,
+    plan: Plan | None = None,
+    attempt: int | None = None,
+    **warm: Any,
+) -> ShardResult:
+    """Run shard `index` of the plan in `run_dir` to a seal, or raise a ShardrunError (recorded in `.failed`).
+
+    A shard job starts and stops its own servers; a warm worker (shard/worker.py) passes its running ones and
+    what it adds (`servers`, `worker`, `checks`: see Shard), so both run exactly this per-shard work."""
     run_dir = Path(run_dir)
-    plan = store.load_plan(run_dir)
+    plan = plan or store.load_plan(run_dir)
     if not 0 <= index < len(plan.shards):
         raise ShardFailed(f"shard {index} does not exist (the plan has {len(plan.shards)} shards)")
     log = ShardLog(store.shard_log_path(run_dir, index), index)
@@ -80,9 +91,9 @@ def run_shard(run_dir: Path | str, index: int, *, job_id: str | None = None) -> 
     if state.reason != "no marker":
         log(f"marker ignored: {state.reason}")
     cfg = launch_config(run_dir, plan)
-    attempt = shard_attempt(run_dir, index)
+    attempt = attempt or shard_attempt(run_dir, index)
     with holding_shard_lock(run_dir, index):
-        marker = run_locked(run_dir, index, plan, cfg, log, job_id, attempt)
+        marker = run_locked(run_dir, index, plan, cfg, log, job_id, attempt, **warm)
     log(
         f"sealed: {marker['num_rollouts']} rollouts, {marker['num_failed']} failed, "
         f"servers {marker['server_wait_s']:.1f} s, collecting {marker['collect_s']:.1f} s"
@@ -111,13 +122,20 @@ def holding_shard_lock(run_dir: Path, index: int) -> Iterator[None]:
 
 
 def run_locked(
-    run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: ShardLog, job_id: str | None, attempt: int
+    run_dir: Path,
+    index: int,
+    plan: Plan,
+    cfg: RunConfig,
+    log: ShardLog,
+    job_id: str | None,
+    attempt: int,
+    **warm: Any,
 ) -> dict:
     """One attempt; a failure is recorded in `.failed` (and the shard log) and re-raised as a domain error."""
     try:
         with interruptible():
             log(f"start: attempt {attempt}, job {job_id or '-'}, host {socket.gethostname()}, pid {os.getpid()}")
-            marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt).run()
+            marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt, **warm).run()
     except Exception as exc:
         e = store.os_error(exc, f"running shard {index}") if isinstance(exc, OSError) else exc
         error = describe(e)
@@ -177,14 +195,69 @@ def interruptible() -> Iterator[None]:
             signal.signal(s, h)
 
 
+@dataclass
+class Servers:
+    """A running policy endpoint and Gym stack: a shard job's own, or a warm worker's (started once)."""
+
+    endpoint: policy.PolicyEndpoint
+    stack: gym_stack.GymStack
+    ready_s: float  # seconds from the start to both being ready
+    up_since: float  # Unix time they became ready
+
+    def problem(self) -> str | None:
+        return self.endpoint.problem() or self.stack.problem()
+
+    def stop(self) -> None:
+        try:
+            self.stack.stop()
+        finally:
+            self.endpoint.stop()
+
+
+def start_servers(
+    policy_cfg: PolicyConfig, gym: GymConfig, run_dir: Path, place: gym_stack.StackPlace, log: Callable[[str], None]
+) -> Servers:
+    """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running."""
+    t0 = time.monotonic()
+    endpoint = policy.open_policy(policy_cfg, place.home)
+    try:
+        for note in endpoint.notes:
+            log(f"note: {note}")
+        log(
+            f"policy ready in {time.monotonic() - t0:.1f} s: {', '.join(endpoint.base_urls)} model {endpoint.model_name}"
+        )
+        stack, waited = gym_stack.start_ready(
+            run_dir, -1, gym, endpoint.base_urls, endpoint.api_key, endpoint.model_name, place=place
+        )
+    except BaseException:
+        endpoint.stop()
+        raise
+    log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
+    return Servers(endpoint, stack, time.monotonic() - t0, time.time())
+
+
 class Shard:
-    """One attempt at one shard (holds the shard lock while it runs)."""
+    """One attempt at one shard (holds the shard lock while it runs). A warm worker passes its running `servers`
+    (started before this shard and stopped after it), `worker` (recorded in the seal: its id, whether its servers
+    were already warm) and extra watchdog `checks` (its claim, its time limit)."""
 
     def __init__(
-        self, run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log: ShardLog, job_id: str | None, attempt: int
+        self,
+        run_dir: Path,
+        index: int,
+        plan: Plan,
+        cfg: RunConfig,
+        log: ShardLog,
+        job_id: str | None,
+        attempt: int,
+        *,
+        servers: Servers | None = None,
+        worker: dict[str, Any] | None = None,
+        checks: Sequence[watchdog.Check] = (),
     ):
         self.run_dir, self.index, self.plan, self.cfg, self.log = run_dir, index, plan, cfg, log
         self.job_id, self.attempt = job_id, attempt
+        self.servers, self.worker, self.checks = servers, worker, list(checks)
         if cfg.gym is None or cfg.policy is None:  # submit and resume refuse such a config before launching
             raise BadInput(f"shard {index}: the run config has no {'gym' if cfg.gym is None else 'policy'} section")
         self.gym: GymConfig = cfg.gym
@@ -207,6 +280,10 @@ class Shard:
             f"({len(book.done)} done, {book.num_failed} failed)"
         )
         adapter = self.gym_release()
+        if self.servers is not None:  # a warm worker's servers: they run on after this shard
+            store.gym_dir(self.run_dir, self.index).mkdir(parents=True, exist_ok=True)  # the collector's cwd
+            self.collect(adapter, self.servers.endpoint, self.servers.stack)
+            return self.seal()
         with contextlib.ExitStack() as teardown:
             teardown.callback(self.log_teardown, time.monotonic)
             endpoint, stack = self.start_servers(teardown)
@@ -270,23 +347,12 @@ class Shard:
     # ------------------------------------------------------------ servers
 
     def start_servers(self, teardown: contextlib.ExitStack) -> tuple[policy.PolicyEndpoint, gym_stack.GymStack]:
-        t0 = time.monotonic()
-        shard = store.shard_dir(self.run_dir, self.index)
-        endpoint = policy.open_policy(self.policy, shard)
-        teardown.callback(endpoint.stop)
-        for note in endpoint.notes:
-            self.log(f"note: {note}")
-        self.log(
-            f"policy ready in {time.monotonic() - t0:.1f} s: {', '.join(endpoint.base_urls)} "
-            f"model {endpoint.model_name}"
+        servers = start_servers(
+            self.policy, self.gym, self.run_dir, gym_stack.shard_place(self.run_dir, self.index), self.log
         )
-        stack, waited = gym_stack.start_ready(
-            self.run_dir, self.index, self.gym, endpoint.base_urls, endpoint.api_key, endpoint.model_name
-        )
-        teardown.callback(stack.stop)
-        self.server_wait_s = time.monotonic() - t0
-        self.log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
-        return endpoint, stack
+        teardown.callback(servers.stop)
+        self.server_wait_s = servers.ready_s
+        return servers.endpoint, servers.stack
 
     # ------------------------------------------------------------ collection
 
@@ -295,6 +361,7 @@ class Shard:
     ) -> None:
         venv = gym_stack.gym_venv(self.gym, os.environ)
         checks = [watchdog.Check("policy server", endpoint.problem), watchdog.Check("Gym stack", stack.problem)]
+        checks += self.checks
         max_rounds = self.gym.max_rollout_attempts * len(self.ledger().planned) + 2
         for round_no in range(1, max_rounds + 1):
             book = self.ledger()
@@ -383,6 +450,7 @@ class Shard:
             gpus=gpus_visible(),
             extra=dict(book.usage) or None,
             gym_version=self.gym_version,
+            worker=self.worker,
         )
         seal.write_marker(self.run_dir, self.index, marker)
         return marker

@@ -1,0 +1,442 @@
+"""A warm worker: start the policy and the Gym stack once, then claim shards and collect them until none are left.
+
+`run_worker(run_dir, worker_id)` is what a worker job does (docs/workers.md):
+
+1. Start the servers (`runtime.start_servers` in `RUN_DIR/workers/<id>/`: a self-hosted vLLM or a checked
+   endpoint, and ng_run), once.
+2. Pick the next shard: not sealed, not claimed by a live claim, not given up (its `.failed` records
+   `cluster.max_attempts` attempts); partial progress first, then the longest expected first (rate of the sealed
+   shards); never one it cannot expect to finish before its job's time limit. Claim it (rundir/claims.py) and
+   collect it with `runtime.run_shard` against the running servers: the same rounds, retry ledger, failures sidecar
+   and seal as a shard job, with two more watchdog checks: the claim is still ours (a heartbeat thread renews it
+   every `cluster.claim_heartbeat_s`) and the time limit is not near. Release the claim; go on.
+3. When nothing is left to claim, tear down and return (exit 0). A shard held by a claim whose worker died on this
+   host is waited for until its lease runs out, then taken over.
+
+A server that dies fails the shard's attempt as usual (`.failed`); the worker restarts its servers at most
+`cluster.max_server_restarts` times, then raises ServerFailure (exit non-zero), its claim released. Near the time
+limit (or when the claim is lost) the collector is stopped with `ShardReleased` (a BaseException: not a failure of
+the shard, nothing recorded in `.failed`): completed rollouts stay, the claim is released.
+
+The worker's state is in `RUN_DIR/workers/<id>/worker.json` (read by `shardrun status` and cost accounting):
+its job, host, pid, state, current shard, shards sealed, servers up since, server starts, start-up seconds,
+collecting seconds per shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import orjson
+
+from shardrun.core.config import RunConfig
+from shardrun.core.errors import ServerFailure, ShardFailed, ShardrunError
+from shardrun.plan.planner import Plan
+from shardrun.rundir import claims, seal, store
+from shardrun.shard import gym_stack, processes, runtime, watchdog
+
+STARTING, IDLE, COLLECTING, DRAINING, STOPPED, FAILED = (
+    "starting",
+    "idle",
+    "collecting",
+    "draining",
+    "stopped",
+    "failed",
+)
+WAIT_POLL_S = 2.0
+
+
+class ShardReleased(BaseException):
+    """Stop collecting the current shard without failing it: the claim was lost, or the job's time limit is near.
+    A BaseException so that the runtime neither records it in `.failed` nor as failed rollouts; the completed
+    rollouts stay in rollouts.jsonl."""
+
+
+@dataclass
+class WorkerState:
+    """RUN_DIR/workers/<id>/worker.json."""
+
+    worker_id: str
+    job_id: str | None
+    host: str
+    pid: int
+    pid_start: int | None
+    started_at: float
+    gpus: int
+    state: str = STARTING
+    current_shard: int | None = None
+    servers_up_since: float | None = None
+    server_starts: int = 0
+    startup_s: float = 0.0  # seconds spent starting servers, every start
+    sealed: list[int] = field(default_factory=list)
+    collecting_s: dict[str, float] = field(default_factory=dict)  # shard -> seconds from claim to release
+    failed_attempts: int = 0
+    ended_at: float | None = None
+    exit_reason: str = ""
+    updated_at: float = 0.0
+
+
+def read_state(path: Path) -> WorkerState | None:
+    try:
+        data = orjson.loads(path.read_bytes())
+        return WorkerState(**data) if isinstance(data, dict) else None
+    except (FileNotFoundError, orjson.JSONDecodeError, TypeError):
+        return None
+
+
+def read_states(run_dir: Path) -> list[WorkerState]:
+    """Every worker that ran in this run directory, oldest first."""
+    root = store.workers_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [read_state(store.worker_state_path(run_dir, p.name)) for p in sorted(root.iterdir()) if p.is_dir()]
+    return sorted((s for s in found if s is not None), key=lambda s: s.started_at)
+
+
+def worker_id_for(job_id: str | None) -> str:
+    """A worker's id: its job id (Slurm: "123_4"; a requeued task keeps it), else host and pid."""
+    raw = job_id or f"{socket.gethostname()}-{os.getpid()}"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in raw)
+
+
+# ---------------------------------------------------------------- which shard next (pure)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    index: int
+    planned: int
+    done: int  # rollouts recorded (successful or failed for good)
+    attempts: int  # failed attempts so far
+
+    @property
+    def pending(self) -> int:
+        return max(0, self.planned - self.done)
+
+
+def order(candidates: list[Candidate]) -> list[Candidate]:
+    """Partial progress first (a shard that was stopped or killed), then the longest expected first."""
+    return sorted(candidates, key=lambda c: (c.done == 0, -c.pending, c.index))
+
+
+def rate_per_s(markers: list[dict]) -> float | None:
+    """Rollouts per second of collection over the sealed shards (None before any sealed with collection)."""
+    rollouts = sum(
+        int(m.get("num_rollouts") or 0) + int(m.get("num_failed") or 0) for m in markers if m.get("collect_s")
+    )
+    seconds = sum(float(m.get("collect_s") or 0.0) for m in markers)
+    return rollouts / seconds if rollouts and seconds > 0 else None
+
+
+def fits(c: Candidate, rate: float | None, left_s: float | None) -> bool:
+    """Can the shard be expected to finish in the time left? Unknown rate or no limit: yes."""
+    return rate is None or left_s is None or c.pending / rate <= left_s
+
+
+def failed_attempts(run_dir: Path, index: int) -> int:
+    try:
+        data = orjson.loads(store.shard_failure_path(run_dir, index).read_bytes())
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return 0
+    return int(data.get("attempt") or 0) if isinstance(data, dict) else 0
+
+
+# ---------------------------------------------------------------- the worker
+
+
+class Worker:
+    def __init__(
+        self,
+        run_dir: Path,
+        worker_id: str,
+        *,
+        job_id: str | None = None,
+        deadline: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.run_dir = Path(run_dir)
+        self.plan: Plan = store.load_plan(self.run_dir)
+        self.cfg: RunConfig = runtime.launch_config(self.run_dir, self.plan)
+        assert self.cfg.gym is not None and self.cfg.policy is not None  # launch_config requires both
+        self.gym, self.policy = self.cfg.gym, self.cfg.policy
+        self.cluster = self.cfg.cluster_or_default
+        self.worker_id, self.job_id = worker_id, job_id
+        self.deadline, self.clock = deadline, clock
+        self.drain_s = float(self.cluster.signal_delay_s)
+        self.book = claims.ClaimBook(self.run_dir, claims.Holder(worker_id, job_id), self.cluster.claim_lease_s)
+        home = store.worker_dir(self.run_dir, worker_id)
+        (home / store.LOGS).mkdir(parents=True, exist_ok=True)
+        self.place = gym_stack.StackPlace(
+            home, store.worker_gym_dir(self.run_dir, worker_id), store.worker_gym_log_path(self.run_dir, worker_id)
+        )
+        previous = read_state(store.worker_state_path(self.run_dir, worker_id))  # a requeued job keeps its record
+        self.state = WorkerState(
+            worker_id=worker_id,
+            job_id=job_id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            pid_start=processes.start_ticks(os.getpid()),
+            started_at=previous.started_at if previous else time.time(),
+            gpus=runtime.gpus_visible(),
+        )
+        if previous:
+            self.state.sealed, self.state.collecting_s = previous.sealed, previous.collecting_s
+            self.state.server_starts, self.state.startup_s = previous.server_starts, previous.startup_s
+        self.servers: runtime.Servers | None = None
+        self.warm = False  # the servers have already collected a shard
+        self.restarts = 0
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def log(self, message: str) -> None:
+        line = f"[shardrun {time.strftime('%Y-%m-%d %H:%M:%S')} worker {self.worker_id}] {message}"
+        with contextlib.suppress(OSError):
+            with open(store.worker_log_path(self.run_dir, self.worker_id), "a") as f:
+                f.write(line + "\n")
+        print(line, flush=True)
+
+    def save(self, **changes: Any) -> None:
+        for k, v in changes.items():
+            setattr(self.state, k, v)
+        self.state.updated_at = time.time()
+        with contextlib.suppress(OSError):
+            store.atomic_write_json(store.worker_state_path(self.run_dir, self.worker_id), asdict(self.state))
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - self.clock()
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> WorkerState:
+        self.log(
+            f"start: job {self.job_id or '-'}, host {self.state.host}, pid {self.state.pid}, "
+            f"{len(self.plan.shards)} shards in the plan"
+        )
+        self.save()
+        try:
+            with runtime.interruptible():
+                self.loop()
+        except ShardReleased as e:
+            self.log(f"stopped: {e}")
+            self.save(exit_reason=str(e))
+        except BaseException as e:
+            self.save(state=FAILED, exit_reason=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self.stop_servers("tearing down")
+            self.save(
+                state=self.state.state if self.state.state == FAILED else STOPPED,
+                current_shard=None,
+                ended_at=time.time(),
+            )
+        return self.state
+
+    def loop(self) -> None:
+        """Claim and collect until nothing is left, the time limit is near, or the servers died too often."""
+        while True:
+            left = self.time_left()
+            if left is not None and left <= self.drain_s:
+                self.log("the time limit is near: not claiming another shard")
+                self.save(state=DRAINING, exit_reason="time limit")
+                break
+            found, _, dead = self.candidates()
+            if found or dead:
+                self.ensure_servers()
+                claim = self.next_claim()  # servers first: a claim must not lapse while they start
+            else:
+                claim = None
+            if claim is None:
+                self.log("nothing left to claim")
+                self.save(exit_reason="nothing left")
+                break
+            self.collect(claim)  # a server failure is seen (and the servers restarted) at the top
+
+    def ensure_servers(self) -> None:
+        """Servers up: started the first time; restarted when they died, at most cluster.max_server_restarts times
+        (then ServerFailure: the worker exits non-zero)."""
+        if self.servers is not None and not self.servers.problem():
+            return
+        if self.servers is not None:
+            problem = self.servers.problem()
+            if self.restarts >= self.cluster.max_server_restarts:
+                raise ServerFailure(
+                    f"worker {self.worker_id}: its servers died {self.restarts + 1} time(s) "
+                    f"(cluster.max_server_restarts = {self.cluster.max_server_restarts}): {problem}"
+                )
+            self.restarts += 1
+            self.stop_servers(f"{problem}; restarting them ({self.restarts} of {self.cluster.max_server_restarts})")
+        self.start_servers()
+
+    def start_servers(self) -> None:
+        self.save(state=STARTING)
+        t0 = time.monotonic()
+        self.servers = runtime.start_servers(self.policy, self.gym, self.run_dir, self.place, self.log)
+        self.warm = False
+        self.save(
+            server_starts=self.state.server_starts + 1,
+            startup_s=self.state.startup_s + (time.monotonic() - t0),
+            servers_up_since=self.servers.up_since,
+            state=IDLE,
+        )
+
+    def stop_servers(self, why: str) -> None:
+        if self.servers is None:
+            return
+        self.log(f"stopping servers: {why}")
+        servers, self.servers = self.servers, None
+        servers.stop()
+        self.save(servers_up_since=None)
+
+    # ------------------------------------------------------------ choosing and claiming
+
+    def candidates(self) -> tuple[list[Candidate], list[dict], list[claims.ClaimInfo]]:
+        """(unsealed shards not given up, sealed markers, claims held by dead workers on this host)."""
+        out, markers, dead = [], [], []
+        for spec in self.plan.shards:
+            st = seal.check(self.run_dir, self.plan, spec.index)
+            if st.sealed:
+                markers.append(st.marker or {})
+                continue
+            attempts = failed_attempts(self.run_dir, spec.index)
+            if attempts >= self.cluster.max_attempts:
+                continue
+            info = self.book.read(spec.index)
+            if info is not None and not self.book.stale(info):
+                if info.host == self.state.host and info.worker_id != self.worker_id and not pid_alive(info.pid):
+                    dead.append(info)
+                continue
+            done = store.count_complete_lines(store.rollouts_path(self.run_dir, spec.index)) + (
+                store.count_complete_lines(store.failures_path(self.run_dir, spec.index))
+            )
+            out.append(Candidate(spec.index, spec.num_rollouts, min(done, spec.num_rollouts), attempts))
+        return out, markers, dead
+
+    def next_claim(self) -> claims.Claim | None:
+        """Claim the next shard; wait for claims of dead workers on this host to go stale; None when none is left."""
+        while True:
+            found, markers, dead = self.candidates()
+            rate = rate_per_s(markers)
+            left = self.time_left()
+            room = None if left is None else left - self.drain_s
+            for c in order(found):
+                if not fits(c, rate, room):
+                    self.log(f"shard {c.index}: {c.pending} rollouts would not finish before the time limit; skipped")
+                    continue
+                self.book.sweep(c.index)
+                claim = self.book.try_claim(c.index)
+                if claim is not None:
+                    if seal.check(self.run_dir, self.plan, c.index).sealed:  # sealed since we looked
+                        self.book.release(claim)
+                        continue
+                    if claim.took_over is not None:
+                        t = claim.took_over
+                        self.log(
+                            f"shard {c.index}: took over the stale claim of worker {t.worker_id} (job {t.job_id}, "
+                            f"host {t.host}, last heartbeat {self.clock() - t.renewed_at:.0f} s ago)"
+                        )
+                    return claim
+            if not dead:
+                return None
+            self.save(state=IDLE, current_shard=None)
+            wait = min(max(0.0, self.book.lease_s - min(i.age(self.clock()) for i in dead)) + 0.5, WAIT_POLL_S)
+            time.sleep(wait)
+
+    # ------------------------------------------------------------ one shard
+
+    def collect(self, claim: claims.Claim) -> str:
+        """Collect the claimed shard against the running servers; release the claim. Returns the outcome."""
+        assert self.servers is not None
+        index = claim.index
+        lost = threading.Event()
+        stop_beat = threading.Event()
+
+        def beat() -> None:
+            while not stop_beat.wait(self.cluster.claim_heartbeat_s):
+                if not self.book.renew(claim):
+                    lost.set()
+                    return
+
+        def claim_check() -> str | None:
+            if lost.is_set() or not self.book.held(claim):
+                raise ShardReleased(f"shard {index}: the claim was lost (not renewed within the lease)")
+            left = self.time_left()
+            if left is not None and left <= self.drain_s:
+                self.save(state=DRAINING)
+                raise ShardReleased(f"shard {index}: the time limit is near; stopped, completed rollouts kept")
+            return None
+
+        attempt = max(runtime.shard_attempt(self.run_dir, index), failed_attempts(self.run_dir, index) + 1)
+        worker = {
+            "id": self.worker_id,
+            "job_id": self.job_id,
+            "servers_warm": self.warm,
+            "servers_up_since": self.servers.up_since,
+        }
+        self.save(state=COLLECTING, current_shard=index)
+        self.log(f"shard {index}: claimed (attempt {attempt}, servers {'warm' if self.warm else 'just started'})")
+        heart = threading.Thread(target=beat, name=f"claim-heartbeat-{index}", daemon=True)
+        heart.start()
+        t0 = time.monotonic()
+        outcome = "sealed"
+        try:
+            result = runtime.run_shard(
+                self.run_dir,
+                index,
+                job_id=self.job_id,
+                plan=self.plan,
+                attempt=attempt,
+                servers=self.servers,
+                worker=worker,
+                checks=[watchdog.Check("claim and time limit", claim_check)],
+            )
+            if result.state == "sealed":
+                self.warm = True
+                self.state.sealed.append(index)
+            outcome = result.state
+            self.log(f"shard {index}: {result.state}")
+        except runtime.ShardInterrupted:
+            raise  # SIGTERM/SIGINT: the worker stops (its claim is released below)
+        except ShardReleased as e:
+            outcome = "released"
+            self.log(f"shard {index}: stopped: {e}")
+            if self.state.state == DRAINING:
+                raise
+        except ServerFailure as e:
+            outcome = "server_failure"
+            self.state.failed_attempts += 1
+            self.log(f"shard {index}: failed (servers): {e}")
+        except ShardFailed as e:
+            outcome = "failed"
+            if "is already running" not in str(e):
+                self.state.failed_attempts += 1
+            self.log(f"shard {index}: failed: {e}")
+        except ShardrunError as e:
+            outcome = "failed"
+            self.state.failed_attempts += 1
+            self.log(f"shard {index}: failed: {e}")
+        finally:
+            stop_beat.set()
+            heart.join()
+            self.state.collecting_s[str(index)] = self.state.collecting_s.get(str(index), 0.0) + (time.monotonic() - t0)
+            if not self.book.release(claim):
+                self.log(f"shard {index}: its claim was no longer ours to release")
+            self.save(state=IDLE, current_shard=None)
+        return outcome
+
+
+def pid_alive(pid: int) -> bool:
+    return pid > 0 and processes.start_ticks(pid) is not None
+
+
+def run_worker(
+    run_dir: Path | str, worker_id: str | None = None, *, job_id: str | None = None, deadline: float | None = None
+) -> WorkerState:
+    """What a worker job runs; returns its final state (exit 0), raises ServerFailure when its servers kept dying."""
+    return Worker(Path(run_dir), worker_id or worker_id_for(job_id), job_id=job_id, deadline=deadline).run()

@@ -1,0 +1,142 @@
+"""Warm workers without servers: which shard a worker takes next, its time limit, the config keys, and what
+`shardrun status` shows for a run on workers (claims, worker records, stale claims) read from real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from shardrun.core import config
+from shardrun.core.errors import BadInput
+from shardrun.launch import status, submission, worker_launch
+from shardrun.rundir import claims, store
+from shardrun.shard import processes, worker
+from tests import builders
+
+
+def test_order_partial_progress_first_then_longest_expected() -> None:
+    cands = [
+        worker.Candidate(0, planned=10, done=0, attempts=0),
+        worker.Candidate(1, planned=30, done=0, attempts=0),
+        worker.Candidate(2, planned=10, done=4, attempts=1),
+        worker.Candidate(3, planned=20, done=0, attempts=0),
+        worker.Candidate(4, planned=50, done=49, attempts=0),
+    ]
+    assert [c.index for c in worker.order(cands)] == [2, 4, 1, 3, 0]
+
+
+def test_rate_and_whether_a_shard_fits_before_the_limit() -> None:
+    markers = [{"num_rollouts": 90, "num_failed": 10, "collect_s": 50.0}, {"num_rollouts": 100, "collect_s": 50.0}]
+    rate = worker.rate_per_s(markers)
+    assert rate == pytest.approx(2.0)
+    big, small = worker.Candidate(0, 300, 0, 0), worker.Candidate(1, 100, 0, 0)
+    assert not worker.fits(big, rate, 100.0) and worker.fits(small, rate, 100.0)
+    assert worker.fits(big, None, 100.0) and worker.fits(big, rate, None)
+    assert worker.rate_per_s([]) is None and worker.rate_per_s([{"num_rollouts": 3, "collect_s": 0}]) is None
+
+
+def test_deadline_from_slurm_or_the_configured_limit() -> None:
+    slurm_cluster = config.ClusterConfig(executor="slurm", time_limit="01:00:00")
+    assert worker_launch.deadline(slurm_cluster, {"SLURM_JOB_END_TIME": "1800000000"}) == 1800000000.0
+    assert worker_launch.deadline(slurm_cluster, {}) == pytest.approx(time.time() + 3600, abs=5)
+    assert worker_launch.deadline(config.ClusterConfig(), {}) is None
+    assert worker_launch.deadline(config.ClusterConfig(time_limit="00:10:00"), {}) == pytest.approx(
+        time.time() + 600, abs=5
+    )
+
+
+def test_worker_keys_are_validated(tmp_path: Path) -> None:
+    base = {"input_jsonl": "in.jsonl", "run_dir": "run"}
+    assert config.validate({**base, "cluster": {"workers": 2}}).cluster_or_default.workers == 2
+    assert config.validate(base).cluster_or_default.workers is None
+    with pytest.raises(BadInput, match="cluster.workers"):
+        config.validate({**base, "cluster": {"workers": 0}})
+    with pytest.raises(BadInput, match="claim_lease_s .10. must be at least twice"):
+        config.validate({**base, "cluster": {"claim_lease_s": 10, "claim_heartbeat_s": 30}})
+    local = config.find_cluster_config("local", None)
+    assert "workers: 2" in local.read_text()
+
+
+def test_worker_ids_are_file_names() -> None:
+    assert worker.worker_id_for("123_4") == "123_4"
+    assert worker.worker_id_for("a/b c") == "a_b_c"
+    assert worker.worker_id_for(None) == f"{socket.gethostname()}-{os.getpid()}"
+
+
+def test_dry_run_describes_the_workers(tmp_path: Path) -> None:
+    run = builders.make_run(tmp_path, builders.input_rows(6), num_shards=3)
+    cfg = run.cfg.model_copy(update={"cluster": config.ClusterConfig(workers=2, executor="slurm")})
+    text = submission.describe_submission(cfg, run.run_dir, [0, 1, 2])
+    assert "warm workers: 2 job(s) for 3 shard(s) (0-2)" in text and "--array=0-1" in text
+    assert "up to 3 round(s), then merge-and-profile" in text
+
+
+def test_status_shows_workers_claims_and_stale_claims(tmp_path: Path) -> None:
+    run = builders.make_run(tmp_path, builders.input_rows(8), num_shards=4)
+    cluster = config.ClusterConfig(workers=2, claim_heartbeat_s=1, claim_lease_s=10)
+    store.write_launch_settings(run.run_dir, run.cfg.model_copy(update={"cluster": cluster}))
+    builders.write_shard(run, 0)  # sealed
+    me = os.getpid()
+    store.append_launch(
+        run.run_dir,
+        {
+            "executor": "local",
+            "submitted_at": time.time(),
+            "host": socket.gethostname(),
+            "jobs": {},
+            "workers": {"0": str(me)},
+            "worker_shards": [0, 1, 2, 3],
+            "pid_start": {str(me): processes.start_ticks(me)},
+            "max_attempts": 3,
+        },
+    )
+    state = worker.WorkerState(
+        worker_id="w-live",
+        job_id=str(me),
+        host=socket.gethostname(),
+        pid=me,
+        pid_start=processes.start_ticks(me),
+        started_at=time.time() - 100,
+        gpus=0,
+        state=worker.COLLECTING,
+        current_shard=1,
+        servers_up_since=time.time() - 50,
+        server_starts=1,
+        sealed=[0],
+    )
+    store.worker_dir(run.run_dir, "w-live").mkdir(parents=True)
+    store.atomic_write_json(store.worker_state_path(run.run_dir, "w-live"), state.__dict__)
+    live = claims.ClaimBook(run.run_dir, claims.Holder("w-live", str(me)), 10).try_claim(1)
+    dead = claims.ClaimBook(run.run_dir, claims.Holder("w-dead", "4242"), 10).try_claim(2)
+    assert live is not None and dead is not None
+    past = time.time() - 60
+    os.utime(claims.handle_path(run.run_dir, 2, dead.token), (past, past))
+    store.atomic_write_json(
+        store.shard_failure_path(run.run_dir, 3),
+        {"job_id": "4242", "error": "ShardFailed: boom", "attempt": 3, "at": time.time(), "host": "x"},
+    )
+
+    st = status.collect(run.run_dir)
+    by = {s.index: s for s in st.shards}
+    assert by[0].state == status.SEALED
+    assert by[1].state == status.RUNNING and by[1].reason.startswith("worker w-live") and by[1].job_id == str(me)
+    assert by[2].state == status.PENDING and "stale claim of worker w-dead" in by[2].reason
+    assert by[3].state == status.FAILED and by[3].gave_up and by[3].reason == "ShardFailed: boom"
+    assert [w["worker_id"] for w in st.workers] == ["w-live"]
+    assert st.workers[0]["state"] == worker.COLLECTING and st.workers[0]["current_shard"] == 1
+    assert [c["shard"] for c in st.stale_claims] == [2] and st.stale_claims[0]["worker_id"] == "w-dead"
+    text = status.render(st)
+    assert "w-live" in text and "stale claim: shard 2 by worker w-dead" in text
+    assert json.loads(status.render_json(st))["workers"][0]["sealed"] == 1
+
+    # the worker's process is gone: its record says so, and its shards wait for a resume
+    state.job_id, state.pid_start = "99999999", -1
+    store.atomic_write_json(store.worker_state_path(run.run_dir, "w-live"), state.__dict__)
+    st = status.collect(run.run_dir)
+    assert st.workers[0]["state"] == "gone"
+    assert {s.index: s.state for s in st.shards}[2] == status.FAILED

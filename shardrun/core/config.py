@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic_core import ErrorDetails
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from shardrun.core import slurm_values
 from shardrun.core.credentials import find_credentials
 from shardrun.core.errors import BadInput
 from shardrun.core.gym_names import MAX_REPEATS
@@ -227,7 +228,53 @@ class ClusterConfig(StrictModel):
             name = item.split("=", 1)[0]
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
                 raise ValueError(f"{item!r} is not NAME or NAME=value")
+        slurm_values.lines(v, "cluster.env_vars entry")
         return v
+
+    # what reaches an sbatch script or a Slurm command (core/slurm_values.py says why)
+
+    @field_validator("account", "partition", "qos", "merge_partition", "job_name_prefix")
+    @classmethod
+    def _slurm_name(cls, v: str | None) -> str | None:
+        return slurm_values.name(v)
+
+    @field_validator("time_limit", "merge_time_limit")
+    @classmethod
+    def _time_limit(cls, v: str | None) -> str | None:
+        slurm_values.time_limit(v)
+        return v
+
+    @field_validator("timeouts")
+    @classmethod
+    def _timeouts(cls, v: dict[str, str]) -> dict[str, str]:
+        for partition, limit in v.items():
+            slurm_values.name(partition)
+            slurm_values.time_limit(limit)
+        return v
+
+    @field_validator("setup")
+    @classmethod
+    def _setup(cls, v: list[str]) -> list[str]:
+        slurm_values.lines(v, "setup line (one shell line per entry)")
+        return v
+
+    @field_validator("containers")
+    @classmethod
+    def _containers(cls, v: dict[str, str]) -> dict[str, str]:
+        slurm_values.lines(v.values(), "container image")
+        return v
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, v: list[str]) -> list[str]:
+        for item in v:
+            slurm_values.mount(item)
+        return v
+
+    @field_validator("additional_parameters")
+    @classmethod
+    def _additional_parameters(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return slurm_values.additional_parameters(v)
 
 
 class RunConfig(StrictModel):
@@ -250,6 +297,26 @@ class RunConfig(StrictModel):
         if isinstance(v, str) and not v.strip():
             raise ValueError("an empty path (it would be the current directory); name the path")
         return v
+
+    @field_validator("input_jsonl", "run_dir", mode="before")
+    @classmethod
+    def _not_empty(cls, v: Any) -> Any:
+        """An empty path would silently be the current directory."""
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("an empty path (it would be the current directory); name the path")
+        return v
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_one_line(cls, v: Path) -> Path:
+        slurm_values.text(str(v), "run directory")
+        return v
+
+    @model_validator(mode="after")
+    def _run_dir_for_slurm(self) -> "RunConfig":
+        if self.cluster is not None and self.cluster.executor == "slurm":
+            slurm_values.run_dir(str(self.run_dir), slurm=True)
+        return self
 
     @field_validator("num_repeats")
     @classmethod

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from shardrun.core.config import ClusterConfig
+from shardrun.core.slurm_values import TIME_LIMIT
 from shardrun.core.errors import BadInput
 
 DEFAULT_TIME_LIMIT = "04:00:00"
@@ -117,7 +118,7 @@ def format_ranges(values: Iterable[int]) -> str:
 
 # ---------------------------------------------------------------- resources
 
-_TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>[\d:]+)$")
+_TIME = TIME_LIMIT  # Slurm's time syntax, one definition (core/slurm_values.py)
 
 
 def parse_time_limit(value: str | int) -> int:

@@ -87,6 +87,18 @@ def select_cmd(
     ),
     input_path: Optional[Path] = typer.Option(None, "--input", help="The planned input file, if it moved."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    stats_format: str = typer.Option(
+        "shardrun",
+        "--stats-format",
+        help="With --attach-stats: shardrun (an object under --stats-key) or nvidia (pass_rate, pass_rate_total, "
+        "pass_rate_passed at the top level, as NVIDIA's RL training blends label prompts; passed = reward >= "
+        "--solved-threshold). nvidia implies --attach-stats.",
+    ),
+    order: str = typer.Option(
+        "input",
+        "--order",
+        help="input (the input's order) or difficulty (hardest first: lowest mean, then highest std).",
+    ),
 ) -> None:
     """Write a curriculum subset of the original input rows, chosen by per-task reward statistics."""
     import orjson
@@ -106,7 +118,7 @@ def select_cmd(
         top_k_hardest=top_k_hardest,
     )
     key = stats_key or ("shardrun_stats" if attach_stats else None)
-    result = run(selection.select_run, run_dir, output, rules, key, input_path)
+    result = run(selection.select_run, run_dir, output, rules, key, input_path, stats_format, order)
     typer.echo(
         orjson.dumps(selection.summary_json(result), option=orjson.OPT_INDENT_2).decode()
         if json_out

@@ -7,8 +7,11 @@ top-k hardest. A task is *solved* by a rollout whose metric reaches `solved_thre
 (min >= threshold). `top_k_hardest` keeps the k tasks with the lowest mean (ties: higher std, then lower task
 index).
 
-Output rows are the input lines of the plan's input file, byte for byte, in input order; with a stats key the
-stats object is spliced in before the row's closing brace, leaving every original byte in place. The input's
+Output rows are the input lines of the plan's input file, byte for byte, in input order (or, with
+order="difficulty", hardest first: the `top_k_hardest` ranking); with a stats key the stats object is spliced in
+before the row's closing brace, leaving every original byte in place. With stats_format="nvidia" the fields NVIDIA's
+RL training blends label each prompt with are spliced in instead: `pass_rate` (passed / total), `pass_rate_total`
+(the task's completed rollouts) and `pass_rate_passed` (those whose reward reaches `solved_threshold`). The input's
 sha256 must equal the plan's, else nothing is written.
 """
 
@@ -133,10 +136,14 @@ def _stat_or_mean(t: TaskStat, name: str, metric: str) -> float:
     return math.nan
 
 
+def by_difficulty(tasks: Sequence[TaskStat], metric: str = "reward") -> list[TaskStat]:
+    """Hardest first: the lowest mean (ties: higher std first, then lower task index)."""
+    return sorted(tasks, key=lambda t: (_stat_or_mean(t, "mean", metric), -_std(t, metric), t.task_index))
+
+
 def hardest(tasks: Sequence[TaskStat], k: int, metric: str = "reward") -> list[TaskStat]:
-    """The k tasks with the lowest mean (ties: higher std first, then lower task index), in task order."""
-    ranked = sorted(tasks, key=lambda t: (t.stat("mean", metric), -_std(t, metric), t.task_index))
-    return sorted(ranked[:k], key=lambda t: t.task_index)
+    """The k hardest tasks (by_difficulty), in task order."""
+    return sorted(by_difficulty(tasks, metric)[:k], key=lambda t: t.task_index)
 
 
 def choose(tasks: Sequence[TaskStat], rules: Rules, planned_tasks: int | None = None) -> Selection:
@@ -168,6 +175,18 @@ def stats_payload(t: TaskStat) -> dict[str, Any]:
     }
 
 
+NVIDIA_FIELDS = ("pass_rate", "pass_rate_total", "pass_rate_passed")
+STATS_FORMATS = ("shardrun", "nvidia")
+ORDERS = ("input", "difficulty")
+
+
+def nvidia_fields(t: TaskStat, solved_threshold: float = 1.0) -> dict[str, Any]:
+    """NVIDIA's per-prompt labels: of the task's completed rollouts, how many reached `solved_threshold`."""
+    total = len(t.rewards)
+    passed = sum(1 for r in t.rewards if r >= solved_threshold)
+    return {"pass_rate": passed / total if total else 0.0, "pass_rate_total": total, "pass_rate_passed": passed}
+
+
 def split_terminator(raw: bytes) -> tuple[bytes, bytes]:
     """(content, line terminator); a last line without one gets b'\\n' so the output stays JSONL."""
     for term in (b"\r\n", b"\n"):
@@ -176,20 +195,31 @@ def split_terminator(raw: bytes) -> tuple[bytes, bytes]:
     return raw, b"\n"
 
 
-def attach(content: bytes, key: str, payload: Mapping[str, Any]) -> bytes:
+def attach(content: bytes, key: str, payload: Any) -> bytes:
     """Splice `"key": payload` before the object's closing brace; every original byte stays where it was."""
+    return attach_fields(content, {key: payload})
+
+
+def attach_fields(content: bytes, fields: Mapping[str, Any]) -> bytes:
+    """Splice each `"key": value` of `fields` before the object's closing brace, in order."""
     body = content.rstrip()
     if not body.endswith(b"}"):
         raise BadInput("cannot attach stats: the row does not end with '}'")
     inner = body[:-1]
     sep = b"" if inner.rstrip().endswith(b"{") else b","
-    return inner + sep + orjson.dumps(key) + b":" + orjson.dumps(payload, option=orjson.OPT_SORT_KEYS) + b"}"
+    items = b",".join(orjson.dumps(k) + b":" + orjson.dumps(v, option=orjson.OPT_SORT_KEYS) for k, v in fields.items())
+    return inner + sep + items + b"}"
 
 
 def subset_lines(
-    lines: Iterable[bytes], chosen: Mapping[int, TaskStat], stats_key: str | None, source: str = "input"
+    lines: Iterable[bytes],
+    chosen: Mapping[int, TaskStat],
+    stats_key: str | None,
+    source: str = "input",
+    nvidia_threshold: float | None = None,
 ) -> Iterator[tuple[int, bytes]]:
-    """Yield (task index, output line) for the input lines whose task is chosen, in input order.
+    """Yield (task index, output line) for the input lines whose task is chosen, in input order; with
+    `nvidia_threshold`, NVIDIA's pass-rate fields spliced in (counted at that threshold).
 
     The task index is the planner's: an explicit `_ng_task_index`, else the position among non-blank lines.
     """
@@ -202,6 +232,15 @@ def subset_lines(
         index = row.get(TASK_KEY, position)
         position += 1
         if index not in chosen:
+            continue
+        if nvidia_threshold is not None:
+            clash = [f for f in NVIDIA_FIELDS if f in row]
+            if clash:
+                raise BadInput(
+                    f"{source}:{line_no}: the row already has {', '.join(clash)}; select keeps every input byte and "
+                    f"will not write a key twice (drop those fields from the input, or use --stats-format shardrun)"
+                )
+            yield index, attach_fields(content, nvidia_fields(chosen[index], nvidia_threshold)) + term
             continue
         if stats_key is None:
             yield index, content + term
@@ -244,10 +283,23 @@ def _hashed_lines(path: Path, hasher: "hashlib._Hash") -> Iterator[bytes]:
 
 
 def select_run(
-    run_dir: Path, output: Path, rules: Rules, stats_key: str | None = None, input_path: Path | None = None
+    run_dir: Path,
+    output: Path,
+    rules: Rules,
+    stats_key: str | None = None,
+    input_path: Path | None = None,
+    stats_format: str = "shardrun",
+    order: str = "input",
 ) -> SelectResult:
-    """Choose tasks from RUN_DIR's profile and write their original input rows to `output` (atomically)."""
+    """Choose tasks from RUN_DIR's profile and write their original input rows to `output` (atomically): in input
+    order or hardest first (`order`), with shardrun's stats object under `stats_key` or NVIDIA's pass-rate fields
+    (`stats_format="nvidia"`)."""
     check_bounds(rules)
+    if stats_format not in STATS_FORMATS:
+        raise BadInput(f"--stats-format {stats_format!r}: one of {', '.join(STATS_FORMATS)}")
+    if order not in ORDERS:
+        raise BadInput(f"--order {order!r}: one of {', '.join(ORDERS)}")
+    nvidia = rules.solved_threshold if stats_format == "nvidia" else None
     plan = store.load_plan(run_dir)
     source = Path(input_path or plan.input.path)
     target = safepaths.output_target(Path(output), "--output", run_dir, [source])
@@ -257,10 +309,18 @@ def select_run(
     hasher = hashlib.sha256()
     found: set[int] = set()
     target.parent.mkdir(parents=True, exist_ok=True)
+    held: dict[int, bytes] = {}  # order="difficulty": the chosen rows, written once all are read
     with store.atomic_writer(target) as f:
-        for index, line in subset_lines(_hashed_lines(source, hasher), chosen, stats_key, str(source)):
+        for index, line in subset_lines(
+            _hashed_lines(source, hasher), chosen, None if nvidia is not None else stats_key, str(source), nvidia
+        ):
             found.add(index)
-            f.write(line)
+            if order == "difficulty":
+                held[index] = held.get(index, b"") + line
+            else:
+                f.write(line)
+        for t in by_difficulty(selection.kept, rules.metric) if order == "difficulty" else ():
+            f.write(held.get(t.task_index, b""))
         if hasher.hexdigest() != plan.input.sha256:
             raise PlanMismatch(
                 f"{source}: the input changed since it was planned (sha256 "

@@ -132,6 +132,7 @@ def test_status_shows_workers_claims_and_stale_claims(tmp_path: Path) -> None:
     assert [c["shard"] for c in st.stale_claims] == [2] and st.stale_claims[0]["worker_id"] == "w-dead"
     text = status.render(st)
     assert "w-live" in text and "stale claim: shard 2 by worker w-dead" in text
+    assert "worker GPU-hours" in text and st.worker_cost["workers"] == 1
     assert json.loads(status.render_json(st))["workers"][0]["sealed"] == 1
 
     # the worker's process is gone: its record says so, and its shards wait for a resume
@@ -140,3 +141,65 @@ def test_status_shows_workers_claims_and_stale_claims(tmp_path: Path) -> None:
     st = status.collect(run.run_dir)
     assert st.workers[0]["state"] == "gone"
     assert {s.index: s.state for s in st.shards}[2] == status.FAILED
+
+
+def test_progress_line_and_ticker_print_only_changes(tmp_path: Path) -> None:
+    from shardrun.launch import progress
+
+    run = builders.make_run(tmp_path, builders.input_rows(4), num_shards=2)
+    builders.write_shard(run, 0)
+    printed: list[str] = []
+    ticker = progress.Ticker(run.run_dir, run.plan, printed.append, tty=False, every_s=0.0)
+    st = ticker.tick()
+    ticker.tick()
+    assert len(printed) == 1
+    text = progress.line(st)
+    assert printed[0].endswith(text)
+    assert f"rollouts {st.done}/{st.planned}" in text and "shards sealed 1 running 0 failed 0 pending 1" in text
+    assert "workers" not in text
+    builders.write_shard(run, 1)
+    ticker.tick()
+    assert len(printed) == 2 and "sealed 2" in printed[1] and "ETA done" in printed[1]
+
+
+def test_progress_view_renders_workers_with_rich(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from shardrun.launch import progress
+
+    run = builders.make_run(tmp_path, builders.input_rows(4), num_shards=2)
+    st = status.collect(run.run_dir)
+    st.workers.append(
+        {"worker_id": "w7", "job_id": "77_1", "host": "node3", "state": "collecting", "current_shard": 1, "sealed": 4}
+    )
+    console = Console(record=True, width=120, force_terminal=True)
+    console.print(progress.view(st))
+    shown = console.export_text()
+    assert "rollouts" in shown and f"0/{st.planned}" in shown and "w7" in shown and "77_1" in shown
+    assert "workers 1 live (1 collecting)" in progress.line(st)
+
+
+def test_worker_cost_splits_start_up_collecting_and_idle() -> None:
+    from shardrun.rundir import cost
+
+    state = {
+        "worker_id": "w0",
+        "job_id": "9_0",
+        "gpus": 8,
+        "started_at": 1000.0,
+        "ended_at": 4600.0,
+        "startup_s": 600.0,
+        "collecting_s": {"0": 1800.0, "1": 600.0},
+        "sealed": [0, 1],
+        "server_starts": 1,
+    }
+    w = cost.worker_cost(state, now=99999.0)
+    assert (w.gpu_hours, w.startup_gpu_hours, w.collecting_gpu_hours) == pytest.approx((8.0, 4 / 3, 16 / 3))
+    assert w.idle_gpu_hours == pytest.approx(4 / 3)
+    running = cost.worker_cost({**state, "ended_at": None}, now=2800.0)  # still running: counted up to now
+    assert running.wall_s == 1800.0 and running.idle_gpu_hours == 0.0
+    row = cost.workers_row([w, w])
+    assert row["workers"] == 2 and row["server_starts"] == 2 and row["utilization"] == pytest.approx(2400 / 3600)
+    text = dict(cost.workers_rows(row))
+    assert text["worker GPU-hours"] == "16.00: start-up 2.67, collecting 10.67, idle 2.67"
+    assert cost.workers_row([]) == {} and cost.workers_rows({}) == []

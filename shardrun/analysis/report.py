@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import orjson
 
@@ -45,6 +45,7 @@ class ReportData:
     failures: int
     key_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # agent -> Gym key_metrics
     unsealed: int = 0
+    worker_cost: dict[str, Any] = field(default_factory=dict)  # cost.workers_row of the run's warm workers
 
 
 # ---------------------------------------------------------------- reading (edge)
@@ -101,7 +102,18 @@ def gather(run_dir: Path, use_sacct: bool = True) -> ReportData:
         count_lines(store.merged_failures_path(run_dir)),
         read_key_metrics(store.merged_aggregate_metrics_path(run_dir)),
         unsealed,
+        worker_costs(run_dir),
     )
+
+
+def worker_costs(run_dir: Path) -> dict[str, Any]:
+    """Start-up, collecting and idle GPU-hours of the run's warm workers (empty when it ran one job per shard)."""
+    from dataclasses import asdict
+
+    from shardrun.shard import worker
+
+    now = time.time()
+    return cost.workers_row([cost.worker_cost(asdict(w), now) for w in worker.read_states(run_dir)])
 
 
 # ---------------------------------------------------------------- headline (pure)
@@ -127,12 +139,16 @@ def headline_rows(data: ReportData) -> list[tuple[str, str]]:
             f"planned rollouts without a result",
         ),
         ("shards", f"{run.shards:,} sealed of {len(data.plan.shards):,}"),
+        ("Gym", f"nemo-gym {data.plan.gym_version}" if data.plan.gym_version else "nemo-gym version not recorded"),
     ]
     rows += [r for r in cost.cost_rows(run) if r[0] != "sealed shards"]
+    rows += cost.workers_rows(data.worker_cost)
     return rows
 
 
-def agent_rows(summaries: Sequence[AgentSummary]) -> list[list[str]]:
+def agent_rows(summaries: Sequence[AgentSummary], planned: Mapping[str, int] | None = None) -> list[list[str]]:
+    """One row per agent; the last column is its coverage: completed rollouts of all it planned (`planned`: the
+    plan's rollouts per agent, tasks without any result included)."""
     return [
         [
             s.agent,
@@ -141,12 +157,25 @@ def agent_rows(summaries: Sequence[AgentSummary]) -> list[list[str]]:
             _num(s.mean_reward),
             _pct(s.pass_at_1),
             f"{_pct(s.pass_at_k)} (k={s.k})" if s.k else "—",
+            _coverage(s.rollouts, (planned or {}).get(s.agent, s.expected_rollouts)),
         ]
         for s in summaries
     ]
 
 
-AGENT_HEADER = ["agent", "tasks", "rollouts (done / planned)", "mean reward", "pass@1", "pass@k"]
+def _coverage(done: int, planned: int) -> str:
+    return f"{done:,} of {planned:,} ({100.0 * done / planned:.1f}%)" if planned else "—"
+
+
+AGENT_HEADER = [
+    "agent",
+    "tasks",
+    "rollouts (done / planned)",
+    "mean reward",
+    "pass@1",
+    "pass@k",
+    "coverage (of planned)",
+]
 SHARD_HEADER = [
     "shard",
     "attempt",
@@ -276,7 +305,12 @@ def render_html(data: ReportData, figure_srcs: Sequence[tuple[str, str, str]], g
             "<h2>Headline</h2>",
             _table(None, headline_rows(data)),
             "<h2>Per agent</h2>",
-            _table(AGENT_HEADER, agent_rows(taskstats.agent_summaries(data.tasks))),
+            _table(
+                AGENT_HEADER,
+                agent_rows(
+                    taskstats.agent_summaries(data.tasks), {a: int(c["rollouts"]) for a, c in data.plan.agents.items()}
+                ),
+            ),
             _key_metrics_html(data.key_metrics),
             "<h2>Figures</h2>",
             figs,

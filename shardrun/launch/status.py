@@ -12,7 +12,6 @@ appends to RUN_DIR/launches.jsonl, never from submitit's pickles.
 from __future__ import annotations
 
 import socket
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -77,6 +76,7 @@ class RunStatus:
     gym_version: str | None = None  # the run's nemo-gym release (the plan's, else its sealed shards')
     workers: list[dict] = field(default_factory=list)  # warm workers: job, host, state, shard, sealed, servers
     stale_claims: list[dict] = field(default_factory=list)  # claims not renewed within the lease
+    worker_cost: dict = field(default_factory=dict)  # cost.workers_row: start-up, collecting, idle GPU-hours
 
     @property
     def complete(self) -> bool:
@@ -393,8 +393,12 @@ def collect(
 
     workers: list[dict] = []
     stale: list[dict] = []
+    worker_cost: dict = {}
     if launches.worker_shards or launches.worker_jobs:
         shards, workers, stale = worker_view(run_dir, shards, launches, live, now=now, max_attempts=max_attempts)
+        from shardrun.shard import worker
+
+        worker_cost = cost.workers_row([cost.worker_cost(asdict(w), now) for w in worker.read_states(run_dir)])
 
     failed = failed_rollouts(run_dir, plan)
     done = sum(s.done for s in shards)
@@ -432,6 +436,7 @@ def collect(
         gym_version=run_gym_version(plan, [s.marker for s in seals.values() if s.sealed]),
         workers=workers,
         stale_claims=stale,
+        worker_cost=worker_cost,
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))),
     )
 
@@ -557,7 +562,7 @@ def progress_bar(done: int, total: int, width: int = 30) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}%"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = int(round(seconds))
     d, rem = divmod(seconds, 86400)
     h, rem = divmod(rem, 3600)
@@ -585,9 +590,10 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
             + (f" ({st.failed_rollouts:,} recorded as failed)" if st.failed_rollouts else ""),
         ),
         ("throughput", f"{st.throughput_per_min:,.1f} rollouts/min" if st.throughput_per_min else "-"),
-        ("ETA", _duration(st.eta_s) if st.eta_s is not None else ("done" if st.complete else "-")),
+        ("ETA", duration(st.eta_s) if st.eta_s is not None else ("done" if st.complete else "-")),
         ("GPU-hours", f"{st.gpu_hours:,.2f} (sealed shards + running jobs)"),
         ("sealed cost", cost.sealed_cost_text(st.sealed_cost)),
+        *cost.workers_rows(st.worker_cost),
         ("jobs", st.live_source),
     ]
     if st.gym_version:
@@ -681,22 +687,8 @@ def watch(
     clear: bool | None = None,
     max_updates: int | None = None,
 ) -> RunStatus:
-    """Redraw the status every `interval_s` until every shard is sealed or nothing is live any more."""
-    clear = sys.stdout.isatty() if clear is None else clear
-    plan = store.load_plan(run_dir)
-    updates = 0
-    while True:
-        st = collect(run_dir, plan=plan)
-        text = render(st)
-        echo(
-            ("\x1b[2J\x1b[H" if clear else "") + text + f"\n\n(updated {time.strftime('%H:%M:%S')}; "
-            f"every {interval_s:g} s; Ctrl-C to stop)"
-        )
-        updates += 1
-        if (
-            st.complete
-            or not (st.counts[RUNNING] + st.counts[PENDING])
-            or (max_updates is not None and updates >= max_updates)
-        ):
-            return st
-        time.sleep(interval_s)
+    """The live progress view (launch/progress.py) until every shard is sealed or nothing is live any more: rich on
+    a terminal (`clear`), plain lines otherwise."""
+    from shardrun.launch import progress
+
+    return progress.follow(run_dir, interval_s, echo, tty=clear, max_updates=max_updates)

@@ -41,7 +41,7 @@ from shardrun.core import gym_version
 from shardrun.rundir import env_manifest
 from shardrun.rundir import seal
 from shardrun.shard import gym_adapter
-from shardrun.launch import scheduler, slurm
+from shardrun.launch import preflight, scheduler, slurm
 from shardrun.launch import status
 from shardrun.rundir import store
 from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig, RunConfig
@@ -211,13 +211,21 @@ def rollouts_done(run_dir: Path) -> int:
     return done
 
 
-def wait(launch: Launch, echo: Callable[[str], None] = print, poll_s: float = POLL_S) -> None:
-    """Wait until every job of the launch has ended; Ctrl-C cancels them (their shards tear down) and re-raises."""
+def wait(
+    launch: Launch,
+    echo: Callable[[str], None] = print,
+    poll_s: float = POLL_S,
+    tick: Callable[[], object] | None = None,
+) -> None:
+    """Wait until every job of the launch has ended (calling `tick`, the progress view, as it polls); Ctrl-C
+    cancels them (their shards tear down) and re-raises."""
     pending = list(launch.handles)
     try:
         while pending:
             pending = [j for j in pending if not j.done()]
             if pending:
+                if tick is not None:
+                    tick()
                 time.sleep(poll_s)
     except KeyboardInterrupt:
         echo("interrupted: cancelling the shard jobs")
@@ -341,9 +349,7 @@ def launch_unsealed(
     Holds the run lock from the check to the launch record, so two submits or resumes launch once."""
     with store.run_lock(run_dir, timeout=lock_timeout):
         check_gym_version(cfg, plan)
-        for change in env_manifest.check_and_record(
-            run_dir, cfg, allow_change=allow_config_change, dry_run=dry_run
-        ):
+        for change in env_manifest.check_and_record(run_dir, cfg, allow_change=allow_config_change, dry_run=dry_run):
             echo(f"configuration change accepted ({env_manifest.ALLOW_FLAG}, recorded): {change}")
         todo, done, ignored = unsealed(run_dir, plan)
         st = status.collect(run_dir, plan=plan) if todo else None
@@ -375,7 +381,13 @@ def launch_unsealed(
     else:
         echo("jobs: " + describe_jobs(launch.jobs))
     if wait_for_jobs and launch.handles:
-        wait(launch, echo)
+        from shardrun.launch import progress
+
+        ticker = progress.Ticker(run_dir, plan, echo, tty=sys.stdout.isatty())
+        try:
+            wait(launch, echo, tick=ticker.safe_tick)
+        finally:
+            ticker.close()
         result.outcomes = shard_outcomes(run_dir, plan, todo)
     return result
 
@@ -393,7 +405,9 @@ def submit(
     if dry_run:
         return dry_run_submit(cfg, merge_job=merge_job)
     cfg.require("gym", "policy")
-    plan, written = store.write_plan(cfg)
+    plan = store.scan_input(cfg)
+    preflight.check(cfg, cfg.run_dir, plan)  # everything a shard needs, before anything is written or launched
+    plan, written = store.write_plan(cfg, plan)
     if wait_for_jobs is None:
         wait_for_jobs = cfg.cluster_or_default.executor == "local"
     result = launch_unsealed(cfg, cfg.run_dir, plan, wait_for_jobs=wait_for_jobs, echo=echo, merge_job=merge_job)

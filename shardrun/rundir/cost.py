@@ -182,6 +182,98 @@ def with_sacct(shards: Sequence[ShardCost], gpu_hours: Mapping[str, float]) -> l
     ]
 
 
+# ---------------------------------------------------------------- warm workers
+
+
+@dataclass(frozen=True)
+class WorkerCost:
+    """One warm worker's allocation split three ways: starting servers, collecting shards (claim to release, every
+    shard it held), idle (waiting for a claim, tearing down). The GPU-hours of the shards it sealed are in their
+    markers (gpus x collecting time), so they add up to its collecting share less its failed attempts."""
+
+    worker_id: str
+    job_id: str | None
+    gpus: int
+    wall_s: float
+    startup_s: float
+    collecting_s: float
+    sealed: int
+    server_starts: int
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpus * self.wall_s / 3600.0
+
+    @property
+    def startup_gpu_hours(self) -> float:
+        return self.gpus * self.startup_s / 3600.0
+
+    @property
+    def collecting_gpu_hours(self) -> float:
+        return self.gpus * self.collecting_s / 3600.0
+
+    @property
+    def idle_gpu_hours(self) -> float:
+        return max(0.0, self.gpu_hours - self.startup_gpu_hours - self.collecting_gpu_hours)
+
+
+def worker_cost(state: Mapping[str, Any], now: float) -> WorkerCost:
+    """A worker's record (RUN_DIR/workers/<id>/worker.json) -> WorkerCost; a running worker counts up to `now`."""
+    started = _num(state.get("started_at"))
+    ended = _opt(state.get("ended_at"))
+    raw = state.get("collecting_s")
+    spans: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    job = state.get("job_id")
+    return WorkerCost(
+        worker_id=str(state.get("worker_id")),
+        job_id=str(job) if job is not None else None,
+        gpus=int(_num(state.get("gpus"))),
+        wall_s=max(0.0, (ended if ended is not None else now) - started),
+        startup_s=_num(state.get("startup_s")),
+        collecting_s=sum(_num(v) for v in spans.values()),
+        sealed=len(state.get("sealed") or ()),
+        server_starts=int(_num(state.get("server_starts"))),
+    )
+
+
+def workers_row(workers: Sequence[WorkerCost]) -> dict[str, Any]:
+    """The run's workers together (for --json, status and the report); empty when the run had none."""
+    if not workers:
+        return {}
+    wall = sum(w.wall_s for w in workers)
+    return {
+        "workers": len(workers),
+        "server_starts": sum(w.server_starts for w in workers),
+        "gpu_hours": sum(w.gpu_hours for w in workers),
+        "startup_gpu_hours": sum(w.startup_gpu_hours for w in workers),
+        "collecting_gpu_hours": sum(w.collecting_gpu_hours for w in workers),
+        "idle_gpu_hours": sum(w.idle_gpu_hours for w in workers),
+        "job_s": wall,
+        "startup_s": sum(w.startup_s for w in workers),
+        "collecting_s": sum(w.collecting_s for w in workers),
+        "utilization": sum(w.collecting_s for w in workers) / wall if wall > 0 else None,
+    }
+
+
+def workers_rows(row: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Label/value rows of workers_row for render.table (status and the report)."""
+    if not row:
+        return []
+    return [
+        ("workers", f"{row['workers']:,} ({row['server_starts']:,} server starts)"),
+        (
+            "worker GPU-hours",
+            f"{_fmt(row['gpu_hours'], ',.2f')}: start-up {_fmt(row['startup_gpu_hours'], ',.2f')}, collecting "
+            f"{_fmt(row['collecting_gpu_hours'], ',.2f')}, idle {_fmt(row['idle_gpu_hours'], ',.2f')}",
+        ),
+        (
+            "worker time",
+            f"{hours(row['job_s'])} in jobs: start-up {hours(row['startup_s'])}, collecting "
+            f"{hours(row['collecting_s'])} (utilization {_fmt(row['utilization'], '.2f')})",
+        ),
+    ]
+
+
 # ---------------------------------------------------------------- text
 
 

@@ -1,0 +1,156 @@
+"""The live progress view of a run: `shardrun status --watch` and a waiting local `shardrun submit`.
+
+One line of facts from `status.collect`: rollouts done of planned, rate, ETA, shards sealed / running / failed /
+pending, and the warm workers. On a terminal it is drawn with `rich` (a progress bar and a small table of the
+workers, redrawn in place); otherwise it is printed as a plain line each time it changes, so logs stay readable.
+
+`line` and `view` are pure; `follow` and `Ticker` read the run directory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from shardrun.launch import status
+from shardrun.plan.planner import Plan
+
+
+def rate_text(st: status.RunStatus) -> str:
+    return f"{st.throughput_per_min:,.1f}/min" if st.throughput_per_min else "-/min"
+
+
+def eta_text(st: status.RunStatus) -> str:
+    if st.complete:
+        return "done"
+    return status.duration(st.eta_s) if st.eta_s is not None else "-"
+
+
+def live_workers(st: status.RunStatus) -> list[dict]:
+    return [w for w in st.workers if w["state"] not in ("stopped", "failed", "gone")]
+
+
+def line(st: status.RunStatus) -> str:
+    """The progress as one plain line (pure)."""
+    c = st.counts
+    text = (
+        f"rollouts {st.done:,}/{st.planned:,} {status.progress_bar(st.done, st.planned)} · {rate_text(st)} · "
+        f"ETA {eta_text(st)} · shards sealed {c[status.SEALED]:,} running {c[status.RUNNING]:,} "
+        f"failed {c[status.FAILED]:,} pending {c[status.PENDING] + c[status.NEVER_STARTED]:,}"
+    )
+    if st.workers:
+        busy = [w for w in live_workers(st) if w["current_shard"] is not None]
+        text += f" · workers {len(live_workers(st))} live ({len(busy)} collecting)"
+    return text
+
+
+def view(st: status.RunStatus) -> Any:
+    """The progress as a rich renderable: a bar with the counts, and the workers when there are any (pure)."""
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+
+    c = st.counts
+    head = Table.grid(padding=(0, 1))
+    head.add_row(
+        "rollouts",
+        ProgressBar(total=max(1, st.planned), completed=st.done, width=30),
+        f"{st.done:,}/{st.planned:,}",
+        rate_text(st),
+        f"ETA {eta_text(st)}",
+    )
+    head.add_row(
+        "shards",
+        f"sealed {c[status.SEALED]:,}",
+        f"running {c[status.RUNNING]:,}",
+        f"failed {c[status.FAILED]:,}",
+        f"pending {c[status.PENDING] + c[status.NEVER_STARTED]:,}",
+    )
+    parts: list[Any] = [head]
+    if st.workers:
+        table = Table("worker", "job", "host", "state", "shard", "sealed", box=None, pad_edge=False)
+        for w in st.workers:
+            shard = "-" if w["current_shard"] is None else str(w["current_shard"])
+            table.add_row(w["worker_id"], w["job_id"] or "-", w["host"], w["state"], shard, str(w["sealed"]))
+        parts.append(table)
+    return Group(*parts)
+
+
+def finished(st: status.RunStatus) -> bool:
+    return st.complete or not (st.counts[status.RUNNING] + st.counts[status.PENDING])
+
+
+def follow(
+    run_dir: Path,
+    interval_s: float = 5.0,
+    echo: Callable[[str], None] = print,
+    *,
+    tty: bool | None = None,
+    max_updates: int | None = None,
+) -> status.RunStatus:
+    """Show the progress until every shard is sealed or nothing is live any more; returns the last status."""
+    from shardrun.rundir import store
+
+    plan = store.load_plan(run_dir)
+    tty = sys.stdout.isatty() if tty is None else tty
+    ticker = Ticker(run_dir, plan, echo, tty=tty, every_s=0.0)
+    updates = 0
+    try:
+        while True:
+            st = ticker.tick()
+            updates += 1
+            if finished(st) or (max_updates is not None and updates >= max_updates):
+                return st
+            time.sleep(interval_s)
+    finally:
+        ticker.close()
+
+
+class Ticker:
+    """Progress while something else waits (a local submit): `tick()` at most every `every_s` seconds redraws the
+    rich view on a terminal, or prints the plain line when it changed."""
+
+    def __init__(self, run_dir: Path, plan: Plan, echo: Callable[[str], None], *, tty: bool, every_s: float = 5.0):
+        self.run_dir, self.plan, self.echo, self.tty, self.every_s = run_dir, plan, echo, tty, every_s
+        self.last_at = float("-inf")
+        self.last_line = ""
+        self.last: status.RunStatus | None = None
+        self.live: Any = None
+
+    def tick(self) -> status.RunStatus:
+        now = time.monotonic()
+        if self.last is not None and now - self.last_at < self.every_s:
+            return self.last
+        self.last_at = now
+        st = status.collect(self.run_dir, plan=self.plan)
+        self.last = st
+        if self.tty:
+            if self.live is None:
+                from rich.live import Live
+
+                self.live = Live(view(st), auto_refresh=False, transient=False)
+                self.live.start()
+            self.live.update(view(st), refresh=True)
+        else:
+            text = line(st)
+            if text != self.last_line:
+                self.echo(f"[{time.strftime('%H:%M:%S')}] {text}")
+                self.last_line = text
+        return st
+
+    def safe_tick(self) -> None:
+        """tick(), for a waiting submit: a run directory it cannot read right now (a shard mid-write, a full disk)
+        costs one update, never the wait."""
+        from shardrun.core.errors import ShardrunError
+
+        try:
+            self.tick()
+        except (ShardrunError, OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None

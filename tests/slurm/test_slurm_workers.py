@@ -1,0 +1,113 @@
+"""Warm workers on the real local Slurm: 2 workers as ONE job array over 8 shards, the job after them (afterany)
+that merges; a worker preempted with USR2 in the middle of a shard stops it cleanly (completed rollouts kept,
+claim released), is requeued by submitit as the same worker, and the run completes with every identity once.
+
+Real `ng_run` and `ng_collect_rollouts`; the stand-in policy server (tests/fakes/policy_server.py) replaces vLLM.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import orjson
+import pytest
+
+from shardrun.rundir import store
+from shardrun.shard import worker
+from slurm_helpers import (
+    fake_policy,
+    launches,
+    math_input,
+    planned_identities,
+    sacct_state,
+    scancel_names,
+    shardrun,
+    status_json,
+    wait_for,
+    write_config,
+)
+from tests.fakes import harness
+
+pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1200)]
+SHARDS = 8
+
+
+@pytest.fixture
+def env(slurm_cluster, gym_venv, monkeypatch):
+    from shardrun.shard import gym_stack
+
+    monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
+    monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
+    return slurm_cluster
+
+
+def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None:
+    run_dir = tmp_path / "run"
+    inp = math_input(tmp_path / "input.jsonl", SHARDS)
+    # shard 3's last rollout hangs in the model until the test lifts the fault: the worker holding shard 3 is in
+    # the middle of it when USR2 comes, however loaded the machine
+    task3 = orjson.loads(inp.read_text().splitlines()[3])["question"]
+    with fake_policy(tmp_path, "--fault", f"hang:match={task3},seed=1") as fake:
+        cfg = write_config(
+            tmp_path / "run.yaml",
+            inp,
+            run_dir,
+            fake.base_url,
+            repeats=2,
+            shards=SHARDS,
+            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 20, "auto_resume_rounds": 1},
+            gym={"num_samples_in_parallel": 1},
+        )
+        out = shardrun("submit", cfg, cwd=tmp_path)
+        rec = launches(run_dir)[0]
+        tag, after_job = rec["tag"], rec["merge_job_id"]
+        try:
+            array = rec["arrays"][0]
+            assert rec["jobs"] == {} and rec["workers"] == {"0": f"{array}_0", "1": f"{array}_1"}
+            assert sorted(rec["worker_shards"]) == list(range(SHARDS))
+            assert "warm workers: 2 job(s)" in out.stdout
+            script = (store.jobs_dir(run_dir) / f"{array}_submission.sh").read_text()
+            assert "#SBATCH --array=0-1%2" in script and f"#SBATCH --job-name={tag}" in script
+            after_script = (store.jobs_dir(run_dir) / f"{after_job}_submission.sh").read_text()
+            assert f"#SBATCH --dependency=afterany:{array}" in after_script
+
+            def shard3_held() -> dict | None:
+                claim = store.claim_path(run_dir, 3)
+                hung = [r for r in fake.requests() if r["fault"] == "hang"]
+                return orjson.loads(claim.read_bytes()) if hung and claim.exists() else None
+
+            claim = wait_for(shard3_held, 500, "shard 3's last rollout to hang at the policy")
+            st = status_json(run_dir, tmp_path)
+            by = {s["index"]: s for s in st["shards"]}
+            assert by[3]["state"] == "running" and by[3]["job_id"] == claim["job_id"]
+            assert {w["job_id"] for w in st["workers"]} <= {f"{array}_0", f"{array}_1"}
+            kept = harness.keys_complete(store.rollouts_path(run_dir, 3))
+            assert len(kept) == 1
+
+            subprocess.run(["scancel", "--signal=USR2", claim["job_id"]], check=True, timeout=60)
+            log = store.job_log_path(run_dir, claim["job_id"])
+            wait_for(lambda: log.exists() and "Requeued job" in log.read_text(), 300, "the worker to be requeued")
+            fake.set_faults([])
+            wait_for(lambda: sacct_state(after_job) in ("FAILED", "COMPLETED", "CANCELLED"), 700, "the after job")
+            after_log = store.job_log_path(run_dir, after_job).read_text()
+            assert sacct_state(after_job) == "COMPLETED", after_log[-3000:]
+            assert "after the workers (round 1): 8 sealed, 0 to resubmit" in after_log
+        finally:
+            scancel_names(tag, rec["merge_job_name"])
+
+    text = log.read_text()
+    assert "claim released, servers stopped, completed rollouts kept" in text
+    states = {s.worker_id: s for s in worker.read_states(run_dir)}
+    preempted = states[claim["job_id"]]
+    assert preempted.server_starts == 2 and preempted.state == worker.STOPPED  # requeued: started again, once
+    # shard 3 resumed from its kept rollout; every identity once; merged by the job after the workers
+    ids = harness.keys(store.rollouts_path(run_dir, 3))
+    assert ids[: len(kept)] == kept and len(ids) == len(set(ids)) == 2
+    merged = harness.keys(store.merged_dir(run_dir) / "rollouts.jsonl")
+    assert sorted(merged) == planned_identities(run_dir, SHARDS) and len(set(merged)) == len(merged) == 16
+    assert not any(store.claim_path(run_dir, i).exists() for i in range(SHARDS))
+    st = status_json(run_dir, tmp_path)
+    assert st["complete"]
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert harness.API_KEY.encode() not in path.read_bytes(), f"API key written to {path}"

@@ -163,3 +163,12 @@ def test_check_gym_version_of_a_launch(tmp_path: Path) -> None:
     submission.check_gym_version(cfg, plan)
     with pytest.raises(PlanMismatch, match="planned with nemo-gym 0.4.0"):
         submission.check_gym_version(cfg, type(plan)(**{**plan.__dict__, "gym_version": "0.4.0"}))
+
+
+def test_the_report_shows_the_gym_version_and_each_agents_coverage() -> None:
+    from shardrun.analysis import report
+    from shardrun.profile.taskstats import AgentSummary
+
+    rows = report.agent_rows([AgentSummary("math", 3, 9, 12, 0.5, 50.0, 4, 75.0)], {"math": 16})
+    assert rows[0][-1] == "9 of 16 (56.2%)" and report.AGENT_HEADER[-1] == "coverage (of planned)"
+    assert report.agent_rows([AgentSummary("tool", 1, 2, 2, 1.0, 100.0, 2, 100.0)])[0][-1] == "2 of 2 (100.0%)"

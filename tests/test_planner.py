@@ -158,3 +158,64 @@ def test_router_agrees_with_shard_specs(n, shards):
         for o in range(n):
             assert specs[route(o)].owns(o)
             assert sum(s.owns(o) for s in specs) == 1
+
+
+# ---------------------------------------------------------------- wave-major shards (adaptive sampling)
+
+ADAPTIVE = {"stop_when_decided": {"drop_solved": True, "drop_unsolved": True}}
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    agents=st.lists(st.sampled_from(["a", "b"]), min_size=1, max_size=25),
+    repeats=st.one_of(
+        st.integers(1, 7), st.fixed_dictionaries({"a": st.integers(1, 7), "_default": st.integers(1, 4)})
+    ),
+    num_shards=st.integers(1, 40),
+    slicing=st.sampled_from(["contiguous", "round_robin"]),
+    wave=st.integers(1, 4),
+)
+def test_wave_major_shards_keep_every_identity_and_seed_and_order_the_waves(agents, repeats, num_shards, slicing, wave):
+    rows = [row(i, agent=a) for i, a in enumerate(agents)]
+    settings_ = dict(num_repeats=repeats, seed_offset=5, sharding={"num_shards": num_shards, "slicing": slicing})
+    full_plan, full = plan_rows(rows, **settings_)
+    plan, out = plan_rows(rows, **settings_, sampling=ADAPTIVE | {"wave": wave})
+    # the same rows (identities, seeds, bytes), only in other shards
+    assert sorted(orjson_dumps(r) for _, r in out) == sorted(orjson_dumps(r) for _, r in full)
+    assert [s.num_rollouts for s in plan.shards] == [s.num_rollouts for s in full_plan.shards]
+    per_shard = Counter(s for s, _ in out)
+    for spec in plan.shards:
+        assert per_shard[spec.index] == spec.num_rollouts
+    if slicing == "contiguous":
+        # shards in index order run the waves in order: a task's first wave comes before any task's second
+        waves = [max(r["_ng_rollout_index"] // wave for s2, r in out if s2 == s) for s in range(len(plan.shards))]
+        firsts = [min(r["_ng_rollout_index"] // wave for s2, r in out if s2 == s) for s in range(len(plan.shards))]
+        assert all(waves[i] <= firsts[i + 1] for i in range(len(waves) - 1))
+
+
+def orjson_dumps(r):
+    return json.dumps(r, sort_keys=True)
+
+
+def test_wave_major_example_and_fingerprints():
+    rows = [row(i) for i in range(3)]
+    plan, out = plan_rows(rows, num_repeats=4, sharding={"num_shards": 4}, sampling=ADAPTIVE)
+    by_shard = defaultdict(list)
+    for s, r in out:
+        by_shard[s].append((r["_ng_task_index"], r["_ng_rollout_index"]))
+    # wave 0 (rollouts 0-1 of tasks 0, 1, 2) fills shards 0 and 1, wave 1 shards 2 and 3
+    assert by_shard == {
+        0: [(0, 0), (0, 1), (1, 0)],
+        1: [(1, 1), (2, 0), (2, 1)],
+        2: [(0, 2), (0, 3), (1, 2)],
+        3: [(1, 3), (2, 2), (2, 3)],
+    }
+    plain, _ = plan_rows(rows, num_repeats=4, sharding={"num_shards": 4})
+    unset, _ = plan_rows(rows, num_repeats=4, sharding={"num_shards": 4}, sampling={"wave": 3, "min_repeats": 2})
+    assert "sampling" not in plain.planning and plain.sampling is None
+    assert unset.fingerprint == plain.fingerprint  # without stop_when_decided nothing changes
+    assert plan.fingerprint != plain.fingerprint
+    other, _ = plan_rows(rows, num_repeats=4, sharding={"num_shards": 4}, sampling=ADAPTIVE | {"min_repeats": 2})
+    assert other.fingerprint != plan.fingerprint
+    assert plan.sampling is not None and plan.sampling.stop_when_decided is not None
+    assert planner.Plan.from_json(json.loads(json.dumps(plan.to_json()))).sampling == plan.sampling

@@ -29,20 +29,16 @@ import orjson
 from shardrun.rundir import safepaths, store
 from shardrun.profile import taskstats
 from shardrun.core.errors import BadInput, PlanMismatch
+from shardrun.core.task_rules import TaskRules, problems
 from shardrun.core.gym_names import TASK_KEY
 from shardrun.profile.taskstats import TaskStat
 
 
-@dataclass(frozen=True)
-class Rules:
-    metric: str = "reward"
-    agents: tuple[str, ...] = ()
-    min_mean: float | None = None
-    max_mean: float | None = None
+class Rules(TaskRules):
+    """The per-task rules (core/task_rules.py, shared with sampling.stop_when_decided) and the two that look beyond
+    one task: the spread of its rollouts (`min_std`) and the other tasks (`top_k_hardest`)."""
+
     min_std: float | None = None
-    drop_unsolved: bool = False
-    drop_solved: bool = False
-    solved_threshold: float = 1.0
     top_k_hardest: int | None = None
 
 
@@ -64,16 +60,11 @@ class Selection:
 
 def check_bounds(rules: Rules) -> None:
     """BadInput for rules no task can meet whatever the profile holds: a bound that is not a number, min above max."""
-    for flag, value in (
-        ("--min-mean", rules.min_mean),
-        ("--max-mean", rules.max_mean),
-        ("--min-std", rules.min_std),
-        ("--solved-threshold", rules.solved_threshold),
-    ):
-        if value is not None and not math.isfinite(value):
-            raise BadInput(f"{flag} {value}: must be a finite number")
-    if rules.min_mean is not None and rules.max_mean is not None and rules.min_mean > rules.max_mean:
-        raise BadInput(f"--min-mean {rules.min_mean} is above --max-mean {rules.max_mean}: no task can match")
+    found = problems(rules)
+    if found:
+        raise BadInput(found[0])
+    if rules.min_std is not None and not math.isfinite(rules.min_std):
+        raise BadInput(f"--min-std {rules.min_std}: must be a finite number")
     if rules.top_k_hardest is not None and rules.top_k_hardest < 1:
         raise BadInput(f"--top-k-hardest must be at least 1, got {rules.top_k_hardest}")
     if rules.min_std is not None and rules.min_std < 0:
@@ -105,17 +96,17 @@ def _filters(rules: Rules) -> list[tuple[str, Any]]:
     th = rules.solved_threshold
     steps: list[tuple[str, Any]] = [(f"profiled (has mean/{m})", lambda t: t.stat("mean", m) is not None)]
     if rules.agents:
-        steps.append((f"--agent {','.join(rules.agents)}", lambda t: t.agent in rules.agents))
+        steps.append((f"--agent {','.join(rules.agents)}", lambda t: rules.allows_agent(t.agent)))
     if rules.min_mean is not None:
-        steps.append((f"--min-mean {rules.min_mean:g}", lambda t: t.stat("mean", m) >= rules.min_mean))
+        steps.append((f"--min-mean {rules.min_mean:g}", lambda t: rules.above_min_mean(t.stat("mean", m))))
     if rules.max_mean is not None:
-        steps.append((f"--max-mean {rules.max_mean:g}", lambda t: t.stat("mean", m) <= rules.max_mean))
+        steps.append((f"--max-mean {rules.max_mean:g}", lambda t: rules.below_max_mean(t.stat("mean", m))))
     if rules.min_std is not None:
         steps.append((f"--min-std {rules.min_std:g}", lambda t: _std(t, m) >= rules.min_std))
     if rules.drop_unsolved:
-        steps.append((f"--drop-unsolved (max/{m} < {th:g})", lambda t: _max(t, m) >= th))
+        steps.append((f"--drop-unsolved (max/{m} < {th:g})", lambda t: rules.solved_by_some(_max(t, m))))
     if rules.drop_solved:
-        steps.append((f"--drop-solved (min/{m} >= {th:g})", lambda t: _min(t, m) < th))
+        steps.append((f"--drop-solved (min/{m} >= {th:g})", lambda t: rules.unsolved_by_some(_min(t, m))))
     return steps
 
 
@@ -302,7 +293,7 @@ def select_run(
     nvidia = rules.solved_threshold if stats_format == "nvidia" else None
     plan = store.load_plan(run_dir)
     source = Path(input_path or plan.input.path)
-    target = safepaths.output_target(Path(output), "--output", run_dir, [source])
+    target = safepaths.output_target(Path(output), "--output", run_dir, [source, Path(plan.input.path)])
     selection = choose(taskstats.load_profile(run_dir), rules, plan.num_tasks)
     output = Path(output)
     chosen = {t.task_index: t for t in selection.kept}

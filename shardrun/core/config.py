@@ -8,6 +8,7 @@ Secrets are never values here: the config names the environment variables that h
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ from shardrun.core import slurm_values
 from shardrun.core.credentials import find_credentials
 from shardrun.core.errors import BadInput
 from shardrun.core.gym_names import MAX_REPEATS
+from shardrun.core.task_rules import TaskRules, problems
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MAX_ARRAY_SIZE = 1001
@@ -277,6 +279,52 @@ class ClusterConfig(StrictModel):
         return slurm_values.additional_parameters(v)
 
 
+class SamplingConfig(StrictModel):
+    """Adaptive sampling (docs/adaptive-sampling.md): stop collecting a task once its rollouts decide it."""
+
+    stop_when_decided: TaskRules | None = Field(
+        None,
+        description="The per-task rules of `shardrun select` (agents, min_mean, max_mean, drop_unsolved, "
+        "drop_solved, solved_threshold, metric): a task whose rollouts so far decide what these rules do with it "
+        "gets no more rollouts. Unset: every planned rollout is collected.",
+    )
+    wave: int = Field(
+        2, ge=1, le=MAX_REPEATS, description="Repeats of a task issued together: shards are cut wave by wave."
+    )
+    min_repeats: int = Field(0, ge=0, le=MAX_REPEATS, description="No task stops before this many rollouts ended.")
+    metric_range: tuple[float, float] = Field(
+        (0.0, 1.0), description="[low, high] bounds of the rules' metric; a rollout outside it is an error."
+    )
+
+    @field_validator("stop_when_decided", mode="before")
+    @classmethod
+    def _per_task_rules_only(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            for key in ("top_k_hardest", "min_std"):
+                if key in v:
+                    raise ValueError(
+                        f"{key} cannot stop sampling: its outcome for one task depends "
+                        + ("on the other tasks" if key == "top_k_hardest" else "on the spread of all its rollouts")
+                        + f"; stop on the per-task rules and apply --{key.replace('_', '-')} with `shardrun select`"
+                    )
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SamplingConfig":
+        low, high = self.metric_range
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise ValueError(f"metric_range {[low, high]}: must be two finite numbers, low < high")
+        if self.stop_when_decided is not None:
+            found = problems(self.stop_when_decided, lambda field: f"stop_when_decided.{field}")
+            if found:
+                raise ValueError("; ".join(found))
+        return self
+
+    def planning_view(self) -> dict[str, Any] | None:
+        """What the plan fingerprint covers; None (nothing) without stop_when_decided."""
+        return None if self.stop_when_decided is None else self.model_dump(mode="json")
+
+
 class RunConfig(StrictModel):
     input_jsonl: Path = Field(..., description="Input tasks, one JSON object per line (NeMo Gym format).")
     run_dir: Path = Field(..., description="Run directory: plan, shards, merged results.")
@@ -289,6 +337,7 @@ class RunConfig(StrictModel):
     gym: GymConfig | None = None
     policy: PolicyConfig | None = None
     cluster: ClusterConfig | None = None
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
 
     @field_validator("input_jsonl", "run_dir", mode="before")
     @classmethod
@@ -334,7 +383,7 @@ class RunConfig(StrictModel):
             "seed_offset": self.seed_offset,
             "sharding": self.sharding.model_dump(mode="json"),
             "responses_create_params": dict(self.gym.responses_create_params) if self.gym else {},
-        }
+        } | ({"sampling": sampling} if (sampling := self.sampling.planning_view()) is not None else {})
 
     def require(self, *sections: str) -> None:
         missing = [s for s in sections if getattr(self, s) is None]

@@ -10,6 +10,11 @@ k rollouts (k from `num_repeats` for its agent) with rollout indices 0..k-1 and 
 Sharding. Rollouts are numbered by an ordinal in input order (task by task, rollout by rollout). `contiguous`
 gives each shard one range of ordinals, `round_robin` gives shard s every ordinal o with o % N == s. Either way
 shard sizes differ by at most one rollout.
+
+Waves. With `sampling.stop_when_decided` set (adaptive sampling, docs/adaptive-sampling.md) the ordinals are
+wave-major instead: a task's rollouts come in waves of `sampling.wave` repeats, and every task's first wave is
+numbered before any task's second (then task by task within a wave). Identities and seeds are the same; only
+which shard holds a rollout changes, so that shards in index order run the waves in order.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal
 
 import orjson
 
-from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, RunConfig
+from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, RunConfig, SamplingConfig
 from shardrun.core.errors import BadInput
 from shardrun.core.gym_names import AGENT_KEY, MAX_JSON_DEPTH, MAX_TASK_INDEX, RCP_KEY, ROLLOUT_KEY, TASK_KEY
 
@@ -379,6 +384,12 @@ class Plan:
     def array_jobs_needed(self, max_array_size: int = DEFAULT_MAX_ARRAY_SIZE) -> int:
         return math.ceil(len(self.shards) / max_array_size)
 
+    @property
+    def sampling(self) -> SamplingConfig | None:
+        """The adaptive-sampling settings the plan was made with (None: every planned rollout is collected)."""
+        view = self.planning.get("sampling")
+        return None if view is None else SamplingConfig.model_validate(view)
+
 
 def fingerprint(plan: Plan) -> str:
     """sha256 over what decides the rollouts: planner version, input bytes, planning settings, shard table."""
@@ -523,9 +534,12 @@ def materialize(
     """
     route = Router(plan.shards)
     rcp_overrides = dict(cfg.gym.responses_create_params) if cfg.gym else {}
+    waves = WaveOrder(plan)
     ordinal = 0
     for task, row in iter_tasks(lines, cfg, source):
-        runs: Iterable[tuple[int, int, int]] = _runs(plan, route, ordinal, task.repeats)
+        runs: Iterable[tuple[int, int, int]] = (
+            run for first, a, b in waves.segments(ordinal, task.repeats) for run in _runs(plan, route, first, a, b)
+        )
         ordinal += task.repeats
         if only is not None:
             runs = [run for run in runs if run[0] in only]
@@ -542,14 +556,45 @@ def materialize(
         )
 
 
-def _runs(plan: Plan, route: Router, first: int, k: int) -> Iterator[tuple[int, int, int]]:
-    """Split a task's rollouts [first, first + k) into (shard, from, to) runs of consecutive rollouts, lazily."""
+def _runs(plan: Plan, route: Router, first: int, a: int, b: int) -> Iterator[tuple[int, int, int]]:
+    """Split a task's rollouts a..b-1, numbered by the ordinals first.., into (shard, from, to) runs of consecutive
+    rollouts, lazily."""
     if route.stride:
-        yield from ((route(first + r), r, r + 1) for r in range(k))
+        yield from ((route(first + r - a), r, r + 1) for r in range(a, b))
         return
-    r = 0
-    while r < k:
-        s = route(first + r)
-        end = min(k, plan.shards[s].stop - first)
+    r = a
+    while r < b:
+        s = route(first + r - a)
+        end = min(b, plan.shards[s].stop - first + a)
         yield s, r, end
         r = end
+
+
+class WaveOrder:
+    """The ordinals of each task's rollouts, fed the tasks in input order: task-major (one segment per task), or
+    wave-major when the plan samples adaptively (one segment per wave of the task)."""
+
+    def __init__(self, plan: Plan):
+        sampling = plan.sampling
+        self.wave = sampling.wave if sampling is not None else 0
+        if not self.wave:
+            return
+        repeats = [(a["tasks"], a["repeats"]) for a in plan.agents.values()]
+        count = max((math.ceil(k / self.wave) for _, k in repeats), default=0)
+        sizes = [sum(n * min(self.wave, max(0, k - v * self.wave)) for n, k in repeats) for v in range(count)]
+        self.base = [0] * count  # the first ordinal of each wave
+        for v in range(1, count):
+            self.base[v] = self.base[v - 1] + sizes[v - 1]
+        self.seen = [0] * count  # rollouts of each wave given to earlier tasks
+
+    def segments(self, ordinal: int, k: int) -> list[tuple[int, int, int]]:
+        """(first ordinal, from, to): the task's rollouts from..to-1 have the ordinals first, first + 1, ...
+        `ordinal` is the task's first ordinal in input order (used when not wave-major)."""
+        if not self.wave:
+            return [(ordinal, 0, k)]
+        out = []
+        for v, a in enumerate(range(0, k, self.wave)):
+            b = min(k, a + self.wave)
+            out.append((self.base[v] + self.seen[v], a, b))
+            self.seen[v] += b - a
+        return out

@@ -347,14 +347,6 @@ class RunConfig(StrictModel):
             raise ValueError("an empty path (it would be the current directory); name the path")
         return v
 
-    @field_validator("input_jsonl", "run_dir", mode="before")
-    @classmethod
-    def _not_empty(cls, v: Any) -> Any:
-        """An empty path would silently be the current directory."""
-        if isinstance(v, str) and not v.strip():
-            raise ValueError("an empty path (it would be the current directory); name the path")
-        return v
-
     @field_validator("run_dir")
     @classmethod
     def _run_dir_one_line(cls, v: Path) -> Path:
@@ -645,4 +637,6 @@ def load(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def _abs(p: Path) -> Path:
+    """`~` is the home directory, as in a shell; a relative path is relative to the current directory."""
+    p = p.expanduser()
     return p if p.is_absolute() else Path.cwd() / p

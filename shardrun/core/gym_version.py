@@ -55,10 +55,23 @@ def series(version: str) -> str:
 VENV_ENV = "SHARDRUN_GYM_VENV"
 
 
+SETUP_VENV = "gym-venv"  # what `scripts/setup.sh gym` builds in $SHARDRUN_CACHE (default ~/.cache/shardrun)
+
+
+def default_venv_path(env: Mapping[str, str]) -> Path | None:
+    """Where `scripts/setup.sh gym` builds the Gym venv for this environment (it may not exist)."""
+    cache = env.get("SHARDRUN_CACHE") or (str(Path(env["HOME"]) / ".cache" / "shardrun") if env.get("HOME") else None)
+    return Path(cache) / SETUP_VENV if cache else None
+
+
 def configured_venv(venv_setting: str | None, env: Mapping[str, str]) -> Path | None:
-    """The Gym venv a run uses: gym.venv, else $SHARDRUN_GYM_VENV; None when neither names one."""
+    """The Gym venv a run uses: gym.venv, else $SHARDRUN_GYM_VENV, else the venv `scripts/setup.sh gym` built when
+    it exists; None when none of them names one."""
     venv = venv_setting or env.get(VENV_ENV)
-    return Path(venv) if venv else None
+    if venv:
+        return Path(venv)
+    default = default_venv_path(env)
+    return default if default is not None and default.is_dir() else None
 
 
 def of_settings(venv_setting: str | None, env: Mapping[str, str]) -> str | None:

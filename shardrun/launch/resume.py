@@ -24,7 +24,7 @@ from filelock import Timeout
 
 from shardrun.core import config as config_mod
 from shardrun.plan import planner
-from shardrun.launch import scheduler, slurm
+from shardrun.launch import preflight, scheduler, slurm
 from shardrun.launch import status
 from shardrun.rundir import store
 from shardrun.core.config import RunConfig
@@ -95,6 +95,8 @@ def resume(
     cfg = resume_config(run_dir, config_file, overrides)
     cfg.require("gym", "policy")
     check_plan(cfg, plan)
+    if not dry_run:
+        preflight.check(cfg, run_dir, plan)  # everything a shard needs, before anything is launched
     if wait_for_jobs is None:
         wait_for_jobs = cfg.cluster_or_default.executor == "local"
     try:

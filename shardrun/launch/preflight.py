@@ -1,0 +1,115 @@
+"""Before `submit` or `resume` launch anything: everything a shard needs is there, or nothing is launched.
+
+A config that cannot work used to be found by every shard on its own (eight shards, eight times the same
+BadInput). Here, once, before a job exists or a launch is recorded:
+
+- every environment variable a job takes from the submitting shell is set: `policy.api_key_env` and each bare
+  NAME in `cluster.env_vars`;
+- and when some shard to launch still has rollouts to collect (a shard whose every identity is accounted for
+  seals without servers):
+  - the Gym venv (`gym.venv`, else $SHARDRUN_GYM_VENV, else the venv `scripts/setup.sh gym` builds) holds a
+    supported nemo-gym with its commands;
+  - every `gym.config_paths` entry, and each nested one, resolves where Gym looks for it;
+  - the policy is complete: an http(s) URL with a host for each `policy.base_url`, or for `policy.vllm` an
+    interpreter or launcher that exists and a model directory that exists when the model is given as a path.
+
+One BadInput lists every problem with its key (exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Mapping
+from urllib.parse import urlparse
+
+from shardrun.core import gym_version
+from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
+from shardrun.core.errors import BadInput, ShardFailed
+from shardrun.launch import slurm
+from shardrun.plan.planner import Plan
+from shardrun.rundir import env_manifest, ledger, seal, store
+from shardrun.shard import gym_stack, vllm
+
+
+def check(cfg: RunConfig, run_dir: Path, plan: Plan, env: Mapping[str, str] | None = None) -> None:
+    """BadInput listing everything a shard of `plan` in `run_dir` would miss; nothing is written. A run directory
+    holding another plan is PlanMismatch (store.existing_plan_matches), as planning would say."""
+    env = os.environ if env is None else env
+    cfg.require("gym", "policy")
+    assert cfg.gym is not None and cfg.policy is not None
+    problems = missing_environment(cfg, env)
+    if needs_servers(cfg, run_dir, plan):
+        problems += gym_problems(cfg.gym, env) + policy_problems(cfg.policy, env)
+    if problems:
+        raise BadInput(f"{run_dir}: nothing was launched; a shard would fail with this config", problems)
+
+
+def missing_environment(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:
+    cluster = cfg.cluster_or_default
+    key = cfg.policy.api_key_env if cfg.policy else None
+    out = []
+    for name in slurm.missing_pass_through(cluster.env_vars, [key] if key else [], env):
+        where = "policy.api_key_env" if name == key else "cluster.env_vars"
+        out.append(f"{where}: ${name} is not set in this shell; export it where you submit (jobs take it from here)")
+    return out
+
+
+def needs_servers(cfg: RunConfig, run_dir: Path, plan: Plan) -> bool:
+    """Whether some shard of the plan still has rollouts to collect. A run not planned yet: every shard has."""
+    if not store.existing_plan_matches(run_dir, plan):
+        return True
+    assert cfg.gym is not None
+    max_attempts = cfg.gym.max_rollout_attempts
+    for spec in plan.shards:
+        if seal.check(run_dir, plan, spec.index).sealed:
+            continue
+        try:
+            book = ledger.load(run_dir, spec.index, max_attempts)
+        except ShardFailed:
+            return True  # the shard will say what is wrong with its files; the servers must be right too
+        if any(book.attempts[k] < max_attempts for k in book.pending):
+            return True
+    return False
+
+
+def gym_problems(gym: GymConfig, env: Mapping[str, str]) -> list[str]:
+    venv = gym_version.configured_venv(gym.venv, env)
+    if venv is None:
+        return [
+            f"gym.venv: not set, ${gym_version.VENV_ENV} is empty and scripts/setup.sh gym has not built "
+            f"{gym_version.default_venv_path(env) or '~/.cache/shardrun/gym-venv'}; name the venv that has nemo-gym"
+        ]
+    try:
+        gym_stack.gym_venv(gym, env)
+    except BadInput as e:
+        return [f"gym.venv: {e}"]
+    if not gym.config_paths:
+        return ["gym.config_paths: empty; name the Gym server configs the shards run"]
+    site = gym_stack.site_packages(venv)
+    return [
+        f"gym.config_paths: {f['path']!r} is not found (as given, under {Path.cwd()}, or under the Gym install {site})"
+        for f in env_manifest.config_files(gym.config_paths, Path.cwd(), site)
+        if f["resolved"] is None
+    ]
+
+
+def policy_problems(policy: PolicyConfig, env: Mapping[str, str]) -> list[str]:
+    out = []
+    urls = [policy.base_url] if isinstance(policy.base_url, str) else list(policy.base_url or [])
+    for url in urls:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            out.append(f"policy.base_url: {url!r} is not an http(s) URL with a host")
+    if policy.base_url is not None and not urls:
+        out.append("policy.base_url: an empty list; name the endpoint(s)")
+    v = policy.vllm
+    if v is not None:
+        program = vllm.launcher(v, env)[0]
+        if not (Path(program).is_file() if os.sep in program else shutil.which(program, path=env.get("PATH"))):
+            key = "policy.vllm.command" if v.command else "policy.vllm.python"
+            out.append(f"{key}: {program} does not exist here; name the interpreter (or venv) that has vLLM")
+        if v.model.startswith(("/", "./", "../", "~")) and not Path(v.model).expanduser().exists():
+            out.append(f"policy.vllm.model: {v.model} does not exist")
+    return out

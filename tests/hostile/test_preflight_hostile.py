@@ -1,0 +1,194 @@
+"""Configs that cannot work, found before anything is launched: `submit` and `resume` check everything a shard
+needs (the Gym venv, the config paths, the policy, the environment variables jobs take from the submitting
+shell) and refuse with exit 2, every problem named by its key, nothing written, no job, no launch record.
+
+The Gym venv here is a stand-in with the installed layout only (dist-info, bin/ng_run, site-packages): these
+cases never start Gym. A shard whose every rollout is accounted for seals without servers, so a resume of such a
+run needs none of this (the valid-but-unusual case)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hostilekit import invoke, refused
+from reportkit import input_row, planned_run, seal_shards, write_input
+
+from shardrun.rundir import store
+
+CONFIG = "resources_servers/math/configs/math.yaml"
+
+
+def stand_in_venv(root: Path, version: str = "0.4.0") -> Path:
+    """A directory laid out like a Gym venv (what preflight reads), with one server config in site-packages."""
+    venv = root / "gym-venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "ng_run").write_text("")
+    site = venv / "lib" / "python3.12" / "site-packages"
+    meta = site / f"nemo_gym-{version}.dist-info" / "METADATA"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(f"Metadata-Version: 2.4\nName: nemo-gym\nVersion: {version}\n\n")
+    (site / CONFIG).parent.mkdir(parents=True)
+    (site / CONFIG).write_text("math: {}\n")
+    return venv
+
+
+@pytest.fixture()
+def clean_env(tmp_path, monkeypatch):
+    """No Gym venv from the environment or the setup cache: each case names what it has."""
+    monkeypatch.delenv("SHARDRUN_GYM_VENV", raising=False)
+    monkeypatch.delenv("SHARDRUN_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    monkeypatch.delenv("SHARDRUN_TEST_UNSET_KEY", raising=False)
+    monkeypatch.delenv("SHARDRUN_TEST_UNSET_VAR", raising=False)
+
+
+def launch_config(tmp: Path, *, gym: dict | None = None, policy: dict | None = None, cluster: dict | None = None):
+    inp = write_input(tmp / "input.jsonl", [input_row(i) for i in range(4)])
+    venv = stand_in_venv(tmp)
+    data = {
+        "input_jsonl": str(inp),
+        "run_dir": str(tmp / "run"),
+        "num_repeats": 2,
+        "sharding": {"num_shards": 2},
+        "gym": {"venv": str(venv), "config_paths": [CONFIG]} | (gym or {}),
+        "policy": policy or {"base_url": "http://127.0.0.1:9/v1", "model_name": "m"},
+        "cluster": {"executor": "local", "array_parallelism": 1} | (cluster or {}),
+    }
+    path = tmp / "launch.yaml"
+    path.write_text(json.dumps(data))
+    return path
+
+
+CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "venv is an empty directory": ({"gym": {"venv": "EMPTY"}}, ("gym.venv", "no nemo-gym")),
+    "venv does not exist": ({"gym": {"venv": "/nonexistent/gym-venv"}}, ("gym.venv", "/nonexistent/gym-venv")),
+    "no venv anywhere": ({"gym": {"venv": None}}, ("gym.venv", "not set", "SHARDRUN_GYM_VENV")),
+    "venv of an unsupported release": ({"gym": {"venv": "OLD"}}, ("gym.venv", "0.1.0")),
+    "a config path that resolves nowhere": (
+        {"gym": {"config_paths": [CONFIG, "resources_servers/nope/configs/nope.yaml"]}},
+        ("gym.config_paths", "resources_servers/nope/configs/nope.yaml"),
+    ),
+    "an absolute config path that is missing": (
+        {"gym": {"config_paths": ["/nonexistent/gym.yaml"]}},
+        ("gym.config_paths", "/nonexistent/gym.yaml"),
+    ),
+    "a nested config path that is missing": (
+        {"gym": {"config_paths": ["NESTED"]}},
+        ("gym.config_paths", "inner/missing.yaml"),
+    ),
+    "no config paths": ({"gym": {"config_paths": []}}, ("gym.config_paths", "empty")),
+    "the API key variable is unset": (
+        {"policy": {"base_url": "http://127.0.0.1:9/v1", "model_name": "m", "api_key_env": "SHARDRUN_TEST_UNSET_KEY"}},
+        ("policy.api_key_env", "SHARDRUN_TEST_UNSET_KEY"),
+    ),
+    "a pass-through variable is unset": (
+        {"cluster": {"env_vars": ["SET_HERE=1", "SHARDRUN_TEST_UNSET_VAR"]}},
+        ("cluster.env_vars", "SHARDRUN_TEST_UNSET_VAR"),
+    ),
+    "a base_url that is not http": (
+        {"policy": {"base_url": "ftp://models.internal/v1", "model_name": "m"}},
+        ("policy.base_url", "ftp://models.internal/v1"),
+    ),
+    "a base_url without a host": (
+        {"policy": {"base_url": ["http://127.0.0.1:9/v1", "http:///v1"], "model_name": "m"}},
+        ("policy.base_url", "http:///v1"),
+    ),
+    "a vLLM interpreter that does not exist": (
+        {"policy": {"vllm": {"model": "some/model-id", "python": "/nonexistent/vllm-venv"}}},
+        ("policy.vllm.python", "/nonexistent/vllm-venv"),
+    ),
+    "a vLLM model path that does not exist": (
+        {"policy": {"vllm": {"model": "/nonexistent/checkpoint", "command": ["true"]}}},
+        ("policy.vllm.model", "/nonexistent/checkpoint"),
+    ),
+}
+
+
+def resolve(tmp: Path, settings: dict) -> dict:
+    """Fill in the placeholders (paths made under tmp) of a case's settings."""
+    gym = dict(settings.get("gym") or {})
+    if gym.get("venv") == "EMPTY":
+        (tmp / "empty-venv").mkdir()
+        gym["venv"] = str(tmp / "empty-venv")
+    if gym.get("venv") == "OLD":
+        gym["venv"] = str(stand_in_venv(tmp / "old", "0.1.0"))
+    if gym.get("config_paths") == ["NESTED"]:
+        outer = tmp / "outer.yaml"
+        outer.write_text("config_paths:\n  - inner/missing.yaml\n")
+        gym["config_paths"] = [str(outer)]
+    return {**settings, **({"gym": gym} if gym else {})}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_submit_refuses_a_config_a_shard_could_not_run_and_writes_nothing(tmp_path, clean_env, unchanged, case):
+    settings, named = CASES[case]
+    cfg = launch_config(tmp_path, **resolve(tmp_path, settings))
+    with unchanged(tmp_path):
+        refused(invoke("submit", cfg), *named, "nothing was launched")
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_problem_is_named_at_once(tmp_path, clean_env, unchanged):
+    cfg = launch_config(
+        tmp_path,
+        gym={"config_paths": ["/nonexistent/a.yaml"]},
+        policy={"base_url": "ftp://x/v1", "model_name": "m", "api_key_env": "SHARDRUN_TEST_UNSET_KEY"},
+        cluster={"env_vars": ["SHARDRUN_TEST_UNSET_VAR"]},
+    )
+    with unchanged(tmp_path):
+        refused(
+            invoke("submit", cfg),
+            "gym.config_paths",
+            "policy.base_url",
+            "policy.api_key_env",
+            "cluster.env_vars",
+        )
+
+
+def run_with_shard_1_unsealed(tmp: Path, complete: bool) -> Path:
+    """A planned run: shard 0 sealed; shard 1 not sealed, with every rollout written (`complete`: it seals without
+    servers) or only its first one (the rest still to collect)."""
+    run_dir, _ = planned_run(tmp, [input_row(i) for i in range(4)], num_repeats=2, num_shards=2)
+    seal_shards(run_dir, lambda t, r: 1.0, unsealed={1})
+    if not complete:
+        rollouts = store.rollouts_path(run_dir, 1)
+        rollouts.write_bytes(rollouts.read_bytes().splitlines(keepends=True)[0])
+    return run_dir
+
+
+@pytest.fixture()
+def half_sealed(tmp_path):
+    return run_with_shard_1_unsealed(tmp_path, complete=False)
+
+
+def test_resume_refuses_before_launching_and_records_nothing(tmp_path, clean_env, unchanged, half_sealed):
+    cfg = launch_config(tmp_path, gym={"venv": "/nonexistent/gym-venv"})
+    with unchanged(tmp_path):
+        refused(invoke("resume", half_sealed, "--config", cfg), "gym.venv", "nothing was launched")
+    assert not store.launches_path(half_sealed).exists() and not (half_sealed / "launch.json").exists()
+
+
+def test_resume_refuses_a_linked_shard_directory_before_writing_anything(tmp_path, clean_env, unchanged, half_sealed):
+    import shutil
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(str(store.shard_dir(half_sealed, 1)), str(outside / "00001"))
+    store.shard_dir(half_sealed, 1).symlink_to(outside / "00001", target_is_directory=True)
+    cfg = launch_config(tmp_path)
+    with unchanged(tmp_path):
+        refused(invoke("resume", half_sealed, "--config", cfg), str(store.shard_dir(half_sealed, 1)), "symlink")
+
+
+def test_a_run_whose_shards_need_no_servers_resumes_without_a_venv(tmp_path, clean_env):
+    """Valid but unusual: every rollout of the unsealed shard is accounted for (its seal was lost), so the shard
+    seals without servers; no Gym venv, config path or reachable policy is needed for that."""
+    run_dir = run_with_shard_1_unsealed(tmp_path, complete=True)
+    cfg = launch_config(tmp_path, gym={"venv": None, "config_paths": ["/nonexistent/gym.yaml"]})
+    done = invoke("resume", run_dir, "--config", cfg)
+    assert done.exit_code == 0, done.output
+    assert store.done_path(run_dir, 1).exists()

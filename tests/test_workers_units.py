@@ -203,3 +203,16 @@ def test_worker_cost_splits_start_up_collecting_and_idle() -> None:
     text = dict(cost.workers_rows(row))
     assert text["worker GPU-hours"] == "16.00: start-up 2.67, collecting 10.67, idle 2.67"
     assert cost.workers_row([]) == {} and cost.workers_rows({}) == []
+
+
+def test_the_job_after_the_workers_resubmits_only_what_may_still_run(tmp_path: Path) -> None:
+    run = builders.make_run(tmp_path, builders.input_rows(8), num_shards=4)
+    builders.write_shard(run, 0)
+    for i, attempt in ((2, 1), (3, 3)):
+        store.atomic_write_json(
+            store.shard_failure_path(run.run_dir, i),
+            {"job_id": "5_0", "error": "ShardFailed: boom", "attempt": attempt, "at": time.time(), "host": "x"},
+        )
+    todo, gave_up = worker_launch.unfinished(run.run_dir, run.plan, max_attempts=3)
+    assert (todo, gave_up) == ([1, 2], [3])
+    assert worker_launch.after_command(run.run_dir, 2)[-3:] == [str(run.run_dir), "--round", "2"]

@@ -3,6 +3,10 @@
 Run it as a subprocess:  python tests/fakes/policy_server.py --port 21001 [--model fake-model]
     [--correct-share 0.5] [--api-key KEY] [--delay SECONDS] [--request-log FILE] [--fault KIND:COND[,COND...]] ...
 
+It also stands in for a self-hosted vLLM (`policy.vllm.command: [python, tests/fakes/policy_server.py, ...]`): it
+takes vLLM's `--served-model-name` and `--host`, ignores the flags it does not know, reads the key from VLLM_API_KEY,
+and with `--startup-delay S` opens its port only after S seconds, as vLLM does once its model is loaded.
+
 Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions (what NeMo Gym's vllm_model calls), and
 POST /_fault (JSON {"faults": ["KIND:COND", ...], "delay": SECONDS}) to change a running server's faults.
 
@@ -241,7 +245,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each (good) answer")
     p.add_argument("--request-log", default=None, help="append one JSON line per chat request")
     p.add_argument("--fault", action="append", default=[], help="KIND:COND[,COND...] (see module doc)")
-    args = p.parse_args(argv)
+    p.add_argument("--served-model-name", default=None, help="as vLLM: the model name clients use (wins over --model)")
+    p.add_argument(
+        "--startup-delay", type=float, default=0.0, help="seconds before the port opens (a model loading, as vLLM)"
+    )
+    # as policy.vllm.command the stand-in gets vLLM's command line: the flags it does not know are ignored
+    args, _unknown = p.parse_known_args(argv)
+    args.model = args.served_model_name or args.model
+    args.api_key = args.api_key or os.environ.get("VLLM_API_KEY")
+    time.sleep(args.startup_delay)
     Handler.state = State(args)
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True

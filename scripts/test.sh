@@ -11,5 +11,5 @@ if [ "${1:-}" = "--fast" ]; then
   ./scripts/setup.sh project
   exec .venv/bin/python -m pytest -m "not gym and not vllm and not slurm" "$@"
 fi
-./scripts/setup.sh project gym vllm
+./scripts/setup.sh project gyms vllm  # gyms: every supported NeMo Gym version (the vs-Gym tests run against each)
 exec .venv/bin/python -m pytest "$@"

@@ -172,3 +172,16 @@ def test_the_report_shows_the_gym_version_and_each_agents_coverage() -> None:
     rows = report.agent_rows([AgentSummary("math", 3, 9, 12, 0.5, 50.0, 4, 75.0)], {"math": 16})
     assert rows[0][-1] == "9 of 16 (56.2%)" and report.AGENT_HEADER[-1] == "coverage (of planned)"
     assert report.agent_rows([AgentSummary("tool", 1, 2, 2, 1.0, 100.0, 2, 100.0)])[0][-1] == "2 of 2 (100.0%)"
+
+
+def test_the_tests_and_setup_sh_know_the_same_gym_versions() -> None:
+    import re
+
+    from tests.conftest import GYM_VERSIONS, REPO
+
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    listed = re.search(r'^GYM_VERSIONS="([^"]+)"', setup, re.M)
+    assert listed is not None and tuple(listed.group(1).split()) == GYM_VERSIONS
+    assert "setup.sh project gyms" in (REPO / "scripts" / "test.sh").read_text()  # CI builds every version
+    for version in GYM_VERSIONS:
+        gym_adapter.for_version(version)  # each has its adapter

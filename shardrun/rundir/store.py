@@ -357,6 +357,8 @@ def load_plan(run_dir: Path) -> Plan:
     path = plan_path(run_dir)
     if not Path(run_dir).is_dir():
         raise RunDirError(f"run directory not found: {run_dir}")
+    if not os.path.lexists(path):
+        raise RunDirError(f"{path}: no plan here; run `shardrun plan CONFIG --write` or `shardrun submit`")
     refuse_links(run_dir)
     try:
         data = orjson.loads(path.read_bytes())
@@ -382,13 +384,15 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def refuse_links(run_dir: Path, shards: Iterable[int] = ()) -> None:
-    """RunDirError naming a symlink at the top of the run directory, in merged/, or (for `shards`) in shards/ or a
-    shard directory: shardrun never reads or writes through a link out of a run directory."""
-    safepaths.refuse_links_in(run_dir, run_dir)
-    safepaths.refuse_links_in(merged_dir(run_dir), run_dir)
+    """RunDirError naming a symlink at the top of the run directory, in merged/, or (for `shards`) in shards/, a
+    shard directory or its logs/: shardrun never reads or writes through a link out of a run directory (submitit
+    keeps its own links inside jobs/)."""
+    for directory in (run_dir, merged_dir(run_dir)):
+        safepaths.refuse_links_in(directory, run_dir)
     for i in shards:
         safepaths.refuse_links((shard_dir(run_dir, i),), run_dir)
         safepaths.refuse_links_in(shard_dir(run_dir, i), run_dir)
+        safepaths.refuse_links_in(logs_dir(run_dir, i), run_dir)
 
 
 def prepare_run_dir(run_dir: Path) -> None:

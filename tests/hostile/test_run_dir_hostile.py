@@ -59,6 +59,18 @@ def test_the_home_directory_is_refused(tmp_path, unchanged, monkeypatch):
         refused(invoke("plan", cfg, "--write"), "run_dir", str(home), "home directory")
 
 
+@pytest.mark.parametrize("spelled", ["~", "~/", "~/."])
+def test_the_home_directory_spelled_with_a_tilde_is_refused(tmp_path, unchanged, monkeypatch, spelled):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    cfg = config_for(tmp_path, spelled)
+    with unchanged(tmp_path):
+        refused(invoke("plan", cfg, "--write"), "run_dir", "home directory")
+    assert not (tmp_path / "~").exists()
+
+
 def test_the_home_directory_through_a_link_is_refused(tmp_path, unchanged, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
@@ -169,7 +181,7 @@ def move_out_and_link(path: Path, outside: Path) -> Path:
 
 @pytest.mark.parametrize(
     "what",
-    ["merged", "shards", "shard dir", "rollouts", "done marker", "materialized", "plan.json", "launches"],
+    ["merged", "shards", "shard dir", "rollouts", "done marker", "materialized", "plan.json", "launches", "log"],
 )
 @pytest.mark.parametrize("command", ["status", "merge-and-profile"])
 def test_a_link_out_of_the_run_is_refused_with_its_path(sealed, tmp_path, unchanged, what, command):
@@ -179,6 +191,9 @@ def test_a_link_out_of_the_run_is_refused_with_its_path(sealed, tmp_path, unchan
         (store.merged_dir(run_dir) / "keep.txt").write_text("x\n")
     if what == "launches":
         store.launches_path(run_dir).write_text("")
+    if what == "log":
+        store.shard_log_path(run_dir, 1).parent.mkdir(parents=True, exist_ok=True)
+        store.shard_log_path(run_dir, 1).write_text("attempt 1\n")
     path = {
         "merged": store.merged_dir(run_dir),
         "shards": run_dir / "shards",
@@ -188,6 +203,7 @@ def test_a_link_out_of_the_run_is_refused_with_its_path(sealed, tmp_path, unchan
         "materialized": store.materialized_path(run_dir, 1),
         "plan.json": store.plan_path(run_dir),
         "launches": store.launches_path(run_dir),
+        "log": store.shard_log_path(run_dir, 1),
     }[what]
     link = move_out_and_link(path, outside)
     with unchanged(tmp_path):

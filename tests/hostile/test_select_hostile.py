@@ -63,6 +63,23 @@ def test_the_input_file_is_refused_directly_and_through_a_link(run, tmp_path, un
         refused(invoke("select", run_dir, "-o", link), str(link), "input file itself")
 
 
+def test_the_planned_input_is_refused_when_another_input_is_named(run, tmp_path, unchanged):
+    """--input names where the input is now; the file the plan was made from is still not an output."""
+    run_dir, input_path = run
+    moved = tmp_path / "moved-input.jsonl"
+    moved.write_bytes(input_path.read_bytes())
+    with unchanged(tmp_path):
+        refused(invoke("select", run_dir, "--input", moved, "-o", input_path), str(input_path), "input file itself")
+
+
+def test_a_hard_link_to_the_input_is_refused(run, tmp_path, unchanged):
+    run_dir, input_path = run
+    hard = tmp_path / "hard-link.jsonl"
+    os.link(input_path, hard)
+    with unchanged(tmp_path):
+        refused(invoke("select", run_dir, "-o", hard), str(hard), "input file itself")
+
+
 def a_character_device(tmp_path: Path) -> Path:
     """A character device that surely exists: made here with mknod (the null device's numbers, 1:3) where this
     user may (root, as in CI), else /dev/null, /dev/zero, ... whichever this machine really has as a character

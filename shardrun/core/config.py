@@ -51,7 +51,11 @@ class ShardingConfig(StrictModel):
 
 class GymConfig(StrictModel):
     config_paths: list[str] = Field(default_factory=list, description="NeMo Gym config_paths for ng_run.")
-    venv: str | None = Field(None, description="Python environment (venv dir) that has nemo-gym and uv.")
+    venv: str | None = Field(
+        None,
+        description="Python environment (venv dir) that has nemo-gym and uv (default: $SHARDRUN_GYM_VENV, else the "
+        "venv scripts/setup.sh gym builds, $SHARDRUN_CACHE/gym-venv, when it exists).",
+    )
     num_samples_in_parallel: int | None = Field(None, ge=1, le=100_000, description="Collector concurrency per shard.")
     responses_create_params: dict[str, Any] = Field(
         default_factory=dict, description="Shallow overrides merged into every row's responses_create_params."

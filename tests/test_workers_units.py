@@ -216,3 +216,12 @@ def test_the_job_after_the_workers_resubmits_only_what_may_still_run(tmp_path: P
     todo, gave_up = worker_launch.unfinished(run.run_dir, run.plan, max_attempts=3)
     assert (todo, gave_up) == ([1, 2], [3])
     assert worker_launch.after_command(run.run_dir, 2)[-3:] == [str(run.run_dir), "--round", "2"]
+
+
+def test_resume_says_it_launched_workers(tmp_path: Path) -> None:
+    from shardrun.launch import resume
+
+    run = builders.make_run(tmp_path, builders.input_rows(4), num_shards=2)
+    result = submission.SubmitResult(run.run_dir, run.plan, False, {}, [0], [], None, workers={0: "41", 1: "42"})
+    text = resume.render(result)
+    assert "launched 2 warm worker(s) (41, 42)" in text and "sealed: 1 of 2" in text

@@ -131,6 +131,11 @@ def render(result) -> str:
             f"resubmitted {len(result.jobs)} shard(s): {slurm.format_ranges(result.jobs)} "
             f"({submission.describe_jobs(result.jobs)})"
         )
+    if result.workers:
+        lines.append(
+            f"launched {len(result.workers)} warm worker(s) ({', '.join(result.workers.values())}); they claim the "
+            f"unsealed shards until none are left"
+        )
     if result.merge_job_id:
         lines.append(f"merge job {result.merge_job_id} runs when they have ended")
     if result.live:

@@ -8,7 +8,8 @@ BadInput). Here, once, before a job exists or a launch is recorded:
 - and when some shard to launch still has rollouts to collect (a shard whose every identity is accounted for
   seals without servers):
   - the Gym venv (`gym.venv`, else $SHARDRUN_GYM_VENV, else the venv `scripts/setup.sh gym` builds) holds a
-    supported nemo-gym with its commands;
+    supported nemo-gym with its commands (not looked for when Slurm jobs run in a container image: it is the
+    image's, as are the Gym configs and vLLM's interpreter);
   - every `gym.config_paths` entry, and each nested one, resolves where Gym looks for it;
   - the policy is complete: an http(s) URL with a host for each `policy.base_url`, or for `policy.vllm` an
     interpreter or launcher that exists and a model directory that exists when the model is given as a path.
@@ -41,9 +42,17 @@ def check(cfg: RunConfig, run_dir: Path, plan: Plan, env: Mapping[str, str] | No
     assert cfg.gym is not None and cfg.policy is not None
     problems = missing_environment(cfg, env)
     if needs_servers(cfg, run_dir, plan):
-        problems += gym_problems(cfg.gym, env) + policy_problems(cfg.policy, env)
+        here = not in_container(cfg)
+        problems += (gym_problems(cfg.gym, env) if here else []) + policy_problems(cfg.policy, env, here)
     if problems:
         raise BadInput(f"{run_dir}: nothing was launched; a shard would fail with this config", problems)
+
+
+def in_container(cfg: RunConfig) -> bool:
+    """Slurm jobs that run in a container image (pyxis): the venv, the Gym configs and vLLM's interpreter are
+    the image's, which cannot be looked into from here."""
+    cluster = cfg.cluster_or_default
+    return cluster.executor == "slurm" and bool(cluster.containers.get(slurm.CONTAINER_ROLE))
 
 
 def missing_environment(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:
@@ -95,7 +104,8 @@ def gym_problems(gym: GymConfig, env: Mapping[str, str]) -> list[str]:
     ]
 
 
-def policy_problems(policy: PolicyConfig, env: Mapping[str, str]) -> list[str]:
+def policy_problems(policy: PolicyConfig, env: Mapping[str, str], files_here: bool = True) -> list[str]:
+    """What is missing from the policy section; with `files_here`, also the vLLM interpreter and model path."""
     out = []
     urls = [policy.base_url] if isinstance(policy.base_url, str) else list(policy.base_url or [])
     for url in urls:
@@ -105,7 +115,7 @@ def policy_problems(policy: PolicyConfig, env: Mapping[str, str]) -> list[str]:
     if policy.base_url is not None and not urls:
         out.append("policy.base_url: an empty list; name the endpoint(s)")
     v = policy.vllm
-    if v is not None:
+    if v is not None and files_here:
         program = vllm.launcher(v, env)[0]
         if not (Path(program).is_file() if os.sep in program else shutil.which(program, path=env.get("PATH"))):
             key = "policy.vllm.command" if v.command else "policy.vllm.python"

@@ -15,6 +15,7 @@ import pytest
 from hostilekit import invoke, refused
 from reportkit import input_row, planned_run, seal_shards, write_input
 
+from shardrun.core.errors import BadInput
 from shardrun.rundir import store
 
 CONFIG = "resources_servers/math/configs/math.yaml"
@@ -192,3 +193,27 @@ def test_a_run_whose_shards_need_no_servers_resumes_without_a_venv(tmp_path, cle
     done = invoke("resume", run_dir, "--config", cfg)
     assert done.exit_code == 0, done.output
     assert store.done_path(run_dir, 1).exists()
+
+
+def test_a_container_image_holds_the_venv_so_it_is_not_looked_for_here(tmp_path, clean_env, monkeypatch):
+    """Valid but unusual: Slurm jobs in a pyxis image run the image's venv, configs and vLLM, which this machine
+    cannot see; the variables the jobs take from this shell are still checked."""
+    from shardrun.core import config
+    from shardrun.launch import preflight
+
+    image = {"executor": "slurm", "partition": "batch", "containers": {"shardrun": "/images/gym.sqsh"}}
+    path = launch_config(
+        tmp_path,
+        gym={"venv": "/opt/in-the-image/gym-venv", "config_paths": ["/opt/in-the-image/gym.yaml"]},
+        policy={"vllm": {"model": "/models/in-the-image", "python": "/opt/in-the-image/vllm-venv"}},
+        cluster=image,
+    )
+    cfg = config.load(path)
+    plan = store.scan_input(cfg)
+    preflight.check(cfg, cfg.run_dir, plan)  # nothing to refuse
+    assert not cfg.run_dir.exists()
+    monkeypatch.setenv("SHARDRUN_TEST_UNSET_KEY", "")
+    assert cfg.cluster is not None
+    keyed = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"env_vars": ["SHARDRUN_TEST_UNSET_KEY"]})})
+    with pytest.raises(BadInput, match="cluster.env_vars"):
+        preflight.check(keyed, keyed.run_dir, plan)

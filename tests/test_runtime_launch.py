@@ -1,4 +1,5 @@
-"""`shardrun submit` through submitit's real LocalExecutor, with shards that fail fast (no Gym stack needed): the
+"""`shardrun submit` through submitit's real LocalExecutor, with shards that fail fast (a stand-in Gym venv whose
+ng_run exits at once; it passes submit's preflight, so the shards are launched): the
 launch record, the job logs, the outcome per shard and exit code 4, --no-wait, launch.json without secrets, and
 the concurrency cap. The policy endpoint is the stand-in server (tests/fakes/policy_server.py)."""
 
@@ -19,6 +20,23 @@ from tests.fakes import harness
 pytestmark = pytest.mark.timeout(300)
 
 
+def broken_gym_venv(root: Path) -> Path:
+    """A venv laid out like a NeMo Gym 0.4.0 install (what `submit`'s preflight checks: the release, bin/ng_run, the
+    config paths under site-packages) whose ng_run exits at once: every shard fails fast at its Gym stack."""
+    venv = root / "broken-gym"
+    site = venv / "lib" / "python3.12" / "site-packages"
+    meta = site / "nemo_gym-0.4.0.dist-info" / "METADATA"
+    meta.parent.mkdir(parents=True)
+    meta.write_text("Metadata-Version: 2.4\nName: nemo-gym\nVersion: 0.4.0\n\n")
+    for config_path in harness.CONFIG_PATHS:
+        (site / config_path).parent.mkdir(parents=True, exist_ok=True)
+        (site / config_path).write_text("{}\n")
+    (venv / "bin").mkdir()
+    (venv / "bin" / "ng_run").write_text("#!/bin/sh\necho 'ng_run stand-in: no Gym here' >&2\nexit 3\n")
+    (venv / "bin" / "ng_run").chmod(0o755)
+    return venv
+
+
 def broken_gym_config(tmp_path: Path, policy_url: str, shards: int, parallelism: int) -> Path:
     input_jsonl = tmp_path / "input.jsonl"
     input_jsonl.write_text(
@@ -31,7 +49,7 @@ def broken_gym_config(tmp_path: Path, policy_url: str, shards: int, parallelism:
         policy_url,
         repeats=1,
         shards=shards,
-        gym={"venv": str(tmp_path / "no-gym-here")},
+        gym={"venv": str(broken_gym_venv(tmp_path))},
         cluster={"array_parallelism": parallelism},
     )
 
@@ -56,9 +74,10 @@ def test_submit_waits_and_reports_every_failed_shard(tmp_path: Path) -> None:
     assert done.returncode == 4, done.stdout + done.stderr
     assert f"run directory: {run_dir}" in done.stdout
     for i in range(3):
-        assert f"shard 0000{i}: failed (BadInput: gym venv {tmp_path / 'no-gym-here'} has no bin/ng_run" in done.stdout
+        assert f"shard 0000{i}: failed (ServerFailure: Gym servers (ng_run" in done.stdout
         failure = json.loads(store.shard_failure_path(run_dir, i).read_text())
-        assert failure["error"].startswith("BadInput") and failure["job_id"]
+        assert failure["error"].startswith("ServerFailure") and "exited with code 3" in failure["error"]
+        assert failure["job_id"]
     records = store.read_launches(run_dir)
     assert len(records) == 1 and records[0]["executor"] == "local"
     jobs = records[0]["jobs"]
@@ -67,7 +86,7 @@ def test_submit_waits_and_reports_every_failed_shard(tmp_path: Path) -> None:
     assert set(records[0]["pid_start"]) == set(jobs.values())
     for job_id in set(jobs.values()):
         assert (
-            "has no bin/ng_run"
+            "exited with code 3"
             in store.job_log_path(run_dir, job_id).read_text()
             + store.job_log_path(run_dir, job_id).with_suffix(".err").read_text()
         )

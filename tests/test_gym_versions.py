@@ -185,3 +185,17 @@ def test_the_tests_and_setup_sh_know_the_same_gym_versions() -> None:
     assert "setup.sh project gyms" in (REPO / "scripts" / "test.sh").read_text()  # CI builds every version
     for version in GYM_VERSIONS:
         gym_adapter.for_version(version)  # each has its adapter
+
+
+def test_a_gym_0_7_failure_row_gives_its_reason() -> None:
+    """The row is one nemo-gym 0.7.0 wrote for a /run whose model call the stand-in policy rejected with a 400."""
+    from shardrun.core import gym_errors
+    from shardrun.rundir import ledger
+    from tests.conftest import REPO
+
+    row = orjson.loads((REPO / "tests" / "golden" / "gym07_failure_row.json").read_bytes())
+    assert row["_ng_failure_class"] == "agent_run_error" and "reward" not in row
+    want = "/run failed with HTTP 500 (VLLMModel___policy_model: injected 400)"
+    assert gym_errors.sidecar_reason(row) == ledger.failure_reason(row) == want
+    assert ledger.failure_reason(row | {"reason": "shardrun's own"}) == "shardrun's own"
+    assert ledger.failure_reason({"_ng_failure_class": "agent_request_failed"}) == "agent_request_failed"

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import orjson
 
+from shardrun.core import gym_errors
 from shardrun.rundir import store
 from shardrun.core.config import GymConfig
 from shardrun.core.errors import ShardFailed, ShardrunError
@@ -226,7 +227,11 @@ def gave_up(terminal: bool, rows: int, max_attempts: int) -> bool:
 
 
 def failure_reason(row: Mapping[str, Any]) -> str:
-    """Why a failure row says its rollout failed: the first of REASON_KEYS that is set (JSON for non-strings)."""
+    """Why a failure row says its rollout failed: shardrun's own reason, else what Gym 0.7 recorded of the failed
+    /run (its HTTP status and innermost error), else the first of REASON_KEYS that is set (JSON for non-strings)."""
+    gym_reason = None if row.get("reason") else gym_errors.sidecar_reason(row)
+    if gym_reason:
+        return gym_reason
     for key in REASON_KEYS:
         value = row.get(key)
         if value not in (None, ""):

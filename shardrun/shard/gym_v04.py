@@ -20,13 +20,11 @@ import json
 import re
 from pathlib import Path
 
+from shardrun.core.gym_errors import reason_text
 from shardrun.shard.gym_adapter import GymAdapter, Key
 
 FAILED_RUN = re.compile(r"\[rollout_collection\] /run failed status=(\S+) row=(\{[^\n]*\})")
 RESPONSE_CONTENT = re.compile(r"Response content: (b?['\"].*)")
-MESSAGE = re.compile(r"[\"']message[\"']\s*:\s*[\"']([^\"']{1,200})")
-WHERE = re.compile(r"Hit an exception in (\S+?) calling")
-EXCEPTION = re.compile(r"\b([A-Za-z_]\w*(?:Error|Exception))\(['\"]([^'\"]{1,200})")  # e.g. a body that is no JSON
 
 
 class GymV04(GymAdapter):
@@ -36,6 +34,7 @@ class GymV04(GymAdapter):
     server_kinds = ("resources_servers", "responses_api_agents", "responses_api_models")
     repeat_level_metrics = False
     missing_policy = "omit"
+    profile_ignored_fields = ()
 
     def stack_command(self, venv: Path) -> list[str]:
         return [str(venv / "bin" / "ng_run")]
@@ -72,12 +71,3 @@ class GymV04(GymAdapter):
             out[key] = reason_text(m.group(1), last_content)
             last_content = ""
         return out
-
-
-def reason_text(status: str, content: str) -> str:
-    """A short reason: the agent's HTTP status and the innermost error message of the (nested) response body."""
-    flat = re.sub(r"\\+", "", content)
-    messages = MESSAGE.findall(flat) or [f"{name}: {text}" for name, text in EXCEPTION.findall(flat)]
-    where = WHERE.findall(flat)
-    detail = ": ".join(x for x in (where[-1] if where else "", messages[-1].strip() if messages else "") if x)
-    return f"/run failed with HTTP {status}" + (f" ({detail})" if detail else "")

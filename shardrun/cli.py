@@ -99,6 +99,12 @@ def select_cmd(
         "--order",
         help="input (the input's order) or difficulty (hardest first: lowest mean, then highest std).",
     ),
+    undecided: Optional[str] = typer.Option(
+        None,
+        "--undecided",
+        help="On an adaptive run: keep or drop the tasks stopped early that these rules are not decided on "
+        "(default: refuse and name them).",
+    ),
 ) -> None:
     """Write a curriculum subset of the original input rows, chosen by per-task reward statistics."""
     import orjson
@@ -118,7 +124,7 @@ def select_cmd(
         top_k_hardest=top_k_hardest,
     )
     key = stats_key or ("shardrun_stats" if attach_stats else None)
-    result = run(selection.select_run, run_dir, output, rules, key, input_path, stats_format, order)
+    result = run(selection.select_run, run_dir, output, rules, key, input_path, stats_format, order, undecided)
     typer.echo(
         orjson.dumps(selection.summary_json(result), option=orjson.OPT_INDENT_2).decode()
         if json_out
@@ -230,6 +236,19 @@ def resume(
         help="Accept a changed Gym or policy configuration (config files, overrides, server venvs, model); the "
         "change is recorded in the run's environment.json. Without it such a change is refused with the differences.",
     ),
+    fill: bool = typer.Option(
+        False,
+        "--fill",
+        help="Adaptive sampling: also collect the rollouts skipped because their task was decided (with a rule "
+        "below: only for the tasks it keeps or leaves undecided); their shards are unsealed and run again.",
+    ),
+    fill_agent: Optional[list[str]] = typer.Option(None, "--agent", help="--fill: the tasks of this agent."),
+    fill_min_mean: Optional[float] = typer.Option(None, "--min-mean", help="--fill: tasks with mean >= this."),
+    fill_max_mean: Optional[float] = typer.Option(None, "--max-mean", help="--fill: tasks with mean <= this."),
+    fill_drop_unsolved: bool = typer.Option(False, "--drop-unsolved", help="--fill: not the unsolved tasks."),
+    fill_drop_solved: bool = typer.Option(False, "--drop-solved", help="--fill: not the tasks every rollout solved."),
+    fill_threshold: float = typer.Option(1.0, "--solved-threshold", help="--fill: a rollout solves at this metric."),
+    fill_metric: str = typer.Option("reward", "--metric", help="--fill: the field the rule reads."),
 ) -> None:
     """Resubmit the shards that are not sealed and not queued or running (each resumes from its last complete
     rollout); refuses if the input or config no longer give the run's plan, if the Gym venv holds another nemo-gym
@@ -237,6 +256,26 @@ def resume(
     on a shard after cluster.max_attempts launches and says why."""
     from shardrun.launch import resume as resume_mod
 
+    if fill:
+        from shardrun.analysis import selection
+        from shardrun.rundir import decided
+        from shardrun.rundir import store as store_mod
+
+        rules = selection.Rules(
+            metric=fill_metric,
+            agents=tuple(fill_agent or ()),
+            min_mean=fill_min_mean,
+            max_mean=fill_max_mean,
+            drop_unsolved=fill_drop_unsolved,
+            drop_solved=fill_drop_solved,
+            solved_threshold=fill_threshold,
+        )
+        tasks = None if rules == selection.Rules() else run(selection.fill_tasks, run_dir, rules)
+        reopened = run(decided.request_fill, run_dir, run(store_mod.load_plan, run_dir), tasks)
+        typer.echo(
+            f"fill: {'every stopped task' if tasks is None else f'{len(tasks)} stopped task(s)'}; "
+            f"{len(reopened)} shard(s) unsealed to collect their skipped rollouts"
+        )
     result = run(
         resume_mod.resume,
         run_dir,

@@ -73,7 +73,7 @@ def cases(draw):
 @given(cases())
 def test_a_decided_task_gets_the_same_decision_from_every_completion(case):
     rules, agent, values, failed, m, metric_range, policy, min_repeats, inside = case
-    verdict = decide(rules, agent, Partial(tuple(values), failed, m), metric_range, policy, min_repeats)
+    verdict = decide(rules, agent, Partial.of(values, failed, m, metric_range), metric_range, policy, min_repeats)
     if m == 0:
         assert verdict == final_keep(rules, agent, values, failed, policy)
         return
@@ -89,41 +89,41 @@ def test_a_decided_task_gets_the_same_decision_from_every_completion(case):
 
 def test_solved_unsolved_filter_decides_at_the_first_pass_and_failure():
     rules = TaskRules(drop_solved=True, drop_unsolved=True)
-    assert decide(rules, "a", Partial((1.0, 0.0), 0, 14)) is KEEP
-    assert decide(rules, "a", Partial((1.0, 1.0), 0, 14)) is None
-    assert decide(rules, "a", Partial((0.0,) * 15, 0, 1)) is None  # the last one may still pass
-    assert decide(rules, "a", Partial((1.0, 0.0), 0, 14), min_repeats=4) is None
-    assert decide(rules, "a", Partial((1.0, 0.0, 0.0, 1.0), 0, 12), min_repeats=4) is KEEP
+    assert decide(rules, "a", Partial.of((1.0, 0.0), 0, 14)) is KEEP
+    assert decide(rules, "a", Partial.of((1.0, 1.0), 0, 14)) is None
+    assert decide(rules, "a", Partial.of((0.0,) * 15, 0, 1)) is None  # the last one may still pass
+    assert decide(rules, "a", Partial.of((1.0, 0.0), 0, 14), min_repeats=4) is None
+    assert decide(rules, "a", Partial.of((1.0, 0.0, 0.0, 1.0), 0, 12), min_repeats=4) is KEEP
 
 
 def test_band_decides_when_the_interval_leaves_it():
     rules = TaskRules(min_mean=0.2, max_mean=0.8)
     # 13 failures of 16: the mean is at most 3/16 < 0.2 whatever comes
-    assert decide(rules, "a", Partial((0.0,) * 13, 0, 3)) is DROP
-    assert decide(rules, "a", Partial((0.0,) * 12, 0, 4)) is None
+    assert decide(rules, "a", Partial.of((0.0,) * 13, 0, 3)) is DROP
+    assert decide(rules, "a", Partial.of((0.0,) * 12, 0, 4)) is None
     # exactly on the bound counts as inside (integers: no margin): 4 passes of 16 give at least 0.25
-    assert decide(TaskRules(min_mean=0.25), "a", Partial((1.0,) * 4, 0, 12)) is KEEP
+    assert decide(TaskRules(min_mean=0.25), "a", Partial.of((1.0,) * 4, 0, 12)) is KEEP
 
 
 def test_an_agent_outside_the_rule_is_dropped_before_any_rollout():
-    assert decide(TaskRules(agents=("b",)), "a", Partial((), 0, 16)) is DROP
-    assert decide(TaskRules(agents=("b",)), "a", Partial((), 0, 16), min_repeats=2) is None
+    assert decide(TaskRules(agents=("b",)), "a", Partial.of((), 0, 16)) is DROP
+    assert decide(TaskRules(agents=("b",)), "a", Partial.of((), 0, 16), min_repeats=2) is None
 
 
 def test_zero_policy_counts_failures_and_widens_the_range_to_zero():
     rules = TaskRules(min_mean=0.6)
-    # range [0.5, 1]: under omit 2 passes and 2 open can only end >= 0.5... not decided; under zero a failure is 0
-    assert decide(TaskRules(min_mean=0.5), "a", Partial((1.0, 1.0), 0, 2), (0.5, 1.0), "omit") is KEEP
-    assert decide(TaskRules(min_mean=0.5), "a", Partial((1.0, 1.0), 0, 2), (0.5, 1.0), "zero") is None
-    assert decide(rules, "a", Partial((1.0,), 3, 0), policy="zero") is DROP
-    assert decide(rules, "a", Partial((1.0,), 3, 0), policy="omit") is KEEP
+    # range [0.5, 1], 2 passes and 2 open: under omit the mean ends >= 0.75; under zero a failure is a 0 (0.5)
+    assert decide(rules, "a", Partial.of((1.0, 1.0), 0, 2), (0.5, 1.0), "omit") is KEEP
+    assert decide(rules, "a", Partial.of((1.0, 1.0), 0, 2), (0.5, 1.0), "zero") is None
+    assert decide(rules, "a", Partial.of((1.0,), 3, 0), policy="zero") is DROP
+    assert decide(rules, "a", Partial.of((1.0,), 3, 0), policy="omit") is KEEP
 
 
 def test_a_value_outside_the_range_is_an_error_never_a_decision():
     with pytest.raises(ValueError, match="outside metric_range"):
-        decide(TaskRules(drop_solved=True), "a", Partial((1.5,), 0, 3))
+        Partial.of((1.5,), 0, 3)
     with pytest.raises(ValueError, match="outside metric_range"):
-        decide(TaskRules(drop_solved=True), "a", Partial((float("nan"),), 0, 3))
+        Partial.of((float("nan"),), 0, 3)
     assert stopping.out_of_range([0.0, 2.0, -1.0], (0.0, 1.0)) == [2.0, -1.0]
 
 

@@ -26,7 +26,9 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
-from shardrun.rundir import safepaths, store
+from shardrun.core import stopping
+from shardrun.plan.planner import Plan
+from shardrun.rundir import safepaths, seal, store
 from shardrun.profile import taskstats
 from shardrun.core.errors import BadInput, PlanMismatch
 from shardrun.core.task_rules import TaskRules, problems
@@ -281,6 +283,7 @@ def select_run(
     input_path: Path | None = None,
     stats_format: str = "shardrun",
     order: str = "input",
+    undecided: str | None = None,
 ) -> SelectResult:
     """Choose tasks from RUN_DIR's profile and write their original input rows to `output` (atomically): in input
     order or hardest first (`order`), with shardrun's stats object under `stats_key` or NVIDIA's pass-rate fields
@@ -290,11 +293,28 @@ def select_run(
         raise BadInput(f"--stats-format {stats_format!r}: one of {', '.join(STATS_FORMATS)}")
     if order not in ORDERS:
         raise BadInput(f"--order {order!r}: one of {', '.join(ORDERS)}")
+    if undecided is not None and undecided not in UNDECIDED:
+        raise BadInput(f"--undecided {undecided!r}: one of {', '.join(UNDECIDED)}")
     nvidia = rules.solved_threshold if stats_format == "nvidia" else None
     plan = store.load_plan(run_dir)
     source = Path(input_path or plan.input.path)
     target = safepaths.output_target(Path(output), "--output", run_dir, [source, Path(plan.input.path)])
-    selection = choose(taskstats.load_profile(run_dir), rules, plan.num_tasks)
+    tasks = taskstats.load_profile(run_dir)
+    open_tasks = undecided_tasks(tasks, rules, plan, stopped_tasks(run_dir, plan))
+    if open_tasks and undecided not in UNDECIDED:
+        shown = ", ".join(map(str, open_tasks[:20])) + (
+            f" and {len(open_tasks) - 20} more" if len(open_tasks) > 20 else ""
+        )
+        raise BadInput(
+            f"{len(open_tasks)} task(s) stopped early by adaptive sampling are not decided by these rules on the "
+            f"rollouts collected: {shown}. Collect the rest with `shardrun resume {run_dir} --fill`, or say what "
+            f"to do with them: --undecided keep|drop. Nothing was written"
+        )
+    selection = choose([t for t in tasks if t.task_index not in set(open_tasks)], rules, plan.num_tasks)
+    if open_tasks and undecided == "keep":
+        extra = [t for t in tasks if t.task_index in set(open_tasks)]
+        kept = tuple(sorted((*selection.kept, *extra), key=lambda t: t.task_index))
+        selection = Selection(kept, (*selection.steps, Step("--undecided keep", len(extra), len(extra))))
     output = Path(output)
     chosen = {t.task_index: t for t in selection.kept}
     hasher = hashlib.sha256()
@@ -325,6 +345,72 @@ def select_run(
                 f"profile belongs to another input. Nothing was written"
             )
     return SelectResult(selection, output, len(found), source)
+
+
+UNDECIDED = ("keep", "drop")
+
+
+def stopped_tasks(run_dir: Path, plan: Plan) -> set[int]:
+    """Tasks some sealed shard of an adaptive run skipped rollouts of, because they were decided."""
+    if plan.sampling is None or plan.sampling.stop_when_decided is None:
+        return set()
+    out: set[int] = set()
+    for spec in plan.shards:
+        state = seal.check(run_dir, plan, spec.index)
+        if state.sealed and state.marker:
+            out.update(int(t) for t in state.marker.get("skipped_decided_tasks") or ())
+    return out
+
+
+def undecided_tasks(tasks: Sequence[TaskStat], rules: Rules, plan: Plan, stopped: set[int]) -> list[int]:
+    """The stopped tasks whose collected rollouts do not decide what `rules` do with them (core/stopping.py): rules
+    that look beyond one task, another metric than the run stopped on, or an interval that still crosses a bound."""
+    sampling = plan.sampling
+    if not stopped or sampling is None or sampling.stop_when_decided is None:
+        return []
+    same = rules.task_rules() == sampling.stop_when_decided and rules.min_std is None and rules.top_k_hardest is None
+    profiled = {t.task_index for t in tasks}
+    out = [] if same else sorted(stopped - profiled)  # no rollout collected: only the run's own rules decided them
+    for t in tasks:
+        if t.task_index not in stopped:
+            continue
+        if (
+            rules.min_std is not None
+            or rules.top_k_hardest is not None
+            or rules.metric != sampling.stop_when_decided.metric
+        ):
+            out.append(t.task_index)
+            continue
+        verdict = stopping.decide(
+            rules.task_rules(), t.agent, _partial(t, rules.metric, sampling.metric_range), sampling.metric_range
+        )
+        if verdict is None:
+            out.append(t.task_index)
+    return sorted(out)
+
+
+def fill_tasks(run_dir: Path, rules: Rules) -> list[int]:
+    """The stopped tasks `rules` keep, or may keep (undecided): what `shardrun resume --fill` with a rule collects in
+    full, so that a later `select` with those rules has every rollout of the tasks it writes."""
+    plan = store.load_plan(run_dir)
+    check_bounds(rules)
+    tasks = taskstats.load_profile(run_dir)
+    stopped = stopped_tasks(run_dir, plan)
+    open_tasks = set(undecided_tasks(tasks, rules, plan, stopped))
+    kept = {t.task_index for t in choose([t for t in tasks if t.task_index not in open_tasks], rules).kept}
+    return sorted(stopped & (kept | open_tasks))
+
+
+def _partial(t: TaskStat, metric: str, metric_range: tuple[float, float]) -> stopping.Partial:
+    """A stopped task as the decision sees it: its collected values (the rewards themselves for `reward`), and its
+    other planned rollouts open (failed ones among them: more open rollouts only widen the interval)."""
+    still_open = max(0, t.expected_num_rollouts - t.num_rollouts)
+    if metric == "reward" and len(t.rewards) == t.num_rollouts:
+        return stopping.Partial.of(t.rewards, 0, still_open, metric_range)
+    mean, low, high = t.stat("mean", metric), t.stat("min", metric), t.stat("max", metric)
+    if mean is None or low is None or high is None:
+        return stopping.Partial(0, 0.0, 0.0, 0.0, 0, still_open + t.num_rollouts)
+    return stopping.Partial(t.num_rollouts, mean * t.num_rollouts, low, high, 0, still_open, exact=False)
 
 
 def summary_rows(result: SelectResult) -> list[tuple[str, str]]:

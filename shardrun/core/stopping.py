@@ -45,12 +45,30 @@ MISSING_POLICIES = ("omit", "zero")
 
 @dataclass(frozen=True)
 class Partial:
-    """What is known of one task's rollouts: metrics of the completed ones, how many failed for good, how many are
-    still open (neither completed nor failed: not run yet, running, or skipped)."""
+    """What is known of one task's rollouts: the metrics of the completed ones (their number, sum, lowest and
+    highest), how many failed for good, how many are still open (neither completed nor failed: not run yet,
+    running, or skipped). `exact`: the sum is exact (integer values), so no margin is needed at a bound."""
 
-    values: tuple[float, ...]
+    count: int
+    total: float
+    low: float
+    high: float
     failed: int
     open: int
+    exact: bool = False
+
+    @classmethod
+    def of(
+        cls, values: Sequence[float], failed: int, open: int, metric_range: tuple[float, float] = (0.0, 1.0)
+    ) -> "Partial":
+        """From the completed rollouts' values; ValueError for a value outside `metric_range` (or not a number):
+        nobody may decide a task from data the range does not bound."""
+        bad = out_of_range(values, metric_range)
+        if bad:
+            raise ValueError(f"metric value(s) {bad[:3]} outside metric_range {list(metric_range)}")
+        exact = all(float(x).is_integer() and abs(x) <= 2**32 for x in (*values, *metric_range))
+        low, high = (min(values), max(values)) if values else (math.inf, -math.inf)
+        return cls(len(values), math.fsum(values), low, high, failed, open, exact)
 
 
 def out_of_range(values: Sequence[float], metric_range: tuple[float, float]) -> list[float]:
@@ -68,17 +86,13 @@ def decide(
     min_repeats: int = 0,
 ) -> bool | None:
     """KEEP or DROP when every completion of the open rollouts gets that decision from `rules`; None when not
-    decided (or fewer than `min_repeats` rollouts completed or failed). ValueError for a value outside the range:
-    the caller must not decide a task from data the range does not bound."""
+    decided (or fewer than `min_repeats` rollouts completed or failed)."""
     if policy not in MISSING_POLICIES:
         raise ValueError(f"unknown missing-rollout policy {policy!r} (known: {', '.join(MISSING_POLICIES)})")
-    bad = out_of_range(task.values, metric_range)
-    if bad:
-        raise ValueError(f"metric value(s) {bad[:3]} outside metric_range {list(metric_range)}")
-    counted = list(task.values) + ([0.0] * task.failed if policy == "zero" else [])
+    counted = _Counted.of(task, policy)
     if task.open == 0:  # nothing left to stop: the statistics are final
         return _keeps(rules, agent, counted)
-    if len(task.values) + task.failed < min_repeats:
+    if task.count + task.failed < min_repeats:
         return None
     if not rules.allows_agent(agent):
         return DROP
@@ -91,43 +105,62 @@ def decide(
     return None
 
 
-def _keeps(rules: TaskRules, agent: str, counted: Sequence[float]) -> bool:
-    if not counted:
+@dataclass(frozen=True)
+class _Counted:
+    """The values the final statistics count: the completed ones, and under `zero` a 0 per failed rollout."""
+
+    n: int
+    total: float
+    low: float
+    high: float
+    exact: bool
+
+    @classmethod
+    def of(cls, task: Partial, policy: str) -> "_Counted":
+        if policy == "zero" and task.failed:
+            return cls(task.count + task.failed, task.total, min(task.low, 0.0), max(task.high, 0.0), task.exact)
+        return cls(task.count, task.total, task.low, task.high, task.exact)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n
+
+
+def _keeps(rules: TaskRules, agent: str, counted: _Counted) -> bool:
+    if not counted.n:
         return rules.keeps(agent, None, None, None)
-    return rules.keeps(agent, math.fsum(counted) / len(counted), min(counted), max(counted))
+    return rules.keeps(agent, counted.mean, counted.low, counted.high)
 
 
-def _ends(counted: Sequence[float], m: int, metric_range: tuple[float, float], policy: str) -> tuple[float, float]:
-    """The lowest and the highest final mean (m > 0: some completion has at least one counted value)."""
+def _ends(counted: _Counted, m: int, metric_range: tuple[float, float], policy: str) -> tuple[float, float]:
+    """The lowest and the highest final mean (m > 0), stopping now included."""
     a, b = metric_range
     c, d = (min(a, 0.0), max(b, 0.0)) if policy == "zero" else (a, b)
-    s, n = math.fsum(counted), len(counted)
-    return (s + m * c) / (n + m), (s + m * d) / (n + m)
+    low, high = (counted.total + m * c) / (counted.n + m), (counted.total + m * d) / (counted.n + m)
+    if counted.n:
+        low, high = min(low, counted.mean), max(high, counted.mean)
+    return low, high
 
 
-def _margin(counted: Sequence[float], metric_range: tuple[float, float], bound: float) -> float:
-    """0 when every value and the range's ends are integers (their sums are exact, so the profile's mean and ours
+def _margin(counted: _Counted, metric_range: tuple[float, float], bound: float) -> float:
+    """0 when the values and the range's ends are integers (their sums are exact, so the profile's mean and ours
     are the same rounded quotient, whatever the bound); else a margin far above the rounding of a sum of floats."""
-    numbers = [*counted, *metric_range]
-    if all(float(x).is_integer() and abs(x) <= 2**32 for x in numbers):
+    if counted.exact:
         return 0.0
-    scale = max(1.0, abs(bound), *(abs(x) for x in numbers))
+    scale = max(1.0, abs(bound), abs(counted.total), *(abs(x) for x in metric_range))
     return 1e-9 * scale
 
 
-def _drop_possible(
-    rules: TaskRules, counted: Sequence[float], m: int, metric_range: tuple[float, float], policy: str
-) -> bool:
+def _drop_possible(rules: TaskRules, counted: _Counted, m: int, metric_range: tuple[float, float], policy: str) -> bool:
     """Can some completion drop the task? (Exact up to the margin, which only says yes more often.)"""
-    if not counted:  # every open rollout left out: no counted rollout, no mean
+    if not counted.n:  # every open rollout left out: no counted rollout, no mean
         return True
     th = rules.solved_threshold
-    if rules.drop_unsolved and max(counted) < th:  # open rollouts left out: still unsolved
+    if rules.drop_unsolved and counted.high < th:  # open rollouts left out: still unsolved
         return True
-    if rules.drop_solved and min(counted) >= th:  # open rollouts left out: still solved by all
+    if rules.drop_solved and counted.low >= th:  # open rollouts left out: still solved by all
         return True
-    low, high = _ends(counted, m, metric_range, policy)
-    lowest, highest = min(low, _mean(counted)), max(high, _mean(counted))
+    lowest, highest = _ends(counted, m, metric_range, policy)
     if rules.min_mean is not None and lowest < rules.min_mean + _margin(counted, metric_range, rules.min_mean):
         return True
     if rules.max_mean is not None and highest > rules.max_mean - _margin(counted, metric_range, rules.max_mean):
@@ -135,30 +168,18 @@ def _drop_possible(
     return False
 
 
-def _keep_possible(
-    rules: TaskRules, counted: Sequence[float], m: int, metric_range: tuple[float, float], policy: str
-) -> bool:
+def _keep_possible(rules: TaskRules, counted: _Counted, m: int, metric_range: tuple[float, float], policy: str) -> bool:
     """Can some completion keep the task? (An over-approximation: each condition on its own.)"""
     a, b = metric_range
     th = rules.solved_threshold
     zero_possible = policy == "zero"
     low, high = _ends(counted, m, metric_range, policy)
-    if counted:
-        low, high = min(low, _mean(counted)), max(high, _mean(counted))
     if rules.min_mean is not None and high < rules.min_mean - _margin(counted, metric_range, rules.min_mean):
         return False
     if rules.max_mean is not None and low > rules.max_mean + _margin(counted, metric_range, rules.max_mean):
         return False
-    if rules.drop_unsolved:
-        solvable = (bool(counted) and max(counted) >= th) or b >= th or (zero_possible and 0.0 >= th)
-        if not solvable:
-            return False
-    if rules.drop_solved:
-        failable = (bool(counted) and min(counted) < th) or a < th or (zero_possible and 0.0 < th)
-        if not failable:
-            return False
+    if rules.drop_unsolved and not (counted.high >= th or b >= th or (zero_possible and 0.0 >= th)):
+        return False
+    if rules.drop_solved and not (counted.low < th or a < th or (zero_possible and 0.0 < th)):
+        return False
     return True
-
-
-def _mean(counted: Sequence[float]) -> float:
-    return math.fsum(counted) / len(counted)

@@ -47,6 +47,7 @@ class ShardStatus:
     log: str | None  # the latest job's log
     gpu_hours: float
     gave_up: bool  # failed max_attempts times: resume will not resubmit it
+    skipped_decided: int = 0  # rows its seal records as skipped because their task was decided (adaptive sampling)
 
     @property
     def done(self) -> int:
@@ -77,6 +78,8 @@ class RunStatus:
     workers: list[dict] = field(default_factory=list)  # warm workers: job, host, state, shard, sealed, servers
     stale_claims: list[dict] = field(default_factory=list)  # claims not renewed within the lease
     worker_cost: dict = field(default_factory=dict)  # cost.workers_row: start-up, collecting, idle GPU-hours
+    skipped_decided: int = 0  # rollouts never run because their task was decided (adaptive sampling)
+    saved_gpu_hours: float | None = None  # what they would have cost at the sealed shards' GPU-hours per rollout
 
     @property
     def complete(self) -> bool:
@@ -236,6 +239,7 @@ def classify(
             log,
             float(marker.get("gpu_hours") or 0.0),
             False,
+            int(marker.get("num_skipped_decided", 0)),
         )
     rollouts, failed = counts
     ignored = "" if seal_state.reason == "no marker" else seal_state.reason
@@ -412,7 +416,7 @@ def collect(
         gained = done - int(latest.get("done_at_submit") or 0)
         if elapsed > 0 and gained > 0:
             rate = gained / elapsed * 60
-            remaining = plan.num_rollouts - done
+            remaining = plan.num_rollouts - done - sum(s.skipped_decided for s in shards)
             if counts[RUNNING] + counts[PENDING] > 0 and remaining > 0:
                 eta = remaining / (rate / 60)
     return RunStatus(
@@ -438,6 +442,8 @@ def collect(
         stale_claims=stale,
         worker_cost=worker_cost,
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))),
+        skipped_decided=sum(s.skipped_decided for s in shards),
+        saved_gpu_hours=saved_gpu_hours(shards),
     )
 
 
@@ -574,6 +580,17 @@ def duration(seconds: float) -> str:
     return f"{m}m {s:02d}s"
 
 
+def saved_gpu_hours(shards: list[ShardStatus]) -> float | None:
+    """GPU-hours the skipped rollouts would have cost, at the sealed shards' GPU-hours per rollout run (None when
+    nothing was skipped or no sealed shard ran a rollout)."""
+    sealed = [s for s in shards if s.state == SEALED]
+    skipped = sum(s.skipped_decided for s in sealed)
+    ran = sum(s.done for s in sealed)
+    if not skipped or not ran:
+        return None
+    return skipped * sum(s.gpu_hours for s in sealed) / ran
+
+
 _LABEL = {SEALED: "sealed", RUNNING: "running", PENDING: "pending", FAILED: "failed", NEVER_STARTED: "never started"}
 
 
@@ -586,8 +603,19 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
         ("shards", " · ".join(f"{_LABEL[k]} {st.counts[k]:,}" for k in STATES)),
         (
             "rollouts",
-            f"{st.done:,} / {st.planned:,} {progress_bar(st.done, st.planned)}"
+            f"{st.done:,} / {st.planned:,} {progress_bar(st.done + st.skipped_decided, st.planned)}"
             + (f" ({st.failed_rollouts:,} recorded as failed)" if st.failed_rollouts else ""),
+        ),
+        *(
+            [
+                (
+                    "skipped (decided)",
+                    f"{st.skipped_decided:,} rollouts ({100 * st.skipped_decided / st.planned:.0f}% of planned)"
+                    + (f", about {st.saved_gpu_hours:,.2f} GPU-hours saved" if st.saved_gpu_hours is not None else ""),
+                )
+            ]
+            if st.skipped_decided
+            else []
         ),
         ("throughput", f"{st.throughput_per_min:,.1f} rollouts/min" if st.throughput_per_min else "-"),
         ("ETA", duration(st.eta_s) if st.eta_s is not None else ("done" if st.complete else "-")),

@@ -56,10 +56,11 @@ class Ledger:
     usage: dict[str, int] = field(default_factory=dict)
     reasons: dict[Key, str] = field(default_factory=dict)
     sidecar_rows: int = 0  # failure rows in rollouts_failures.jsonl (agents may write one per failed attempt)
+    skipped: set[Key] = field(default_factory=set)  # skipped because decided (adaptive sampling): never run
 
     @property
     def pending(self) -> list[Key]:
-        return [k for k in self.planned if k not in self.done and k not in self.failed]
+        return [k for k in self.planned if k not in self.done and k not in self.failed and k not in self.skipped]
 
     @property
     def complete(self) -> bool:

@@ -39,6 +39,8 @@ def make_marker(
     extra: dict[str, Any] | None = None,
     gym_version: str | None = None,
     worker: dict[str, Any] | None = None,
+    skipped_decided_tasks: list[int] | None = None,
+    num_skipped_decided: int = 0,
 ) -> dict[str, Any]:
     """The marker's content (pure). Times are Unix seconds; `extra` holds optional accounting such as tokens."""
     marker = {
@@ -62,6 +64,11 @@ def make_marker(
     }
     if gym_version is not None:
         marker["gym_version"] = gym_version  # the nemo-gym release the shard ran with
+    if (
+        num_skipped_decided
+    ):  # adaptive sampling: rows never run because their task was decided (not failed, not missing)
+        marker["num_skipped_decided"] = num_skipped_decided
+        marker["skipped_decided_tasks"] = sorted(skipped_decided_tasks or ())
     if worker:
         marker["worker"] = worker  # the warm worker that sealed it: {id, servers_warm, ...} (docs/workers.md)
     if extra:
@@ -99,6 +106,8 @@ OPTIONAL_FIELDS = {
     "extra": "an object",
     "gym_version": _TEXT,
     "worker": "an object",
+    "num_skipped_decided": _COUNT,
+    "skipped_decided_tasks": "a list",
 }
 """The marker's fields and what each must be: a marker with a field of another type is invalid (ignored and
 reported), so no reader of a marker ever meets "16" where it counts rollouts. `host` and `job_id` may be null."""
@@ -112,6 +121,8 @@ def _is(value: Any, kind: str) -> bool:
         return number and math.isfinite(value)
     if kind == _TEXT:
         return isinstance(value, str)
+    if kind == "a list":
+        return isinstance(value, list)
     return isinstance(value, dict)
 
 
@@ -175,7 +186,7 @@ def check(run_dir: Path, plan: Plan, shard_index: int, deep: bool = False) -> Se
     if wrong:
         return SealState(False, f"{path}: invalid marker, {wrong}; ignored")
     planned = plan.shards[shard_index].num_rollouts
-    accounted = marker["num_rollouts"] + marker["num_failed"]
+    accounted = marker["num_rollouts"] + marker["num_failed"] + marker.get("num_skipped_decided", 0)
     if accounted != planned:
         return SealState(
             False, f"{path}: marker accounts for {accounted} of {planned} planned rollouts; ignored", marker

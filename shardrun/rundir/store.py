@@ -577,6 +577,22 @@ def gym_dir(run_dir: Path, index: int) -> Path:
     return shard_dir(run_dir, index) / GYM_DIR
 
 
+def collect_dir(run_dir: Path, index: int) -> Path:
+    """The collector's view of a shard that skips decided tasks (adaptive sampling): its own materialized file
+    (the planned rows less the skipped ones) beside links to the shard's rollouts.jsonl and failures sidecar, so
+    Gym, which finds the materialized file beside its output, dispatches only the rows still to collect."""
+    return shard_dir(run_dir, index) / COLLECT_DIR
+
+
+COLLECT_DIR = "collect"
+FILL_FILE = "fill.json"
+
+
+def fill_path(run_dir: Path) -> Path:
+    """The tasks `shardrun resume --fill` asked to collect in full (adaptive sampling): never skipped again."""
+    return Path(run_dir) / FILL_FILE
+
+
 def env_yaml_path(run_dir: Path, index: int) -> Path:
     """Gym's env.yaml (policy URL, key, model), 0600, present only while the shard's Gym stack runs."""
     return gym_dir(run_dir, index) / ENV_YAML

@@ -16,24 +16,38 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Collection, Mapping
+
+import orjson
 
 from shardrun.shard import processes
 from shardrun.rundir import store
 from shardrun.core.config import GymConfig
+from shardrun.core.gym_names import FAILURES, MATERIALIZED, ROLLOUT_KEY, ROLLOUTS, TASK_KEY
 from shardrun.shard.gym_adapter import GymAdapter
 from shardrun.shard.gym_stack import HEAD_HOST, GymStack, stack_env
 
 ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"  # read by Gym's resume (0.4 and 0.7): the retry cap per identity
 
 
-def command(adapter: GymAdapter, venv: Path, stack_port: int, run_dir: Path, index: int, gym: GymConfig) -> list[str]:
+def command(
+    adapter: GymAdapter,
+    venv: Path,
+    stack_port: int,
+    run_dir: Path,
+    index: int,
+    gym: GymConfig,
+    view: Path | None = None,
+) -> list[str]:
+    """The collector's command line; `view` (a `skipping_view`) in place of the shard directory when rows are
+    skipped."""
+    where = view or store.shard_dir(run_dir, index)
     cmd = [
         *adapter.collect_command(venv),
         f"+head_server.host={HEAD_HOST}",
         f"+head_server.port={stack_port}",
-        f"+input_jsonl_fpath={store.materialized_path(run_dir, index)}",
-        f"+output_jsonl_fpath={store.rollouts_path(run_dir, index)}",
+        f"+input_jsonl_fpath={where / MATERIALIZED}",
+        f"+output_jsonl_fpath={where / ROLLOUTS}",
         "+resume_from_cache=true",
         "+disable_aggregation=true",
         "+upload_rollouts_to_wandb=false",
@@ -52,18 +66,39 @@ def start(
     index: int,
     gym: GymConfig,
     env: Mapping[str, str] | None = None,
+    view: Path | None = None,
 ) -> processes.Proc:
     """Start one collector round (after the caller repaired a torn tail of rollouts.jsonl)."""
     base = dict(os.environ if env is None else env)
     cmd_env = stack_env(base, venv, stack.ray_tmp, gym.server_venvs == "shared")
     cmd_env[ATTEMPTS_ENV] = str(gym.max_rollout_attempts)
     return processes.start(
-        command(adapter, venv, stack.port, run_dir, index, gym),
+        command(adapter, venv, stack.port, run_dir, index, gym, view),
         store.collector_log_path(run_dir, index),
         name="ng_collect_rollouts",
         cwd=store.gym_dir(run_dir, index),
         env=cmd_env,
     )
+
+
+def skipping_view(run_dir: Path, index: int, skip: Collection[tuple[int, int]]) -> Path:
+    """The shard as the collector should see it when rows are skipped because decided (adaptive sampling):
+    `store.collect_dir` with the planned rows less `skip` as its materialized file, and links to the shard's own
+    rollouts.jsonl and failures sidecar, which Gym appends to (through the links) and resumes from as usual."""
+    view = store.collect_dir(run_dir, index)
+    view.mkdir(exist_ok=True)
+    with store.atomic_writer(view / MATERIALIZED) as f:
+        for raw in store.complete_lines(store.materialized_path(run_dir, index)):
+            row = orjson.loads(raw)
+            if (row[TASK_KEY], row[ROLLOUT_KEY]) not in skip:
+                f.write(raw)
+    store.failures_path(run_dir, index).touch()
+    for name in (ROLLOUTS, FAILURES):
+        link = view / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        os.symlink(os.path.join(os.pardir, name), link)
+    return view
 
 
 def failed_identities(adapter: GymAdapter, log_text: str) -> dict[tuple[int, int], str]:

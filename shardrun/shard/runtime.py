@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 from shardrun.shard import collector
 from shardrun.shard import gym_adapter
 from shardrun.shard import gym_stack
+from shardrun.rundir import decided
 from shardrun.rundir import ledger
 from shardrun.shard import policy
 from shardrun.rundir import seal
@@ -267,10 +268,12 @@ class Shard:
         self.collect_s = 0.0
         self.teardown_started: float | None = None
         self.gym_version: str | None = plan.gym_version
+        self.skipped: set[tuple[int, int]] = set()  # rows skipped because their task is decided (adaptive sampling)
 
     def run(self) -> dict:
         """Seal first, then tear down: a walltime that hits during teardown cannot cost the seal."""
         self.prepare_files()
+        self.decide()
         book = self.ledger()
         if not book.pending:
             self.log("every planned rollout is already accounted for; sealing without starting servers")
@@ -331,8 +334,27 @@ class Shard:
         with contextlib.suppress(FileNotFoundError):
             store.env_yaml_path(self.run_dir, self.index).unlink()  # left by a killed attempt
 
+    def decide(self) -> None:
+        """Adaptive sampling: skip the rows of the tasks that the rollouts already on disk decide (rundir/decided.py).
+        Each start decides afresh; a decision is monotone, so a row skipped once is skipped by every later start."""
+        if self.plan.sampling is None or self.plan.sampling.stop_when_decided is None:
+            return
+        found = decided.decide_shard(self.run_dir, self.plan, self.index, self.gym.max_rollout_attempts)
+        for e in found.errors[:10]:
+            self.log(
+                f"error: rollout {e.task}:{e.rollout} has {self.plan.sampling.stop_when_decided.metric} {e.value!r}, "
+                f"outside sampling.metric_range {list(self.plan.sampling.metric_range)}: task {e.task} is not decided"
+            )
+        self.skipped = found.skip
+        kept = sum(1 for t in found.skipped_tasks if found.verdicts[t])
+        self.log(
+            f"adaptive sampling: {len(found.verdicts)} of {found.tasks} tasks decided; skipping {len(found.skip)} "
+            f"rollouts of {len(found.skipped_tasks)} tasks ({kept} kept, {len(found.skipped_tasks) - kept} dropped)"
+        )
+
     def ledger(self) -> ledger.Ledger:
         book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
+        book.skipped = self.skipped
         due = ledger.quarantine(
             self.run_dir, self.index, book, self.gym.max_rollout_attempts, ledger.last_reasons(self.run_dir, self.index)
         )
@@ -342,6 +364,7 @@ class Shard:
                 + ", ".join(f"{t}:{r}" for t, r in due[:10])
             )
             book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
+            book.skipped = self.skipped
         return book
 
     # ------------------------------------------------------------ servers
@@ -407,7 +430,8 @@ class Shard:
         offset = collector.log_size(log_path)
         self.log(f"collector round {round_no}: {pending} rollouts")
         t0 = time.monotonic()
-        proc = collector.start(adapter, venv, stack, self.run_dir, self.index, self.gym)
+        view = collector.skipping_view(self.run_dir, self.index, self.skipped) if self.skipped else None
+        proc = collector.start(adapter, venv, stack, self.run_dir, self.index, self.gym, view=view)
         try:
             rc = watchdog.watch(
                 proc,
@@ -451,6 +475,8 @@ class Shard:
             extra=dict(book.usage) or None,
             gym_version=self.gym_version,
             worker=self.worker,
+            skipped_decided_tasks=sorted({t for t, _ in self.skipped}),
+            num_skipped_decided=len(self.skipped),
         )
         seal.write_marker(self.run_dir, self.index, marker)
         return marker

@@ -121,8 +121,12 @@ class Candidate:
         return max(0, self.planned - self.done)
 
 
-def order(candidates: list[Candidate]) -> list[Candidate]:
-    """Partial progress first (a shard that was stopped or killed), then the longest expected first."""
+def order(candidates: list[Candidate], by_wave: bool = False) -> list[Candidate]:
+    """Partial progress first (a shard that was stopped or killed), then the longest expected first; `by_wave`
+    (adaptive sampling, whose shards are cut wave-major): then in shard order, so earlier waves run first and
+    later shards find more of their tasks decided."""
+    if by_wave:
+        return sorted(candidates, key=lambda c: (c.done == 0, c.index))
     return sorted(candidates, key=lambda c: (c.done == 0, -c.pending, c.index))
 
 
@@ -325,7 +329,8 @@ class Worker:
             rate = rate_per_s(markers)
             left = self.time_left()
             room = None if left is None else left - self.drain_s
-            for c in order(found):
+            adaptive = self.plan.sampling is not None and self.plan.sampling.stop_when_decided is not None
+            for c in order(found, by_wave=adaptive):
                 if not fits(c, rate, room):
                     self.log(f"shard {c.index}: {c.pending} rollouts would not finish before the time limit; skipped")
                     continue

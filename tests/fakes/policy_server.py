@@ -1,7 +1,7 @@
 """Stand-in OpenAI-compatible policy server for tests (a fake at the one seam shardrun does not own: the model).
 
 Run it as a subprocess:  python tests/fakes/policy_server.py --port 21001 [--model fake-model]
-    [--correct-share 0.5] [--api-key KEY] [--delay SECONDS] [--request-log FILE] [--fault KIND:COND[,COND...]] ...
+    [--correct-share 0.5] [--shares FILE] [--api-key KEY] [--delay SECONDS] [--request-log FILE] [--fault KIND:COND[,COND...]] ...
 
 It also stands in for a self-hosted vLLM (`policy.vllm.command: [python, tests/fakes/policy_server.py, ...]`): it
 takes vLLM's `--served-model-name` and `--host`, ignores the flags it does not know, reads the key from VLLM_API_KEY,
@@ -12,7 +12,8 @@ POST /_fault (JSON {"faults": ["KIND:COND", ...], "delay": SECONDS}) to change a
 
 Answers are a pure function of the conversation and the request's `seed`: "What is a op b?" gets
 `\\boxed{a op b}` (correct) or `\\boxed{a op b + 1}` for a deterministic share of (prompt, seed) pairs; other
-prompts get a boxed hash. A first turn that offers tools gets one call of the first tool (required string
+prompts get a boxed hash. `--shares FILE` (a JSON object {"What is a op b?": share}) gives a question its own
+share: a task's known pass rate (0: never solved, 1: always). A first turn that offers tools gets one call of the first tool (required string
 arguments filled with "San Francisco"); once a tool result is in the conversation the answer is text.
 
 Faults, for requests that match every condition (seed=N, match=SUBSTRING, nth=N: the N-th chat request, 1-based;
@@ -63,8 +64,10 @@ def is_correct(prompt: str, seed: Any, share: float) -> bool:
     return int(h[:8], 16) / 2**32 < share
 
 
-def answer_text(prompt: str, seed: Any, share: float) -> str:
+def answer_text(prompt: str, seed: Any, share: float, shares: dict[str, float] | None = None) -> str:
     m = ARITH.search(prompt)
+    if m and shares:
+        share = shares.get(m.group(0), share)
     if not m:
         return (
             "The answer is \\boxed{" + str(int(hashlib.sha256(f"{prompt}|{seed}".encode()).hexdigest()[:4], 16)) + "}."
@@ -91,7 +94,9 @@ def tool_call(tool: dict[str, Any], seed: Any) -> dict[str, Any]:
     }
 
 
-def completion(body: dict[str, Any], model: str, share: float) -> dict[str, Any]:
+def completion(
+    body: dict[str, Any], model: str, share: float, shares: dict[str, float] | None = None
+) -> dict[str, Any]:
     messages = body.get("messages") or []
     seed = body.get("seed")
     prompt = prompt_text(messages)
@@ -100,7 +105,7 @@ def completion(body: dict[str, Any], model: str, share: float) -> dict[str, Any]
         message = {"role": "assistant", "content": None, "tool_calls": [tool_call(tools[0], seed)]}
         finish, text = "tool_calls", json.dumps(message["tool_calls"])
     else:
-        text = answer_text(prompt, seed, share)
+        text = answer_text(prompt, seed, share, shares)
         message = {"role": "assistant", "content": text}
         finish = "stop"
     prompt_tokens = max(1, sum(len(str(m.get("content") or "")) for m in messages) // 4)
@@ -124,6 +129,7 @@ class State:
     def __init__(self, args: argparse.Namespace):
         self.model = args.model
         self.share = args.correct_share
+        self.shares = json.loads(open(args.shares).read()) if args.shares else None
         self.api_key = args.api_key
         self.faults = [parse_fault(f) for f in args.fault]
         self.log_path = args.request_log
@@ -232,7 +238,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             if st.delay:
                 time.sleep(st.delay)
-            self._send(200, completion(body, st.model, st.share))
+            self._send(200, completion(body, st.model, st.share, st.shares))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -241,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--model", default="fake-model")
     p.add_argument("--correct-share", type=float, default=0.5)
+    p.add_argument("--shares", default=None, help='JSON file {"What is a op b?": share}: per-question shares')
     p.add_argument("--api-key", default=None, help="require this Bearer key (401 otherwise)")
     p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each (good) answer")
     p.add_argument("--request-log", default=None, help="append one JSON line per chat request")

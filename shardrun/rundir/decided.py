@@ -1,0 +1,157 @@
+"""Which of a shard's tasks the rollouts already in the run directory decide (adaptive sampling, docs/adaptive-sampling.md).
+
+Read when a shard starts (its own job, or a warm worker claiming it): the shard's planned rows say which tasks it
+holds and how many rollouts each task has in all (its agent's repeats); every shard's rollouts.jsonl (complete
+lines, the first row of each identity, as the merge counts them) and failures sidecar (identities failed for good
+by the ledger's gate) say what is known of those tasks. A task is decided when `core.stopping.decide` says so
+under the plan's `sampling` settings; its rows in this shard that are neither done nor failed are skipped.
+
+Failed rollouts follow the per-task profile's rule, the one `select` reads: a failed rollout is left out of the
+task's statistics (the `omit` policy; the `zero` policy of profile/denominator.py changes only the aggregate
+metrics). A completed rollout whose metric is missing, not a number or outside `sampling.metric_range` is an error
+of that rollout: its task is never decided (all its rollouts are collected) and the error is reported.
+
+Everything here only reads; the decision is monotone (more rollouts only narrow what a task can end as), so
+reading while other shards write can cost extra rollouts, never a different result.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Collection
+
+import orjson
+
+from shardrun.core import stopping
+from shardrun.core.errors import RunDirError
+from shardrun.core.gym_names import AGENT_KEY, ROLLOUT_KEY, TASK_KEY
+from shardrun.core.stopping import Partial
+from shardrun.plan import planner
+from shardrun.plan.planner import Plan
+from shardrun.rundir import ledger, seal, store
+
+Key = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class RangeError:
+    """A completed rollout whose metric the decision cannot use."""
+
+    task: int
+    rollout: int
+    value: Any
+
+
+@dataclass
+class ShardDecisions:
+    """What the run directory decides for one shard's tasks."""
+
+    verdicts: dict[int, bool] = field(default_factory=dict)  # decided tasks: keep (True) or drop (False)
+    skip: set[Key] = field(default_factory=set)  # this shard's rows of decided tasks, neither done nor failed
+    errors: list[RangeError] = field(default_factory=list)
+    tasks: int = 0  # tasks the shard holds
+
+    @property
+    def skipped_tasks(self) -> list[int]:
+        return sorted({t for t, _ in self.skip})
+
+
+def decide_shard(run_dir: Path, plan: Plan, index: int, max_attempts: int | None = None) -> ShardDecisions:
+    """The decisions for shard `index` from the run directory alone (nothing when the plan does not stop early)."""
+    sampling = plan.sampling
+    if sampling is None or sampling.stop_when_decided is None:
+        return ShardDecisions()
+    rules = sampling.stop_when_decided
+    fill_all, filled = fill_requested(run_dir)
+    if fill_all:
+        return ShardDecisions()
+    attempts = ledger.launched_max_attempts(run_dir) if max_attempts is None else max_attempts
+    planned: dict[Key, str] = {}
+    agents: dict[int, str] = {}
+    for row in store.iter_jsonl_objects(store.materialized_path(run_dir, index)):
+        key = (row[TASK_KEY], row[ROLLOUT_KEY])
+        ref = row.get(AGENT_KEY)
+        agent = ref.get("name") if isinstance(ref, dict) else None
+        agents[key[0]] = agent if isinstance(agent, str) else str(agent)
+        planned[key] = agents[key[0]]
+    out = ShardDecisions(tasks=len(agents))
+    if not agents:
+        return out
+    values: dict[Key, Any] = {}
+    failure_rows: dict[Key, list[dict[str, Any]]] = defaultdict(list)
+    for s in range(len(plan.shards)):
+        for row in store.iter_jsonl_objects(store.rollouts_path(run_dir, s)):
+            key = (row.get(TASK_KEY), row.get(ROLLOUT_KEY))
+            if key[0] in agents and key not in values:
+                values[key] = row.get(rules.metric)
+        for row in store.iter_jsonl_objects(store.failures_path(run_dir, s)):
+            key = (row.get(TASK_KEY), row.get(ROLLOUT_KEY))
+            if key[0] in agents:
+                failure_rows[key].append(row)
+    failed = {k for k, rows in failure_rows.items() if k not in values and ledger.failed_for_good(rows, attempts)}
+    by_task: dict[int, list[Any]] = defaultdict(list)
+    for (t, r), v in sorted(values.items()):
+        by_task[t].append((r, v))
+    failed_per_task: dict[int, int] = defaultdict(int)
+    for t, _ in failed:
+        failed_per_task[t] += 1
+    for task, agent in agents.items():
+        if task in filled:
+            continue
+        k = planner.repeats_for(agent, plan.planning["num_repeats"]) or 0
+        got = by_task.get(task, [])
+        bad = [(r, v) for r, v in got if stopping.out_of_range([v], sampling.metric_range)]
+        if bad:
+            out.errors.extend(RangeError(task, r, v) for r, v in bad)
+            continue
+        numbers = [float(v) for _, v in got]
+        still_open = max(0, k - len(numbers) - failed_per_task[task])
+        partial = Partial.of(numbers, failed_per_task[task], still_open, sampling.metric_range)
+        verdict = stopping.decide(rules, agent, partial, sampling.metric_range, "omit", sampling.min_repeats)
+        if verdict is not None:
+            out.verdicts[task] = verdict
+    out.skip = {key for key in planned if key[0] in out.verdicts and key not in values and key not in failed}
+    return out
+
+
+# ---------------------------------------------------------------- filling (`shardrun resume --fill`)
+
+
+def fill_requested(run_dir: Path) -> tuple[bool, set[int]]:
+    """(every task, the tasks) a fill asked for: never skipped again."""
+    try:
+        data = orjson.loads(store.fill_path(run_dir).read_bytes())
+    except FileNotFoundError:
+        return False, set()
+    except orjson.JSONDecodeError as e:
+        raise RunDirError(
+            f"{store.fill_path(run_dir)}: not valid JSON ({e}); remove it and run the fill again"
+        ) from None
+    if not isinstance(data, dict):
+        raise RunDirError(f"{store.fill_path(run_dir)}: not a JSON object; remove it and run the fill again")
+    return data.get("all") is True, {int(t) for t in data.get("tasks") or ()}
+
+
+def request_fill(run_dir: Path, plan: Plan, tasks: Collection[int] | None) -> list[int]:
+    """Ask for the skipped rollouts of `tasks` (None: of every task) to be collected: record the tasks in fill.json
+    (they are never skipped again) and unseal each sealed shard that skipped rows of them, so that `resume` runs it;
+    it resumes from its rollouts and collects only the skipped rows. Returns the shards unsealed."""
+    with store.run_lock(run_dir):
+        before_all, before = fill_requested(run_dir)
+        if tasks is None or before_all:
+            record: dict[str, Any] = {"all": True}
+            wanted: set[int] | None = None
+        else:
+            wanted = set(before) | {int(t) for t in tasks}
+            record = {"tasks": sorted(wanted)}
+        store.atomic_write_json(store.fill_path(run_dir), record)
+        reopened = []
+        for spec in plan.shards:
+            state = seal.check(run_dir, plan, spec.index)
+            skipped = set((state.marker or {}).get("skipped_decided_tasks") or ()) if state.sealed else set()
+            if skipped and (wanted is None or skipped & wanted):
+                store.done_path(run_dir, spec.index).unlink()
+                reopened.append(spec.index)
+        return reopened

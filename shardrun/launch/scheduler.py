@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig
-from shardrun.core.errors import ShardrunError
+from shardrun.core import slurm_values
+from shardrun.core.errors import RunDirError, ShardrunError
 
 COMMAND_TIMEOUT_S = 60.0
 
@@ -58,7 +59,16 @@ class LiveJob:
 
 
 def squeue_command(names: Iterable[str]) -> list[str]:
-    return ["squeue", "--noheader", "--array", f"--name={','.join(sorted(set(names)))}", f"--format={SQUEUE_FORMAT}"]
+    """squeue for jobs with these names. Names come from the run's launch records too: one that is not a Slurm
+    name (a comma would widen --name into a list of other jobs) is refused, not asked for."""
+    names = sorted(set(names))
+    for name in names:
+        if not slurm_values.NAME.fullmatch(name):
+            raise RunDirError(
+                f"job name {name!r} (from the run's launch records) is not a Slurm name ({slurm_values.NAME_RULE}); "
+                f"not asking squeue for it: launches.jsonl was edited or damaged"
+            )
+    return ["squeue", "--noheader", "--array", f"--name={','.join(names)}", f"--format={SQUEUE_FORMAT}"]
 
 
 def parse_squeue(text: str) -> dict[str, LiveJob]:
@@ -187,6 +197,9 @@ def describe_ended(job: SacctJob) -> str:
 def cancel(job_ids: Iterable[str]) -> list[str]:
     """scancel the given job (or array) ids; returns them."""
     ids = sorted(set(job_ids))
+    for job_id in ids:
+        if not re.fullmatch(r"\d+(?:_\d+)?", job_id):  # never an option: scancel takes '--user=...' too
+            raise SlurmError(f"not a Slurm job id: {job_id!r}; nothing was cancelled")
     if ids:
         _run(["scancel", *ids])
     return ids

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from shardrun.plan import planner
 from shardrun.rundir import safepaths
 from shardrun.core import gym_version
+from shardrun.core import slurm_values
 from shardrun.core.config import RunConfig
 from shardrun.core.errors import BadInput, PlanMismatch, RunDirError
 from shardrun.core.gym_names import FAILURES, MATERIALIZED, ROLLOUTS
@@ -536,8 +537,43 @@ def append_launch(run_dir: Path, record: dict) -> None:
 
 
 def read_launches(run_dir: Path) -> list[dict]:
-    """Every launch record, oldest first."""
-    return [orjson.loads(raw) for raw in complete_lines(launches_path(run_dir))]
+    """Every launch record, oldest first. RunDirError naming the line for one that is not JSON or whose fields have
+    the wrong types (the file was edited or damaged): its job ids and names would reach Slurm commands."""
+    path = launches_path(run_dir)
+    records = []
+    for line_no, raw in enumerate(complete_lines(path), 1):
+        try:
+            rec = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise RunDirError(f"{path}:{line_no}: not a launch record ({e}); the file was edited or damaged") from None
+        wrong = _wrong_launch_field(rec)
+        if wrong:
+            raise RunDirError(f"{path}:{line_no}: invalid launch record: {wrong}; the file was edited or damaged")
+        records.append(rec)
+    return records
+
+
+def _wrong_launch_field(rec: object) -> str | None:
+    if not isinstance(rec, dict):
+        return "not an object"
+    jobs = rec.get("jobs", {})
+    if not isinstance(jobs, dict):
+        return "'jobs' is not an object"
+    for key, job_id in jobs.items():
+        if not key.isdigit() or isinstance(job_id, bool) or not isinstance(job_id, (str, int)):
+            return f"'jobs' maps {key!r} to {job_id!r}, not a shard index to a job id"
+    for name in ("executor", "tag", "merge_job_name", "merge_job_id", "host"):
+        if rec.get(name) is not None and not isinstance(rec[name], str):
+            return f"{name!r} is not a string"
+    for name in ("tag", "merge_job_name"):
+        if rec.get(name) is not None and not slurm_values.NAME.fullmatch(rec[name]):
+            return f"{name!r} {rec[name]!r} is not a Slurm job name ({slurm_values.NAME_RULE})"
+    at = rec.get("submitted_at")
+    if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float))):
+        return "'submitted_at' is not a number"
+    if not isinstance(rec.get("pid_start", {}), dict):
+        return "'pid_start' is not an object"
+    return None
 
 
 _BLANK_LINE = re.compile(rb"(?<=\n)\n")

@@ -7,6 +7,7 @@ empty directory, a name with spaces, a run directory that is itself a link, a us
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -296,3 +297,43 @@ def test_a_marker_without_a_field_it_needs_is_ignored_and_reported(sealed, tmp_p
     with unchanged(tmp_path):
         st = invoke("status", run_dir, "--all")
     assert st.exit_code == 0 and "invalid marker" in st.output and "rollouts_bytes" in st.output, st.output
+
+
+# ---------------------------------------------------------------- launch records edited or damaged
+
+SLURM_RECORD = {
+    "executor": "slurm",
+    "submitted_at": 1_700_000_000.0,
+    "host": "login1",
+    "jobs": {"0": "7_0", "1": "7_1", "2": "7_2"},
+    "tag": "shardrun-0123456789",
+    "merge_job_name": "shardrun-0123456789-merge",
+    "arrays": ["7"],
+}
+
+
+@pytest.mark.parametrize(
+    "line, named",
+    [
+        (json.dumps(SLURM_RECORD | {"tag": "shardrun-0123456789,other-users-job"}), "'tag'"),
+        (json.dumps(SLURM_RECORD | {"merge_job_name": "x\ny"}), "'merge_job_name'"),
+        (json.dumps(SLURM_RECORD | {"jobs": {"zero": "7_0"}}), "'jobs'"),
+        (json.dumps(SLURM_RECORD | {"jobs": ["7_0"]}), "'jobs'"),
+        (json.dumps(SLURM_RECORD | {"submitted_at": "yesterday"}), "'submitted_at'"),
+        (json.dumps([SLURM_RECORD]), "not an object"),
+        ('{"executor": "slurm", "jobs": {"0": ', None),  # a torn last line: no newline, skipped
+        ("not json at all", "not a launch record"),
+    ],
+)
+def test_an_edited_launch_record_is_refused_with_its_line(sealed, tmp_path, unchanged, line, named):
+    run_dir, _ = sealed
+    good = json.dumps(SLURM_RECORD | {"jobs": {"0": "7_0"}})
+    torn = named is None
+    store.launches_path(run_dir).write_text(good + "\n" + line + ("" if torn else "\n"))
+    with unchanged(tmp_path):
+        done = invoke("status", run_dir)
+        if torn:
+            assert done.exit_code == 0 and "Traceback" not in done.output, done.output
+            return
+        refused(done, f"{store.launches_path(run_dir)}:2", named)
+        refused(invoke("cancel", run_dir), f"{store.launches_path(run_dir)}:2")

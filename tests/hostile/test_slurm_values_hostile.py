@@ -186,3 +186,24 @@ def test_valid_but_unusual_values_render_one_directive_block(tmp_path, unchanged
     assert "#SBATCH --requeue" in scripts[0] and "#SBATCH --partition=gpu-h100.long_2" in scripts[0]
     assert "#SBATCH --job-name=a_b.c-d-" in scripts[0]
     assert "#SBATCH --time=2880" in scripts[0]
+
+
+@pytest.mark.parametrize("name", ["a,b", "a b", "x\ny", "", "-x"])
+def test_squeue_is_never_asked_for_a_name_that_is_not_one(name):
+    """The last line of defence: names from launch records reach `squeue --name` only as Slurm names."""
+    from shardrun.core.errors import RunDirError
+    from shardrun.launch import scheduler
+
+    with pytest.raises(RunDirError, match="not a Slurm name"):
+        scheduler.squeue_command(["shardrun-0123456789", name])
+
+
+@pytest.mark.parametrize("job_id", ["--user=root", "-u", "7,8", "7_0 8", ""])
+def test_scancel_is_never_given_an_option_for_a_job_id(job_id, monkeypatch):
+    from shardrun.launch import scheduler
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(scheduler, "_run", lambda cmd, *a, **k: ran.append(cmd) or "")
+    with pytest.raises(scheduler.SlurmError, match="not a Slurm job id"):
+        scheduler.cancel(["7", job_id])
+    assert not ran

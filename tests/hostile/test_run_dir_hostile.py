@@ -221,12 +221,23 @@ def test_select_and_report_refuse_a_linked_merged_directory(sealed, tmp_path, un
         refused(invoke(command, run_dir, *args), str(link), "symlink")
 
 
-def test_a_linked_merged_file_is_refused_by_select(sealed, tmp_path, unchanged):
+@pytest.mark.parametrize("command", ["select", "report", "merge-and-profile"])
+def test_a_linked_merged_file_is_refused(sealed, tmp_path, unchanged, command):
     run_dir, outside = sealed
     assert invoke("merge-and-profile", run_dir).exit_code == 0
     link = move_out_and_link(store.merged_reward_profiling_path(run_dir), outside)
+    args = ["-o", str(tmp_path / "subset.jsonl")] if command == "select" else []
     with unchanged(tmp_path):
-        refused(invoke("select", run_dir, "-o", tmp_path / "subset.jsonl"), str(link), "symlink")
+        refused(invoke(command, run_dir, *args), str(link), "symlink")
+
+
+def test_report_does_not_write_through_a_linked_report_page(sealed, tmp_path, unchanged):
+    run_dir, outside = sealed
+    assert invoke("merge-and-profile", run_dir).exit_code == 0
+    (outside / "report.html").write_text("someone else's page\n")
+    store.report_path(run_dir).symlink_to(outside / "report.html")
+    with unchanged(tmp_path):
+        refused(invoke("report", run_dir), str(store.report_path(run_dir)), "symlink")
 
 
 def test_plan_write_refuses_a_shard_link_in_an_interrupted_run(tmp_path, unchanged):

@@ -37,13 +37,9 @@ find_python() {  # find_python 3.12 -> path of a working interpreter of that ver
   log "no working python$v found; install it (e.g. pyenv install $v)"; return 1
 }
 
-project_stale() {  # no venv yet, its build files changed, or the C line scanner is not built where it can be
+project_stale() {  # no venv yet, or its build file changed
   [ -x "$ROOT/.venv/bin/shardrun" ] || return 0
-  local f
-  for f in pyproject.toml setup.py shardrun/merge/_jsonlscan.c; do
-    [ "$ROOT/$f" -nt "$ROOT/.venv/.shardrun-ok" ] && return 0
-  done
-  command -v cc >/dev/null && ! compgen -G "$ROOT/shardrun/merge/_jsonlscan.*.so" >/dev/null && return 0
+  [ "$ROOT/pyproject.toml" -nt "$ROOT/.venv/.shardrun-ok" ] && return 0
   return 1
 }
 

@@ -334,10 +334,10 @@ def merge_and_profile_cmd(
     agent metrics and pass@k aggregate metrics."""
     import orjson
 
-    from shardrun.merge import driver
     from shardrun.merge import outcome
+    from shardrun.profile import merge_and_profile
 
-    result = run(driver.merge_and_profile, run_dir, allow_partial, answer_field, workers)
+    result = run(merge_and_profile.merge_and_profile, run_dir, allow_partial, answer_field, workers)
     typer.echo(
         orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode() if json_out else outcome.render(result)
     )

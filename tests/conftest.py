@@ -97,16 +97,3 @@ def tiny_model(vllm_venv: Path) -> Path:
         env={**os.environ, "SHARDRUN_VLLM_VENV": str(vllm_venv), "SHARDRUN_MODELS": str(models)},
     )
     return models / "tiny-chatml"
-
-
-@pytest.fixture(params=["c-scanner", "pure-python"])
-def scan_path(request, monkeypatch) -> str:
-    """Run a merge test on both read paths: the C line scanner (shardrun.merge._jsonlscan) and the pure-Python one
-    that stands in where no C compiler was found at install time; they must give the same results."""
-    from shardrun.merge import linescan
-
-    if request.param == "c-scanner":
-        assert linescan.AVAILABLE, "shardrun.merge._jsonlscan is not built; run ./scripts/setup.sh"
-    else:
-        monkeypatch.setattr(linescan, "AVAILABLE", False)
-    return request.param

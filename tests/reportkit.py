@@ -148,6 +148,6 @@ def seal_shards(
 
 def merge_run(run_dir: Path, allow_partial: bool = False):
     """merged/ written by shardrun's own merge-and-profile (Gym's formats)."""
-    from shardrun.merge import driver
+    from shardrun.profile import merge_and_profile
 
-    return driver.merge_and_profile(run_dir, allow_partial)
+    return merge_and_profile.merge_and_profile(run_dir, allow_partial)

@@ -166,9 +166,9 @@ def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv: P
     assert planned == (reference / "rollouts_materialized_inputs.jsonl").read_bytes()
 
     # the merged profile equals ng_reward_profile of the unsharded run
-    from shardrun.merge import driver
+    from shardrun.profile import merge_and_profile
 
-    driver.merge_and_profile(run_dir)
+    merge_and_profile.merge_and_profile(run_dir)
     merged = store.merged_dir(run_dir)
     assert profile_rows(merged / "rollouts_reward_profiling.jsonl") == profile_rows(
         reference / "rollouts_reward_profiling.jsonl"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import re
@@ -23,10 +22,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from shardrun import cli
-from shardrun.merge import driver
-from shardrun.merge import outcome
+from shardrun.merge import outcome, row_copier, shard_reader
 from shardrun.profile import writers
-from shardrun.merge import shardread
+from shardrun.profile.merge_and_profile import merge_and_profile
 from shardrun.rundir import store
 from shardrun.core.errors import IncompleteRun, RunDirError
 from tests.builders import Run, ShardWrite, input_rows, make_run, rollout_row, seal_shard, write_shard
@@ -167,7 +165,7 @@ SCENARIOS = {  # workers: shards read in this process (1) or a pool of processes
         num_shards=5,
         slicing="contiguous",
         workers=3,
-    ),  # 3: profile chunks rendered by the pool too
+    ),  # 3: shards read by a pool of three processes
 }
 
 
@@ -198,12 +196,9 @@ def build(tmp_path: Path, scenario: str) -> tuple[Run, list[ShardWrite]]:
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.usefixtures("scan_path")
 def test_merged_files_and_profile_equal_plain_computation(tmp_path: Path, scenario: str) -> None:
     run, writes = build(tmp_path, scenario)
-    summary = driver.merge_and_profile(
-        run.run_dir, answer_field="extracted_answer", workers=SCENARIOS[scenario]["workers"]
-    )
+    summary = merge_and_profile(run.run_dir, answer_field="extracted_answer", workers=SCENARIOS[scenario]["workers"])
     merged = store.merged_dir(run.run_dir)
 
     planned = sorted((m for i in range(run.num_shards) for m in run.materialized(i)), key=KEY)
@@ -251,7 +246,7 @@ def test_merged_files_and_profile_equal_plain_computation(tmp_path: Path, scenar
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_aggregate_metrics_equal_plain_pass_at_k(tmp_path: Path, scenario: str) -> None:
     run, _ = build(tmp_path, scenario)
-    driver.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    merge_and_profile(run.run_dir, answer_field="extracted_answer")
     data = store.merged_aggregate_metrics_path(run.run_dir).read_bytes()
     entries = orjson.loads(data)
     heads = orjson.dumps(
@@ -302,7 +297,7 @@ def test_unsealed_shards_are_refused_with_resume_hint(tmp_path: Path) -> None:
     write_shard(run, 0)
     write_shard(run, 1, seal_it=False)
     with pytest.raises(IncompleteRun, match="shardrun resume") as err:
-        driver.merge_and_profile(run.run_dir)
+        merge_and_profile(run.run_dir)
     assert "shard 00001: no marker" in str(err.value) and "shard 00002" in str(err.value)
     assert not any(store.merged_dir(run.run_dir).glob("rollouts*"))
     result = CliRunner().invoke(cli.app, ["merge-and-profile", str(run.run_dir)])
@@ -313,7 +308,7 @@ def test_allow_partial_merges_unsealed_shards_and_reports_completion(tmp_path: P
     run = make_run(tmp_path, input_rows(6), num_repeats=4, num_shards=3)
     write_shard(run, 0)
     w1 = write_shard(run, 1, missing=3, torn=True, seal_it=False)
-    summary = driver.merge_and_profile(run.run_dir, allow_partial=True)
+    summary = merge_and_profile(run.run_dir, allow_partial=True)
     assert [s.sealed for s in summary.shards] == [True, False, False]
     assert summary.shards[1].reason == "no marker" and summary.shards[1].torn_bytes > 0
     merged = store.merged_dir(run.run_dir)
@@ -344,13 +339,13 @@ def test_rollouts_changed_after_sealing_count_as_unsealed(tmp_path: Path) -> Non
     data[data.index(b'"reward":') + 9] ^= 1  # same size, other content: only the hash can tell
     path.write_bytes(bytes(data))
     with pytest.raises(IncompleteRun, match="sha256 differs"):
-        driver.merge_and_profile(run.run_dir)
-    summary = driver.merge_and_profile(run.run_dir, allow_partial=True)
+        merge_and_profile(run.run_dir)
+    summary = merge_and_profile(run.run_dir, allow_partial=True)
     assert not summary.shards[1].sealed and "sha256" in summary.shards[1].reason
     with open(path, "ab") as f:  # appended after sealing: the size no longer matches
         f.write(b"\n")
     with pytest.raises(IncompleteRun, match="changed after sealing"):
-        driver.merge_and_profile(run.run_dir)
+        merge_and_profile(run.run_dir)
 
 
 def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: Path, monkeypatch) -> None:
@@ -358,15 +353,15 @@ def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: 
     run = make_run(tmp_path, input_rows(4), num_repeats=2, num_shards=2)
     write_shard(run, 0)
     write_shard(run, 1, seal_it=False, missing=1)
-    real_scan = shardread.scan_rollouts
+    real_scan = shard_reader.scan_rollouts
 
     def racing_scan(path: Path, **kw: Any):
         if path.parent.name == "00000":
             seal_shard(run, 1, num_failed=1)  # shard 1 gets sealed now, after the merge checked it
         return real_scan(path, **kw)
 
-    monkeypatch.setattr(shardread, "scan_rollouts", racing_scan)
-    summary = driver.merge_and_profile(run.run_dir, allow_partial=True)
+    monkeypatch.setattr(shard_reader, "scan_rollouts", racing_scan)
+    summary = merge_and_profile(run.run_dir, allow_partial=True)
     assert [s.sealed for s in summary.shards] == [True, False]  # as checked: never half
     assert summary.shards[1].marker is None and summary.rollouts == 7
 
@@ -378,9 +373,9 @@ def test_a_shard_sealing_during_the_merge_is_seen_whole_or_not_at_all(tmp_path: 
             path.write_bytes(data[: path.stat().st_size].ljust(path.stat().st_size, b" "))
         return real_scan(path, **kw)
 
-    monkeypatch.setattr(shardread, "scan_rollouts", rewriting_scan)
+    monkeypatch.setattr(shard_reader, "scan_rollouts", rewriting_scan)
     with pytest.raises(IncompleteRun, match="sha256 differs"):
-        driver.merge_and_profile(run.run_dir)
+        merge_and_profile(run.run_dir)
 
 
 # ---------------------------------------------------------------- identity
@@ -394,14 +389,13 @@ def test_renumbered_shard_is_mapped_back_to_planned_identities(tmp_path: Path) -
     for i in range(3):
         write_shard(plain, i, failed=1 if i == 1 else 0)
         write_shard(renum, i, renumber=i == 1, failed=1 if i == 1 else 0)
-    a = driver.merge_and_profile(plain.run_dir)
-    b = driver.merge_and_profile(renum.run_dir)
+    a = merge_and_profile(plain.run_dir)
+    b = merge_and_profile(renum.run_dir)
     assert b.shards[1].renumbered and not a.shards[1].renumbered
     for name in ("rollouts.jsonl", "rollouts_reward_profiling.jsonl", "rollouts_failures.jsonl"):
         assert read_jsonl(store.merged_dir(plain.run_dir) / name) == read_jsonl(store.merged_dir(renum.run_dir) / name)
 
 
-@pytest.mark.usefixtures("scan_path")
 def test_rows_without_identity_or_unreadable_are_rejected(tmp_path: Path) -> None:
     run = make_run(tmp_path, input_rows(3), num_repeats=2, num_shards=1)
     planned = run.materialized(0)
@@ -412,7 +406,7 @@ def test_rows_without_identity_or_unreadable_are_rejected(tmp_path: Path) -> Non
     lines.insert(1, b"")
     store.rollouts_path(run.run_dir, 0).write_bytes(b"\n".join(lines) + b"\n")
     seal_shard(run, 0)
-    s = driver.merge_and_profile(run.run_dir)
+    s = merge_and_profile(run.run_dir)
     assert s.rejected == {"not planned for its shard": 0, "no identity": 2, "unreadable line": 1}
     assert s.rollouts == 6 and s.tasks_complete == 3
 
@@ -430,16 +424,16 @@ def merged_bytes(run_dir: Path) -> dict[str, bytes]:
 
 def test_rerun_gives_identical_bytes(tmp_path: Path) -> None:
     run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
-    driver.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    merge_and_profile(run.run_dir, answer_field="extracted_answer")
     first = merged_bytes(run.run_dir)
     (store.merged_dir(run.run_dir) / ".tmp-rollouts.jsonl.killed").write_bytes(b"half a file")
-    driver.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    merge_and_profile(run.run_dir, answer_field="extracted_answer")
     assert merged_bytes(run.run_dir) == first and len(first) == 6
 
 
 def test_a_failing_merge_leaves_the_previous_outputs(tmp_path: Path, monkeypatch) -> None:
     run, _ = build(tmp_path, "contiguous-int")
-    driver.merge_and_profile(run.run_dir)
+    merge_and_profile(run.run_dir)
     before = merged_bytes(run.run_dir)
     write_shard(run, 0, seed=99)  # new content, so a completed merge would change the outputs
 
@@ -448,26 +442,24 @@ def test_a_failing_merge_leaves_the_previous_outputs(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(writers, "write_profile", boom)
     with pytest.raises(KeyboardInterrupt):
-        driver.merge_and_profile(run.run_dir)
+        merge_and_profile(run.run_dir)
     assert merged_bytes(run.run_dir) == before
     assert not list(store.merged_dir(run.run_dir).glob(".tmp-*"))
 
 
 def test_a_failing_row_copy_fails_the_merge_and_leaves_the_previous_outputs(tmp_path: Path, monkeypatch) -> None:
-    """The copy process's error (here: a disk that fills up) comes back as the merge's error, nothing replaced."""
-    from shardrun.merge import shardcopy
-
+    """An error while copying rows (here: a disk that fills up) is the merge's error, nothing replaced."""
     run, _ = build(tmp_path, "contiguous-int")
-    driver.merge_and_profile(run.run_dir)
+    merge_and_profile(run.run_dir)
     before = merged_bytes(run.run_dir)
     write_shard(run, 0, seed=99)
 
     def full(*a: Any, **k: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(shardcopy, "copy_rows", full)  # the forked copy process inherits it
+    monkeypatch.setattr(row_copier, "copy_rows", full)
     with pytest.raises(RunDirError, match="No space left on device"):
-        driver.merge_and_profile(run.run_dir)
+        merge_and_profile(run.run_dir)
     assert merged_bytes(run.run_dir) == before
     assert not list(store.merged_dir(run.run_dir).glob(".tmp-*"))
 
@@ -475,11 +467,11 @@ def test_a_failing_row_copy_fails_the_merge_and_leaves_the_previous_outputs(tmp_
 @pytest.mark.slow
 def test_sigkill_at_any_point_then_rerun_gives_the_clean_result(tmp_path: Path) -> None:
     run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
-    driver.merge_and_profile(run.run_dir)
+    merge_and_profile(run.run_dir)
     clean = merged_bytes(run.run_dir)
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); "
-        f"from shardrun.merge import driver; driver.merge_and_profile({str(run.run_dir)!r})"
+        f"from shardrun.profile.merge_and_profile import merge_and_profile; merge_and_profile({str(run.run_dir)!r})"
     )
     for attempt, delay in enumerate((0.05, 0.15, 0.3, 0.45, 0.6, 0.8)):
         for p in store.merged_dir(run.run_dir).iterdir():
@@ -491,7 +483,7 @@ def test_sigkill_at_any_point_then_rerun_gives_the_clean_result(tmp_path: Path) 
         leftovers = merged_bytes(run.run_dir)
         for name, data in leftovers.items():  # whatever is there is complete (old or new), never half
             assert name.startswith(".tmp-") or data == clean[name]
-        driver.merge_and_profile(run.run_dir)
+        merge_and_profile(run.run_dir)
         assert merged_bytes(run.run_dir) == clean
 
 
@@ -512,7 +504,6 @@ def corner_row(m: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-@pytest.mark.usefixtures("scan_path")
 def test_corner_case_rows_equal_plain_computation(tmp_path: Path) -> None:
     run = make_run(
         tmp_path,
@@ -523,7 +514,7 @@ def test_corner_case_rows_equal_plain_computation(tmp_path: Path) -> None:
     )
     for i in range(2):
         write_shard(run, i, make_row=corner_row, seed=i)
-    driver.merge_and_profile(run.run_dir)
+    merge_and_profile(run.run_dir)
     merged = store.merged_dir(run.run_dir)
     planned = read_jsonl(merged / "rollouts_materialized_inputs.jsonl")
     rollouts = read_jsonl(merged / "rollouts.jsonl")
@@ -567,8 +558,8 @@ def test_cli_prints_the_summary_and_json(tmp_path: Path) -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_copy_rows_gives_the_rows_in_order_whatever_the_window(tmp_path_factory, data) -> None:
-    from shardrun.merge import rowcopy
-
+    """Rows in any order, some rewritten, whatever the window, span, gap and range sizes: units at least a range
+    long go file to file (copy_file_range), the others through the window's buffer; the bytes are the same."""
     tmp = tmp_path_factory.mktemp("copy")
     files = []
     rows = []  # (file, offset, bytes)
@@ -587,21 +578,28 @@ def test_copy_rows_gives_the_rows_in_order_whatever_the_window(tmp_path_factory,
             off += len(line)
     order = data.draw(st.one_of(st.just(list(range(len(rows)))), st.permutations(range(len(rows)))))
     flagged = data.draw(st.lists(st.booleans(), min_size=len(rows), max_size=len(rows)))
-    window, span, gap, piece = (data.draw(st.integers(1, 200)) for _ in range(4))
-    old = (rowcopy.WINDOW_BYTES, rowcopy.SPAN_BYTES, rowcopy.GAP_BYTES, rowcopy.PIECE_BYTES)
-    rowcopy.WINDOW_BYTES, rowcopy.SPAN_BYTES, rowcopy.GAP_BYTES, rowcopy.PIECE_BYTES = window, span, gap, piece
+    sizes = {
+        name: data.draw(st.integers(1, 200)) for name in ("WINDOW_BYTES", "SPAN_BYTES", "GAP_BYTES", "PIECE_BYTES")
+    }
+    sizes["RANGE_BYTES"] = data.draw(st.integers(1, 400))
+    old = {name: getattr(row_copier, name) for name in sizes}
+    for name, value in sizes.items():
+        setattr(row_copier, name, value)
     try:
         source = np.array([rows[i][0] for i in order], np.int32)
         offset = np.array([rows[i][1] for i in order], np.int64)
         length = np.array([len(rows[i][2]) for i in order], np.int32)
         breaks = np.array([flagged[i] for i in order])
-        out = io.BytesIO()
-        with rowcopy.ByteSources(files) as src:
-            n = rowcopy.copy_rows(out, src, source, offset, length, lambda pos, b: b"<" + b + b">", breaks)
+        out_path = tmp / "out"
+        with open(out_path, "wb") as out, row_copier.ByteSources(files) as src:
+            out.write(b"head:")
+            n = row_copier.copy_rows(out, src, source, offset, length, lambda pos, b: b"<" + b + b">", breaks)
+            out.write(b":tail")
     finally:
-        rowcopy.WINDOW_BYTES, rowcopy.SPAN_BYTES, rowcopy.GAP_BYTES, rowcopy.PIECE_BYTES = old
+        for name, value in old.items():
+            setattr(row_copier, name, value)
     want = b"".join(b"<" + rows[i][2] + b">" if flagged[i] else rows[i][2] for i in order)
-    assert out.getvalue() == want and n == len(want)
+    assert out_path.read_bytes() == b"head:" + want + b":tail" and n == len(want)
 
 
 def test_marker_disagreeing_with_its_file_is_pointed_out(tmp_path: Path) -> None:
@@ -609,7 +607,7 @@ def test_marker_disagreeing_with_its_file_is_pointed_out(tmp_path: Path) -> None
     write_shard(run, 0)
     write_shard(run, 1, missing=2, seal_it=False)
     seal_shard(run, 1, num_failed=0)  # claims all 4 rollouts; the file holds 2
-    summary = driver.merge_and_profile(run.run_dir)
+    summary = merge_and_profile(run.run_dir)
     assert summary.warnings == [
         "shard 00001: its marker counts 4 rollouts, 2 planned identities were found in its rollouts.jsonl"
     ]
@@ -617,20 +615,18 @@ def test_marker_disagreeing_with_its_file_is_pointed_out(tmp_path: Path) -> None
     assert summary.rollouts == 6 and summary.tasks_partial + summary.tasks_missing >= 1
 
 
-@pytest.mark.parametrize("slicing, streamed", [("contiguous", True), ("round_robin", False)])
-def test_rows_are_copied_while_read_when_shards_come_in_identity_order(
-    tmp_path: Path, monkeypatch, slicing: str, streamed: bool
-) -> None:
-    """Contiguous shards are copied shard by shard as they are read; round-robin ones from the sorted table."""
-    from shardrun.merge import shardcopy
-
-    seen = []
-    real_end = shardcopy.ShardStreamer.end_of_shards
-    monkeypatch.setattr(shardcopy.ShardStreamer, "end_of_shards", lambda self: seen.append(real_end(self)) or seen[-1])
+@pytest.mark.parametrize("slicing", ["contiguous", "round_robin"])
+def test_rows_come_out_in_identity_order_whatever_the_slicing(tmp_path: Path, slicing: str) -> None:
+    """Contiguous shards hold their identities in order; round-robin ones interleave: the merged rows are sorted
+    either way, each planned row and each kept rollout once, as its shard wrote it."""
     run = make_run(tmp_path, input_rows(12), num_repeats=3, num_shards=3, slicing=slicing)
     for i in range(3):
         write_shard(run, i, duplicates=1, seed=i)
-    driver.merge_and_profile(run.run_dir)
-    assert seen == [streamed]
+    merge_and_profile(run.run_dir)
     rollouts = read_jsonl(store.merged_rollouts_path(run.run_dir))
     assert [KEY(r) for r in rollouts] == sorted((t, r) for t in range(12) for r in range(3))
+    planned = store.merged_materialized_path(run.run_dir).read_bytes().splitlines()
+    assert sorted(planned) == sorted(
+        x for i in range(3) for x in store.materialized_path(run.run_dir, i).read_bytes().splitlines()
+    )
+    assert [KEY(orjson.loads(x)) for x in planned] == [KEY(r) for r in rollouts]

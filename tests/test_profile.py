@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardrun.merge import merged_table
 from shardrun.profile import reward_profile
 from shardrun.profile.reward_profile import COUNT, MAX, MEAN, MEDIAN, MIN, STD, Layout
 
@@ -107,7 +108,7 @@ def test_stat_items_follow_layout_order() -> None:
 
 
 def test_segments_and_buckets() -> None:
-    starts, sizes = reward_profile.segments(np.array([4, 4, 7, 9, 9, 9]))
+    starts, sizes = merged_table.segments(np.array([4, 4, 7, 9, 9, 9]))
     assert starts.tolist() == [0, 2, 3] and sizes.tolist() == [2, 1, 3]
     buckets = reward_profile.size_buckets(np.array([1, 16, 2, 3, 1000, 4]))
     widths = [sorted(np.array([1, 16, 2, 3, 1000, 4])[b].tolist()) for b in buckets]

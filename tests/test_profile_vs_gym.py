@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from shardrun.merge import driver
+from shardrun.profile.merge_and_profile import merge_and_profile
 from shardrun.rundir import store
 from tests.builders import input_rows, make_run, rollout_row, write_shard
 
@@ -71,7 +71,7 @@ def test_partial_run_with_duplicates_torn_foreign_and_failures(gym_venv: Path, t
     )
     for i in range(4):
         write_shard(run, i, duplicates=i, torn=i == 1, foreign=i == 2, failed=i == 3, missing=i == 0, seed=i)
-    driver.merge_and_profile(run.run_dir)
+    merge_and_profile(run.run_dir)
     assert_profile_equals_gym(gym_venv, run.run_dir, tmp_path / "gym", partial=True)
 
 
@@ -100,7 +100,7 @@ def test_corner_case_rows_complete_run(gym_venv: Path, tmp_path: Path) -> None:
     run = make_run(tmp_path, input_rows(9, agents=("a", "b")), num_repeats={"a": 3, "_default": 1}, num_shards=3)
     for i in range(3):
         write_shard(run, i, make_row=odd_row, seed=i)
-    summary = driver.merge_and_profile(run.run_dir)
+    summary = merge_and_profile(run.run_dir)
     assert summary.tasks_complete == 9
     assert_profile_equals_gym(gym_venv, run.run_dir, tmp_path / "gym", partial=False)
 
@@ -124,7 +124,7 @@ def test_all_integer_frame_keeps_integer_max_and_min(gym_venv: Path, tmp_path: P
     )
     for i in range(2):
         write_shard(run, i, make_row=int_row, seed=i)
-    driver.merge_and_profile(run.run_dir)
+    merge_and_profile(run.run_dir)
     first = orjson.loads(store.merged_reward_profiling_path(run.run_dir).read_bytes().splitlines()[0])
     assert isinstance(first["max/reward"], int)
     assert_profile_equals_gym(gym_venv, run.run_dir, tmp_path / "gym", partial=False)
@@ -181,7 +181,7 @@ def test_aggregate_metrics_equal_gyms_compute_pass_majority_metrics(gym_venv: Pa
             seed=i,
             make_row=lambda m: rollout_row(m, continuous=m["agent_ref"]["name"] == "tool"),
         )
-    driver.merge_and_profile(run.run_dir, answer_field="extracted_answer")
+    merge_and_profile(run.run_dir, answer_field="extracted_answer")
     merged = store.merged_dir(run.run_dir)
     done = subprocess.run(
         [

@@ -17,9 +17,17 @@ import numpy as np
 
 from shardrun.core.errors import PlanMismatch
 from shardrun.merge.identity import Resolution
-from shardrun.profile.reward_profile import Layout, segments
 from shardrun.merge.rowtable import RowTable, Schema, rollout_infos
-from shardrun.merge.shardscan import Planned, Rollouts
+from shardrun.merge.shard_reader import Planned, Rollouts
+
+
+def segments(group_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, sizes) of the runs of equal values in a sorted array (the table's tasks, agents, blocks)."""
+    if len(group_of_row) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, group_of_row[1:] != group_of_row[:-1]])
+    sizes = np.diff(np.r_[starts, len(group_of_row)])
+    return starts, sizes
 
 
 @dataclass(frozen=True)
@@ -64,8 +72,9 @@ class TableBuilder:
         self.r_block[a:b] = table.schema_array()[keep] + len(self.blocks)
         self.r_pos[a:b] = table.pos_array()[keep]
         self.r_renumbered[a:b] = resolution.rollout != rollouts.rollout[keep]
-        if self.r_answers is not None:
-            self.r_answers[a:b] = table.answer_array()[keep]
+        answers = table.answer_array()
+        if self.r_answers is not None and answers is not None:
+            self.r_answers[a:b] = answers[keep]
         self.nr = b
         self._add_blocks(table)
 
@@ -88,23 +97,33 @@ class TableBuilder:
         order = np.argsort(p_key, kind="stable")
         p_key = p_key[order]
         _refuse_twice_planned(p_key, tasks, stride)
-        planned = [self._take(f, order) for f in ("p_shard", "p_offset", "p_length", "p_agent")]
+        p_shard, p_offset, p_length, p_agent = (
+            self._take(f, order) for f in ("p_shard", "p_offset", "p_length", "p_agent")
+        )
         del order
         n = self.nr
         r_key = np.searchsorted(tasks, self.r_task[:n]) * stride + self.r_rollout[:n]
         self.r_task = self.r_rollout = None  # type: ignore[assignment]
         order = np.argsort(r_key, kind="stable")
         fields = ("r_shard", "r_offset", "r_length", "r_block", "r_pos", "r_renumbered")
-        kept = [self._take(f, order, n) for f in fields]
+        r_shard, r_offset, r_length, r_block, r_pos, r_renumbered = (self._take(f, order, n) for f in fields)
         answers = self._take("r_answers", order, n) if self.r_answers is not None else None
         table = MergedTable(
             tasks,
             stride,
             list(self.agents),
             p_key,
-            *planned,
+            p_shard,
+            p_offset,
+            p_length,
+            p_agent,
             r_key[order],
-            *kept,
+            r_shard,
+            r_offset,
+            r_length,
+            r_block,
+            r_pos,
+            r_renumbered,
             answers,
             self.blocks,
             list(self.columns),
@@ -240,10 +259,12 @@ class MergedTable:
                 out[i] = d
         return out
 
-    # ---------------------------------------------------------------- layouts
+    # ---------------------------------------------------------------- column order
 
-    def layout(self, rows: np.ndarray | None = None) -> Layout:
-        """Column order and integer rule of the frame Gym would build from these rows (all kept rows if None)."""
+    def column_order(self, rows: np.ndarray | None = None) -> tuple[tuple[int, ...], bool]:
+        """(the columns of these rows in order of first appearance, whether all of them are integer columns
+        in every row): the column order and integer rule of the frame Gym would build from these rows (all kept
+        rows if None)."""
         blk = self.r_block if rows is None else self.r_block[rows]
         used, first = np.unique(blk, return_index=True)
         order: list[int] = []
@@ -256,12 +277,12 @@ class MergedTable:
         all_int = bool(len(used)) and all(
             self.blocks[b].schema.all_int and len(self.blocks[b].columns) == len(order) for b in used.tolist()
         )
-        return Layout(tuple(self.columns), tuple(order), all_int)
+        return tuple(order), all_int
 
 
 def _reorder_columns(table: MergedTable) -> tuple[list[str], list[Block]]:
     """Renumber columns so that column order is Gym's (first appearance in sorted rows); unused ones dropped."""
-    order = table.layout().order
+    order = table.column_order()[0]
     new = {old: i for i, old in enumerate(order)}
     names = [table.columns[c] for c in order]
     blocks = [

@@ -1,6 +1,6 @@
 """What a merge saw and did: per shard, per agent and for the run (data), and its text for the terminal (pure).
 
-`MergeSummary` is returned by `merge.merge_and_profile` and saved as merged/merge_summary.json. Each shard
+`MergeSummary` is returned by `profile.merge_and_profile` and saved as merged/merge_summary.json. Each shard
 keeps its whole `.done` marker, so accounting built on the markers (GPU-hours, tokens, wall time) can be added
 without reading the run directory again.
 """
@@ -10,15 +10,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shardrun.rundir import cost
 from shardrun.plan.render import table
+from shardrun.rundir import cost
+from shardrun.rundir.ledger import FailedRollout
 
 MAX_LISTED_FAILED = 1000
 SHOWN_FAILED = 10
 
 
 @dataclass
-class ShardResult:
+class MergedShard:
+    """What the merge saw of one shard and kept of it."""
+
     index: int
     sealed: bool
     reason: str = ""  # why the shard is not sealed ("" when sealed)
@@ -59,20 +62,11 @@ class AgentResult:
 
 
 @dataclass
-class FailedRollout:
-    task: int
-    rollout: int
-    shard: int
-    reason: str
-    attempts: int
-
-
-@dataclass
 class MergeSummary:
     run_dir: str
     fingerprint: str
     allow_partial: bool
-    shards: list[ShardResult] = field(default_factory=list)
+    shards: list[MergedShard] = field(default_factory=list)
     agents: list[AgentResult] = field(default_factory=list)
     tasks: int = 0
     tasks_complete: int = 0
@@ -80,7 +74,7 @@ class MergeSummary:
     tasks_missing: int = 0
     rollouts: int = 0
     expected_rollouts: int = 0
-    failed: list[FailedRollout] = field(default_factory=list)  # identities whose only rows are failures
+    failed: list[FailedRollout] = field(default_factory=list)  # failed for good (rundir.ledger's definition)
     failed_total: int = 0
     failure_rows: int = 0
     outputs: dict[str, str] = field(default_factory=dict)

@@ -19,15 +19,12 @@ import hashlib
 from array import array
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import orjson
 
 from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
-
-if TYPE_CHECKING:
-    from shardrun.merge.linescan import Block
 
 KIND = {int: "i", float: "f", bool: "b"}
 IDENTITY = frozenset((TASK_KEY, ROLLOUT_KEY))
@@ -94,17 +91,6 @@ class RowShape:
     numbers: Callable[[list], tuple]  # the numeric values (top level, then usage) from values + usage values
     check_big: bool  # has integer fields (which must stay below 2**53 to be exact in float64)
     positions: tuple[int, ...] = ()  # where `numbers` takes its values from
-
-
-@dataclass(frozen=True)
-class ScannedShape:
-    """How the C scanner's rows of one signature enter the table (see linescan): their schema (-1: the rows
-    have no identity) and which of the scanner's numbers are the schema's columns, the task and the rollout."""
-
-    sid: int
-    cols: tuple[int, ...] = ()
-    task: int = 0
-    rollout: int = 0
 
 
 def _getter(positions: list[int]) -> Callable[[list], tuple]:
@@ -179,47 +165,6 @@ class RowTable:
             return True
 
         return add
-
-    def scanned_shape(self, row: dict[str, Any]) -> ScannedShape | None:
-        """What rows shaped like `row` mean, in terms of the C scanner's numbers (the numeric and bool values
-        of the row, then of its response.usage); None when they must be added one by one (irregular rows)."""
-        response = row.get("response")
-        usage = response.get("usage") if type(response) is dict else None
-        usage = usage if type(usage) is dict else None
-        shape = self._new_shape(row, usage, None)
-        if shape.task_at is None:
-            return ScannedShape(-1)
-        if shape.sid is None:
-            return None
-        values = [*row.values(), *(usage or {}).values()]
-        number = {p: j for j, p in enumerate(i for i, v in enumerate(values) if type(v) in KIND)}
-        return ScannedShape(
-            shape.sid, tuple(number[p] for p in shape.positions), number[shape.task_at], number[shape.rollout_at]
-        )  # type: ignore[index]
-
-    def add_scanned(self, shapes: "ScannedShapes", block: "Block", rows: np.ndarray) -> np.ndarray:
-        """Add the block's lines `rows` (in file order, each of a learned shape); returns the lines added (the
-        others have no identity). The vectorised twin of `adder`'s add."""
-        sid, task_col, rollout_col, cols = shapes.arrays()
-        shape = block.shape[rows]
-        known = sid[shape] >= 0
-        rows, shape = rows[known], shape[known]
-        vstart = block.vstart[rows]
-        task, rollout = block.values[vstart + task_col[shape]], block.values[vstart + rollout_col[shape]]
-        ok = (task >= 0) & (rollout >= 0)  # integers of at most 15 digits: exact, and below INT64_MAX
-        rows, shape, vstart, task, rollout = rows[ok], shape[ok], vstart[ok], task[ok], rollout[ok]
-        schema = sid[shape]
-        self.task.frombytes(task.astype(np.int64).tobytes())
-        self.rollout.frombytes(rollout.astype(np.int64).tobytes())
-        self.schema_of.frombytes(schema.astype(np.int32).tobytes())
-        for s in np.unique(schema).tolist():
-            mine = schema == s
-            width = len(self.schemas[s].names)
-            where = vstart[mine][:, None] + cols[shape[mine], :width]
-            self.values[s].frombytes(block.values[where].tobytes())
-        if self.answer_key is not None:
-            self.answers.frombytes(block.key_code[rows].astype(np.int64).tobytes())
-        return rows
 
     def _new_shape(self, row: dict[str, Any], usage: dict[str, Any] | None, key: tuple | None) -> RowShape:
         keys = list(row)
@@ -296,8 +241,8 @@ class RowTable:
         self._shapes = {}  # getters are not picklable, and no more rows come
 
     def _renumber_schemas(self) -> None:
-        """Schemas numbered by their first row in file order, those without rows dropped: the same table
-        whichever path added the rows (the C scanner's path learns shapes a block ahead)."""
+        """Schemas numbered by their first row in file order, those without rows dropped (a schema is made
+        before its first row is known to have an identity)."""
         schema = self.schema_array()
         used, first = np.unique(schema, return_index=True)
         keep = used[np.argsort(first)]
@@ -329,39 +274,6 @@ class RowTable:
         if self.answer_key is None:
             return None
         return np.frombuffer(self.answers, dtype=np.int64) if len(self) else np.zeros(0, np.int64)
-
-
-class ScannedShapes:
-    """The ScannedShape of every signature a linescan.Scanner learned for one table, and their arrays."""
-
-    def __init__(self, table: RowTable):
-        self.table = table
-        self.shapes: list[ScannedShape] = []
-        self._arrays: tuple[np.ndarray, ...] | None = None
-
-    def learn(self, row: dict[str, Any]) -> int:
-        """The index of the row's shape (linescan's `learn`); -1 for rows that must be added one by one."""
-        shape = self.table.scanned_shape(row)
-        if shape is None:
-            return -1
-        self.shapes.append(shape)
-        self._arrays = None
-        return len(self.shapes) - 1
-
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """(schema id, task column, rollout column, schema columns padded to the widest) per shape."""
-        if self._arrays is None:
-            width = max((len(s.cols) for s in self.shapes), default=0)
-            cols = np.zeros((len(self.shapes), max(width, 1)), np.int64)
-            for i, s in enumerate(self.shapes):
-                cols[i, : len(s.cols)] = s.cols
-            self._arrays = (
-                np.array([s.sid for s in self.shapes], np.int64),
-                np.array([s.task for s in self.shapes], np.int64),
-                np.array([s.rollout for s in self.shapes], np.int64),
-                cols,
-            )
-        return self._arrays
 
 
 def irregular_info(row: dict[str, Any], usage: dict[str, Any]) -> dict[str, Any]:

@@ -25,15 +25,6 @@ COUNT, MEAN, MAX, MIN, MEDIAN, STD = range(6)
 INT_STATS = frozenset(("max", "min"))
 
 
-def segments(group_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, sizes) of the runs of equal values in a sorted array."""
-    if len(group_of_row) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    starts = np.flatnonzero(np.r_[True, group_of_row[1:] != group_of_row[:-1]])
-    sizes = np.diff(np.r_[starts, len(group_of_row)])
-    return starts, sizes
-
-
 def size_buckets(sizes: np.ndarray) -> list[np.ndarray]:
     """Segment numbers grouped so that a bucket's widest segment is at most twice its narrowest."""
     if len(sizes) == 0:

@@ -2,8 +2,7 @@
 `_aggregate_metrics.json` (the maths is in reward_profile.py and aggregate.py; this module only arranges and writes).
 
 Tasks are processed in chunks of about CHUNK_ROWS rollouts, in task order, so memory does not grow with the
-run; with several workers the chunks are rendered by forked processes (which share the merged table) and
-written here in order. The aggregate-metrics file is Gym's list, one entry per agent, each ending with that agent's
+run. The aggregate-metrics file is Gym's list, one entry per agent, each ending with that agent's
 `group_level_metrics` (one row per task, as Gym's `compute_aggregate_metrics` builds them: the task's stats, a
 stub `sample` and completion counted over the rollouts it has). The first agent's rows go straight into the file
 as the chunks are written; other agents' rows wait in scratch files until their entry comes.
@@ -12,25 +11,29 @@ as the chunks are written; other agents' rows wait in scratch files until their 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
 
 import numpy as np
 import orjson
 
-from shardrun.profile import aggregate
-from shardrun.profile import reward_profile
-from shardrun.merge.merged_table import MergedTable
+from shardrun.merge.merged_table import MergedTable, segments
+from shardrun.merge.row_copier import ByteSources
 from shardrun.plan.planner import Plan
-from shardrun.merge.rowcopy import ByteSources
-from shardrun.core.pool import ordered_map
+from shardrun.profile import aggregate, reward_profile
+from shardrun.profile.reward_profile import Layout
 
 CHUNK_ROWS = 1 << 15  # rollouts per chunk of tasks
 PLACEHOLDER = b'"@@shardrun-group-level-metrics@@"'
 ROW_INDENT = b"\n      "
 LIST_END = b"\n    ]"
 STUB_SAMPLE = b'{"agent_ref":{"name":"agent"}}'  # Gym's stub `sample` of group rows, as JSON
+
+
+def frame_layout(table: MergedTable, rows: np.ndarray | None = None) -> Layout:
+    """Column order and integer rule of the frame Gym would build from these rows (all kept rows if None)."""
+    order, all_int = table.column_order(rows)
+    return Layout(tuple(table.columns), order, all_int)
 
 
 class TaskInfo:
@@ -40,7 +43,7 @@ class TaskInfo:
         self.expected = table.planned_per_task()
         self.done = table.done_per_task()
         self.agent = table.agent_of_task()
-        self.starts, self.sizes = reward_profile.segments(table.r_key // table.stride)
+        self.starts, self.sizes = segments(table.r_key // table.stride)
         first_keys = table.r_key[self.starts]
         self.sample_shard, self.sample_offset, self.sample_length = table.planned_rows_of(first_keys)
 
@@ -51,10 +54,10 @@ class AgentStats:
     def __init__(self, table: MergedTable, tasks: TaskInfo):
         row_agent = tasks.agent[table.r_key // table.stride]
         order = np.argsort(row_agent, kind="stable")
-        starts, sizes = reward_profile.segments(row_agent[order])
+        starts, sizes = segments(row_agent[order])
         self.rows = {int(row_agent[order[s]]): order[s : s + n] for s, n in zip(starts.tolist(), sizes.tolist())}
         self.codes = sorted(self.rows, key=lambda a: table.agents[a])
-        self.layouts = {a: table.layout(self.rows[a]) for a in self.codes}
+        self.layouts = {a: frame_layout(table, self.rows[a]) for a in self.codes}
         by_name = np.concatenate([self.rows[a] for a in self.codes]) if self.codes else np.zeros(0, np.int64)
         sizes = np.array([len(self.rows[a]) for a in self.codes], np.int64)
         starts = np.cumsum(np.r_[0, sizes[:-1]]).astype(np.int64) if len(sizes) else sizes
@@ -64,7 +67,7 @@ class AgentStats:
 
 def agent_metric_rows(table: MergedTable, stats: AgentStats) -> list[dict[str, Any]]:
     """`_agent_metrics.json`: one row per agent, columns as in the whole frame."""
-    layout = table.layout()
+    layout = frame_layout(table)
     return [
         reward_profile.stat_items(layout, stats.stats, j) | {"agent_ref": {"name": table.agents[a]}}
         for j, a in enumerate(stats.codes)
@@ -130,20 +133,6 @@ class AggregateWriter:
             self.out.write(self.parts[i + 1])
 
 
-@dataclass(frozen=True)
-class RenderContext:
-    """What rendering a chunk of tasks needs; set before the worker pool forks, so workers share it."""
-
-    table: MergedTable
-    tasks: TaskInfo
-    stats: AgentStats
-    materialized: list[Path]
-
-
-_context: RenderContext | None = None
-_sources: ByteSources | None = None  # this process's open materialized files
-
-
 def write_profile(
     out: IO[bytes],
     aggregate_out: AggregateWriter,
@@ -151,33 +140,21 @@ def write_profile(
     tasks: TaskInfo,
     stats: AgentStats,
     materialized: list[Path],
-    workers: int = 1,
 ) -> None:
-    """The per-task profile rows (and each task's aggregate group row), chunk by chunk in task order; chunks
-    are rendered by `workers` processes and written here in order."""
-    global _context, _sources
-    _context = RenderContext(table, tasks, stats, materialized)
-    try:
-        for text, by_agent in ordered_map(render_chunk, chunks(tasks.sizes), workers):
+    """The per-task profile rows (and each task's aggregate group row), chunk by chunk in task order."""
+    with ByteSources(materialized) as samples:
+        for bounds in chunks(tasks.sizes):
+            text, by_agent = render_chunk(table, tasks, stats, samples, bounds)
             out.write(text)
             for agent, rows in by_agent.items():
                 aggregate_out.add(agent, rows)
-    finally:
-        _context = None
-        if _sources is not None:
-            _sources.close()
-            _sources = None
 
 
-def render_chunk(bounds: tuple[int, int]) -> tuple[bytes, dict[int, list[bytes]]]:
+def render_chunk(
+    table: MergedTable, tasks: TaskInfo, stats: AgentStats, samples: ByteSources, bounds: tuple[int, int]
+) -> tuple[bytes, dict[int, list[bytes]]]:
     """Profile lines of tasks g0..g1 (task order), and their aggregate group rows by agent."""
-    global _sources
-    ctx = _context
-    assert ctx is not None, "render_chunk runs inside write_profile"
-    if _sources is None:
-        _sources = ByteSources(ctx.materialized)
-    table, tasks, stats = ctx.table, ctx.tasks, ctx.stats
-    layout = table.layout()
+    layout = frame_layout(table)
     same = {x: stats.layouts[x] == layout for x in stats.codes}
     g0, g1 = bounds
     a, b = int(tasks.starts[g0]), int(tasks.starts[g1 - 1] + tasks.sizes[g1 - 1])
@@ -185,17 +162,17 @@ def render_chunk(bounds: tuple[int, int]) -> tuple[bytes, dict[int, list[bytes]]
     group = reward_profile.group_stats(table.gather(a, b), starts, sizes)
     infos = table.infos(a, b)
     codes = (table.r_key[tasks.starts[g0:g1]] // table.stride).tolist()
-    samples = zip(
+    sample_rows = zip(
         tasks.sample_shard[g0:g1].tolist(), tasks.sample_offset[g0:g1].tolist(), tasks.sample_length[g0:g1].tolist()
     )
     lines: list[bytes] = []
     by_agent: dict[int, list[bytes]] = {x: [] for x in stats.codes}
     all_items = reward_profile.stat_rows(layout, group)
-    for j, (code, start, n, where) in enumerate(zip(codes, starts.tolist(), sizes.tolist(), samples)):
+    for j, (code, start, n, where) in enumerate(zip(codes, starts.tolist(), sizes.tolist(), sample_rows)):
         task_index, agent = int(table.tasks[code]), int(tasks.agent[code])
         infos_json = b"[" + b",".join(infos[start : start + n]) + b"]"
         items_json = orjson.dumps(all_items[j])
-        sample = orjson.dumps(reward_profile.sample_of(orjson.loads(_sources.get(*where))))
+        sample = orjson.dumps(reward_profile.sample_of(orjson.loads(samples.get(*where))))
         lines.append(
             reward_profile.task_profile_row_json(
                 task_index, items_json, sample, n, int(tasks.expected[code]), infos_json

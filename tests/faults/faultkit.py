@@ -323,7 +323,7 @@ def fork_cli(*args: object, log: Path) -> Forked:
 
     for module in (
         "shardrun.cli",
-        "shardrun.merge.driver",
+        "shardrun.profile.merge_and_profile",
         "shardrun.launch.resume",
         "shardrun.launch.submission",
         "shardrun.launch.status",

@@ -1,12 +1,19 @@
 """Copy rows, given as (file, offset, length), into one output in a chosen order, as raw bytes.
 
-Rows are read with pread: nothing is mapped, so the process's resident size does not grow with the bytes
-copied (the page cache keeps them), and a file that shrank under us is an error, not a crash. Runs of rows that
-sit back to back in the same file are read with one call, in pieces of at most PIECE_BYTES.
+Runs of rows that sit back to back in the same file, in both orders, are one unit. A unit of at least
+RANGE_BYTES (a whole shard's planned rows, usually) is copied file to file by the kernel
+(`os.copy_file_range`, or plain reads where the file systems refuse it). Shorter units (rollout rows, which
+shards write in completion order) are gathered a window of about WINDOW_BYTES at a time: within a window they
+are read in file order with one `os.pread` per span of nearby rows, and each is placed at its output position
+in the window's buffer, which is then written in one go. So the files are read mostly sequentially, whatever
+the output order, and memory is bounded by the window. Nothing is mapped: a file that shrank under us is an
+error, not a crash.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -14,12 +21,12 @@ from typing import IO, Callable, Sequence
 
 import numpy as np
 
-from shardrun.merge import linescan
 from shardrun.core.errors import RunDirError
 
 WINDOW_BYTES = 64 << 20
 SPAN_BYTES = 16 << 20
 GAP_BYTES = 64 << 10
+RANGE_BYTES = 1 << 20
 PIECE_BYTES = 8 << 20
 MAX_OPEN = 256
 
@@ -50,11 +57,35 @@ class ByteSources:
     def get(self, i: int, offset: int, length: int) -> bytes:
         data = os.pread(self.fd(i), length, offset)
         if len(data) != length:
-            raise RunDirError(
-                f"{self.paths[i]}: shorter than when it was read ({offset + len(data):,} bytes, "
-                f"needed {offset + length:,}); it changed during the merge. Run the merge again"
-            )
+            raise self._shrunk(i, offset + len(data), offset + length)
         return data
+
+    def copy_range(self, out: IO[bytes], i: int, offset: int, length: int) -> None:
+        """bytes offset..offset+length of file i appended to `out`, by the kernel where it can."""
+        done = 0
+        try:
+            out.flush()
+            fd_out = out.fileno()
+        except (AttributeError, io.UnsupportedOperation):  # not a file (tests): plain reads
+            fd_out = -1
+        while fd_out >= 0 and done < length:
+            try:
+                n = os.copy_file_range(self.fd(i), fd_out, length - done, offset + done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                break  # not between these file systems: plain reads
+            if n == 0:
+                raise self._shrunk(i, offset + done, offset + length)
+            done += n
+        for p in range(offset + done, offset + length, PIECE_BYTES):
+            out.write(self.get(i, p, min(offset + length, p + PIECE_BYTES) - p))
+
+    def _shrunk(self, i: int, size: int, needed: int) -> RunDirError:
+        return RunDirError(
+            f"{self.paths[i]}: shorter than when it was read ({size:,} bytes, needed {needed:,}); it changed "
+            f"during the merge. Run the merge again"
+        )
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -83,13 +114,7 @@ def copy_rows(
     breaks: np.ndarray | None = None,
 ) -> int:
     """Write the rows in the given order; rows flagged in `breaks` pass through `rewrite(position, bytes)`.
-
-    The output is assembled a window (about WINDOW_BYTES) at a time. Within a window, rows are read in file
-    order: runs of rows that are back to back in both orders are one unit, units close together in the same
-    file are read with one pread (a span), and each unit is placed at its output position in the window's
-    buffer, which is then written in one go. So the files are read mostly sequentially, whatever the output
-    order, and memory is bounded by the window. Returns the number of bytes written.
-    """
+    Returns the number of bytes written."""
     bounds = runs(source, offset, length, breaks)
     first, last = bounds[:-1], bounds[1:] - 1
     u_source, u_offset = source[first], offset[first]
@@ -100,27 +125,26 @@ def copy_rows(
         u_size[unit] = len(data)
     u_end = np.cumsum(u_size)
     written = 0
-    buf = bytearray(min(WINDOW_BYTES, int(u_end[-1]) if len(u_end) else 0))  # reused: fresh pages cost faults
-    for a, b in _windows(u_end, WINDOW_BYTES):
+    buf = bytearray()  # one window's buffer, reused
+    for a, b in _windows(u_end, u_size, WINDOW_BYTES, RANGE_BYTES):
         base = int(u_end[a - 1]) if a else 0
         size = int(u_end[b - 1]) - base
-        if b - a == 1 and a not in replaced and size > WINDOW_BYTES:  # one long run: stream it in pieces
-            i, lo = int(u_source[a]), int(u_offset[a])
-            for p in range(lo, lo + size, PIECE_BYTES):
-                out.write(sources.get(i, p, min(lo + size, p + PIECE_BYTES) - p))
+        if b - a == 1 and a not in replaced and size >= RANGE_BYTES:
+            sources.copy_range(out, int(u_source[a]), int(u_offset[a]), size)
         else:
             if size > len(buf):
                 buf = bytearray(size)
-            _window(
-                memoryview(buf)[:size],
-                sources,
-                u_source[a:b],
-                u_offset[a:b],
-                u_length[a:b],
-                u_end[a:b] - u_size[a:b] - base,
-                {u - a: d for u, d in replaced.items() if a <= u < b},
-            )
-            out.write(memoryview(buf)[:size])
+            with memoryview(buf) as view:
+                _window(
+                    view[:size],
+                    sources,
+                    u_source[a:b],
+                    u_offset[a:b],
+                    u_length[a:b],
+                    u_end[a:b] - u_size[a:b] - base,
+                    {u - a: d for u, d in replaced.items() if a <= u < b},
+                )
+                out.write(view[:size])
         written += size
     return written
 
@@ -144,12 +168,17 @@ def _rewritten(
     }
 
 
-def _windows(end: np.ndarray, limit: int) -> list[tuple[int, int]]:
-    """Consecutive unit ranges whose bytes add up to about `limit` (at least one unit each)."""
+def _windows(end: np.ndarray, size: np.ndarray, limit: int, alone: int) -> list[tuple[int, int]]:
+    """Consecutive unit ranges whose bytes add up to about `limit` (at least one unit each); a unit of at least
+    `alone` bytes is a range of its own (copied file to file)."""
     bounds = [0]
+    big = np.flatnonzero(size >= alone)
     while bounds[-1] < len(end):
-        done = int(end[bounds[-1] - 1]) if bounds[-1] else 0
-        bounds.append(max(bounds[-1] + 1, int(np.searchsorted(end, done + limit, side="right"))))
+        a = bounds[-1]
+        done = int(end[a - 1]) if a else 0
+        stop = max(a + 1, int(np.searchsorted(end, done + limit, side="right")))
+        nxt = int(big[np.searchsorted(big, a)]) if np.searchsorted(big, a) < len(big) else len(end)
+        bounds.append(a + 1 if nxt == a else min(stop, nxt))
     return list(zip(bounds[:-1], bounds[1:]))
 
 
@@ -174,22 +203,13 @@ def _window(
     skip[list(replaced)] = True
     for s0, s1, hi in zip(starts.tolist(), stops.tolist(), highs.tolist()):
         lo = int(off[s0])
-        data = sources.get(int(src[s0]), lo, hi - lo)
-        units = order[s0:s1]
-        units = units[~skip[units]]
-        _place(view, data, off[s0:s1][~skip[order[s0:s1]]] - lo, length[units], dest[units])
-    for u, data in replaced.items():
-        view[int(dest[u]) : int(dest[u]) + len(data)] = data
-
-
-def _place(view: memoryview, data: bytes, at: np.ndarray, length: np.ndarray, dest: np.ndarray) -> None:
-    """view[dest[i]:dest[i] + length[i]] = data[at[i]:at[i] + length[i]] for every i (in C when built)."""
-    if linescan.AVAILABLE:
-        linescan.scatter(view, data, at, length, dest)
-        return
-    data = memoryview(data)
-    for o, n, d in zip(at.tolist(), length.tolist(), dest.tolist()):
-        view[d : d + n] = data[o : o + n]
+        with memoryview(sources.get(int(src[s0]), lo, hi - lo)) as data:
+            units = order[s0:s1]
+            units = units[~skip[units]]
+            for o, n, d in zip((offset[units] - lo).tolist(), length[units].tolist(), dest[units].tolist()):
+                view[d : d + n] = data[o : o + n]
+    for u, new in replaced.items():
+        view[int(dest[u]) : int(dest[u]) + len(new)] = new
 
 
 def _span_too_long(off: np.ndarray, new_span: np.ndarray) -> np.ndarray:

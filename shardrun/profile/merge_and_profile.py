@@ -1,0 +1,147 @@
+"""`shardrun merge-and-profile`: sealed shards -> the files one unsharded NeMo Gym run would have given.
+
+    merged/rollouts.jsonl                        every kept rollout once, sorted by (task, rollout), raw bytes
+    merged/rollouts_materialized_inputs.jsonl    every planned row, sorted by (task, rollout), raw bytes
+    merged/rollouts_failures.jsonl               the shards' failure sidecars, sorted by identity
+    merged/rollouts_reward_profiling.jsonl       ng_reward_profile's per-task rows
+    merged/rollouts_agent_metrics.json           ng_reward_profile's per-agent rows
+    merged/rollouts_aggregate_metrics.json       Gym's aggregate-metrics list (pass@k, majority@k per agent)
+    merged/merge_summary.json                    what the merge saw and did (the only file with timings)
+
+The merge stage (merge.shard_merge) reads the shards and writes the three row files; this module then profiles
+the merged table (writers). Every output is written through a temp file, all renamed into place together at
+the end, so a killed merge leaves the previous outputs untouched and a re-run gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from shardrun.merge import shard_merge, shard_reader
+from shardrun.merge.merged_table import MergedTable
+from shardrun.merge.outcome import AgentResult, MergeSummary
+from shardrun.merge.shard_merge import RowFiles
+from shardrun.plan.planner import Plan
+from shardrun.profile import writers
+from shardrun.profile.writers import TaskInfo
+from shardrun.rundir import store
+
+
+def merge_and_profile(
+    run_dir: Path | str, allow_partial: bool = False, answer_field: str | None = None, workers: int | None = None
+) -> MergeSummary:
+    """Merge the run's shards and profile them. IncompleteRun if a shard is unsealed and not allow_partial.
+
+    `answer_field` names the rollout field holding the extracted answer (enables majority@k); `workers` is how
+    many processes read shards (default: the CPUs this process may use, at most 8; one for small runs).
+    """
+    started = time.monotonic()
+    run_dir = Path(run_dir)
+    plan = store.load_plan(run_dir)
+    states = shard_merge.check_seals(run_dir, plan, allow_partial)
+    workers = workers or shard_reader.default_workers(plan.num_rollouts)
+    with store.merge_lock(run_dir):
+        store.remove_stale_temps(store.merged_dir(run_dir))
+        try:
+            with contextlib.ExitStack() as stack:
+                # the summary's writer is entered first, so it is renamed last: a merge_summary.json in place means
+                # every output beside it comes from the same merge (one killed while renaming leaves the earlier one)
+                outputs = output_paths(run_dir)
+                out: dict[str, IO[bytes]] = {
+                    k: stack.enter_context(store.atomic_writer(outputs[k]))
+                    for k in sorted(outputs, key=lambda k: k != "summary")
+                }
+                files = RowFiles(out["rollouts"], out["materialized_inputs"], out["failures"])
+                table, summary = shard_merge.merge_shards(
+                    run_dir,
+                    plan,
+                    states,
+                    files,
+                    allow_partial=allow_partial,
+                    answer_field=answer_field,
+                    workers=workers,
+                )
+                summary.outputs = {k: str(p) for k, p in outputs.items()}
+                tasks = TaskInfo(table)
+                table.release_planned()
+                table.release_locations()
+                tick = time.monotonic()
+                _profile(run_dir, plan, table, tasks, summary, out)
+                summary.timings["profile_s"] = time.monotonic() - tick
+                summary.timings["total_s"] = time.monotonic() - started
+                out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
+        finally:
+            store.remove_stale_temps(store.merged_dir(run_dir))
+    return summary
+
+
+def output_paths(run_dir: Path) -> dict[str, Path]:
+    return {
+        "rollouts": store.merged_rollouts_path(run_dir),
+        "materialized_inputs": store.merged_materialized_path(run_dir),
+        "failures": store.merged_failures_path(run_dir),
+        "reward_profiling": store.merged_reward_profiling_path(run_dir),
+        "agent_metrics": store.merged_agent_metrics_path(run_dir),
+        "aggregate_metrics": store.merged_aggregate_metrics_path(run_dir),
+        "summary": store.merged_summary_path(run_dir),
+    }
+
+
+def _profile(
+    run_dir: Path,
+    plan: Plan,
+    table: MergedTable,
+    tasks: TaskInfo,
+    summary: MergeSummary,
+    out: dict[str, IO[bytes]],
+) -> None:
+    _count_tasks(summary, table, tasks, plan)
+    agents = writers.AgentStats(table, tasks)
+    out["agent_metrics"].write(orjson.dumps(writers.agent_metric_rows(table, agents)))
+    entries = writers.aggregate_entries(table, agents, plan)
+    _summarize_agents(summary, entries)
+    groups = writers.AggregateWriter(
+        out["aggregate_metrics"], entries, agents.codes, lambda a: store.merge_scratch(run_dir, f"groups-{a}.json")
+    )
+    materialized = [store.materialized_path(run_dir, s.index) for s in plan.shards]
+    writers.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized)
+    groups.close()
+
+
+def _summarize_agents(summary: MergeSummary, entries: list[dict[str, Any]]) -> None:
+    for entry in entries:
+        for result in summary.agents:
+            if result.name == entry["agent_ref"]["name"]:
+                metrics = entry["agent_metrics"]
+                result.mean_reward = metrics.get("mean/reward")
+                result.metrics = {k: v for k, v in metrics.items() if "@" in k}
+
+
+def _count_tasks(summary: MergeSummary, table: MergedTable, tasks: TaskInfo, plan: Plan) -> None:
+    done, expected = tasks.done, tasks.expected
+    complete, partial = done == expected, (done > 0) & (done < expected)
+    missing = done == 0
+    summary.tasks = len(expected)
+    summary.tasks_complete, summary.tasks_partial = int(complete.sum()), int(partial.sum())
+    summary.tasks_missing = int(missing.sum())
+    summary.rollouts, summary.expected_rollouts = int(done.sum()), int(expected.sum())
+    for code, name in enumerate(table.agents):
+        mine = tasks.agent == code
+        summary.agents.append(
+            AgentResult(
+                name,
+                plan.agents.get(name, {}).get("repeats", 0),
+                int(mine.sum()),
+                int((complete & mine).sum()),
+                int((partial & mine).sum()),
+                int((missing & mine).sum()),
+                int(done[mine].sum()),
+                int(expected[mine].sum()),
+            )
+        )
+    summary.agents.sort(key=lambda a: a.name)

@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/bench_workers.py [--policy-startup-s 30] [--shards 16] [--parallel 2] [--json OUT]
 
-Both runs plan the same input (the first `--tasks` rows of examples/arith x `--repeats`) into `--shards` shards and
+Both runs plan the same input (the first `--tasks` math rows of examples/arith x `--repeats`) into `--shards` shards and
 run them on the local executor, at most `--parallel` at once:
 
     per-shard   cluster.workers: null, array_parallelism: --parallel   (every shard starts and stops its servers)
@@ -48,11 +48,15 @@ from shardrun.shard import worker
 from tests.fakes import harness
 from tests.faults import gymkit
 
+MATH_AGENT = "math_with_judge_simple_agent"  # the stack here serves math_with_judge only (the quickest real stack)
 LINE = re.compile(r"^\[shardrun (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) shard \d+\] (.*)$")
 
 
 def write_config(tmp: Path, mode: str, args: argparse.Namespace, gym_venv: Path) -> Path:
-    rows = (ROOT / "examples/arith/input.jsonl").read_text().splitlines()[: args.tasks]
+    rows = [r for r in (ROOT / "examples/arith/input.jsonl").read_text().splitlines() if MATH_AGENT in r]
+    if len(rows) < args.tasks:
+        sys.exit(f"examples/arith has {len(rows)} rows of {MATH_AGENT}; ask for at most that many --tasks")
+    rows = rows[: args.tasks]
     (tmp / "input.jsonl").write_text("".join(r + "\n" for r in rows))
     stand_in = [
         sys.executable,

@@ -231,3 +231,14 @@ def test_fill_collects_the_skipped_rollouts(runs) -> None:
         collect_shard(adaptive, i)
     merge_run(adaptive)
     assert store.merged_rollouts_path(adaptive).read_bytes() == store.merged_rollouts_path(full).read_bytes()
+
+
+def test_report_shows_the_skipped_rollouts_and_the_gpu_hours_saved(runs) -> None:
+    from shardrun.analysis import report
+
+    _, adaptive, markers = runs
+    skipped = sum(m.get("num_skipped_decided", 0) for m in markers)
+    rows = dict(report.headline_rows(report.gather(adaptive, use_sacct=False)))
+    assert rows["skipped (decided)"].startswith(f"{skipped:,} rollouts never run because their task was decided")
+    assert "GPU-hours saved" in rows["skipped (decided)"]
+    assert rows["failures"].endswith("0 planned rollouts without a result")

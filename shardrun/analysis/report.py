@@ -46,6 +46,7 @@ class ReportData:
     key_metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # agent -> Gym key_metrics
     unsealed: int = 0
     worker_cost: dict[str, Any] = field(default_factory=dict)  # cost.workers_row of the run's warm workers
+    skipped_decided: int = 0  # rollouts the seals record as skipped because their task was decided (adaptive)
 
 
 # ---------------------------------------------------------------- reading (edge)
@@ -103,6 +104,7 @@ def gather(run_dir: Path, use_sacct: bool = True) -> ReportData:
         read_key_metrics(store.merged_aggregate_metrics_path(run_dir)),
         unsealed,
         worker_costs(run_dir),
+        sum(int(m.get("num_skipped_decided") or 0) for m in markers),
     )
 
 
@@ -135,15 +137,27 @@ def headline_rows(data: ReportData) -> list[tuple[str, str]]:
         ("rollouts", f"{completed:,} completed of {data.plan.num_rollouts:,} planned"),
         (
             "failures",
-            f"{data.failures:,} rows in the failures file; {data.plan.num_rollouts - completed:,} "
-            f"planned rollouts without a result",
+            f"{data.failures:,} rows in the failures file; "
+            f"{data.plan.num_rollouts - completed - data.skipped_decided:,} planned rollouts without a result",
         ),
+        *([("skipped (decided)", skipped_text(data.skipped_decided, run, data.plan))] if data.skipped_decided else []),
         ("shards", f"{run.shards:,} sealed of {len(data.plan.shards):,}"),
         ("Gym", f"nemo-gym {data.plan.gym_version}" if data.plan.gym_version else "nemo-gym version not recorded"),
     ]
     rows += [r for r in cost.cost_rows(run) if r[0] != "sealed shards"]
     rows += cost.workers_rows(data.worker_cost)
     return rows
+
+
+def skipped_text(skipped: int, run: cost.RunCost, plan: Plan) -> str:
+    """The rollouts adaptive sampling did not run, and what they would have cost at this run's GPU-hours per
+    rollout run."""
+    ran = run.rollouts + run.failed
+    saved = f"; about {skipped * run.gpu_hours / ran:,.2f} GPU-hours saved" if ran and run.gpu_hours else ""
+    return (
+        f"{skipped:,} rollouts never run because their task was decided "
+        f"({100 * skipped / plan.num_rollouts:.0f}% of planned){saved}"
+    )
 
 
 def agent_rows(summaries: Sequence[AgentSummary], planned: Mapping[str, int] | None = None) -> list[list[str]]:

@@ -1,0 +1,136 @@
+"""Adaptive sampling end to end with the real NeMo Gym stack (ng_run with math_with_judge, ng_collect_rollouts) and
+the stand-in policy (tests/fakes/policy_server.py: the model is the one seam we do not own), whose pass rate is
+known per task: never, always, or sometimes.
+
+An adaptive run (sampling.stop_when_decided: drop solved and unsolved) and a full run of the same plan, on the
+local executor with one job per shard: `select` writes the same bytes, every rollout the adaptive run collected
+equals the full run's rollout with that identity, and the skipped count is planned minus collected.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardrun.rundir import store
+from shardrun.shard import gym_stack
+from tests.fakes import harness
+from tests.test_e2e_local import essentials, rows
+
+pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1500)]
+REPEATS = 4
+SHARES = [0.0, 1.0, 0.5, 0.5, 0.5, 0.5]  # per task: never, always, sometimes
+RULES = {"drop_solved": True, "drop_unsolved": True}
+
+
+def write_input(path: Path) -> Path:
+    template = json.loads((harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[0])
+    lines = []
+    for i in range(len(SHARES)):
+        row = json.loads(json.dumps(template))
+        question = f"What is {i + 2} + 3?"
+        row["responses_create_params"]["input"][0]["content"] = (
+            row["responses_create_params"]["input"][0]["content"].rsplit("\n\n", 1)[0] + "\n\n" + question
+        )
+        row["question"], row["expected_answer"] = question, str(i + 5)
+        lines.append(json.dumps(row))
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def config_for(tmp: Path, input_jsonl: Path, name: str, url: str, shards: int, sampling: dict | None) -> Path:
+    path = harness.write_config(
+        tmp / f"{name}.yaml",
+        input_jsonl,
+        tmp / name,
+        url,
+        repeats=REPEATS,
+        shards=shards,
+        gym={"max_rollout_attempts": 2},
+    )
+    if sampling is not None:
+        data = yaml.safe_load(path.read_text())
+        data["sampling"] = sampling
+        path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def shardrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "shardrun.cli", *args], cwd=cwd, capture_output=True, text=True)
+    assert done.returncode == 0, f"shardrun {args[0]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, gym_venv: Path):
+    """The stand-in policy with the per-task pass rates, the input, and the full run of the plan (one shard)."""
+    tmp = tmp_path_factory.mktemp("adaptive")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(harness.TAG_ENV, uuid.uuid4().hex)
+        mp.setenv(harness.API_KEY_ENV, harness.API_KEY)
+        mp.setenv(gym_stack.VENV_ENV, str(gym_venv))
+        input_jsonl = write_input(tmp / "input.jsonl")
+        shares = {f"What is {i + 2} + 3?": s for i, s in enumerate(SHARES)}
+        (tmp / "shares.json").write_text(json.dumps(shares))
+        with harness.fake_policy(tmp, "--shares", str(tmp / "shares.json")) as fake:
+            full_cfg = config_for(tmp, input_jsonl, "full", fake.base_url, 1, None)
+            shardrun("submit", str(full_cfg), cwd=tmp)
+            shardrun("merge-and-profile", str(tmp / "full"), cwd=tmp)
+            shardrun("select", str(tmp / "full"), "-o", str(tmp / "full.jsonl"), *FLAGS, cwd=tmp)
+            yield tmp, input_jsonl, fake
+
+
+FLAGS = ["--drop-solved", "--drop-unsolved"]
+
+
+def check_against_full(tmp: Path, run_dir: Path, shards: int) -> list[dict]:
+    """select's bytes, every collected rollout, the skipped count; returns the markers."""
+    out = tmp / f"{run_dir.name}.jsonl"
+    shardrun("select", str(run_dir), "-o", str(out), *FLAGS, cwd=tmp)
+    assert out.read_bytes() == (tmp / "full.jsonl").read_bytes()
+    assert len(rows(out)) == 4  # the never and the always solved task are dropped
+    got = essentials(rows(store.merged_rollouts_path(run_dir)))
+    want = essentials(rows(store.merged_rollouts_path(tmp / "full")))
+    assert got and set(got) < set(want)
+    assert all(got[key] == want[key] for key in got)
+    markers = [json.loads(store.done_path(run_dir, i).read_text()) for i in range(shards)]
+    skipped = sum(m.get("num_skipped_decided", 0) for m in markers)
+    assert skipped == len(SHARES) * REPEATS - len(got) > 0
+    assert all(m["num_failed"] == 0 for m in markers)
+    stopped = {t for m in markers for t in m.get("skipped_decided_tasks", [])}
+    assert stopped and not stopped & {0, 1}  # never and always solved tasks get all their rollouts
+    status = json.loads(shardrun("status", str(run_dir), "--json", cwd=tmp).stdout)
+    assert status["skipped_decided"] == skipped and status["done"] + skipped == status["planned"]
+    return markers
+
+
+def test_one_job_per_shard(world) -> None:
+    """Shard 0 holds every task's first wave, shard 1 the second: shard 1 starts after shard 0 sealed (one job at
+    a time) and skips the rows of the tasks shard 0 decided."""
+    tmp, input_jsonl, fake = world
+    cfg = config_for(tmp, input_jsonl, "per_shard", fake.base_url, 2, {"stop_when_decided": RULES})
+    shardrun("submit", str(cfg), cwd=tmp)
+    shardrun("merge-and-profile", str(tmp / "per_shard"), cwd=tmp)
+    markers = check_against_full(tmp, tmp / "per_shard", 2)
+    assert markers[1].get("num_skipped_decided", 0) > 0
+    assert "adaptive sampling:" in store.shard_log_path(tmp / "per_shard", 1).read_text()
+
+
+def test_one_warm_worker_claims_by_wave(world) -> None:
+    """One warm worker over 4 shards (two per wave): it claims in shard order, so the second wave's shards find
+    the first wave's rollouts on disk."""
+    tmp, input_jsonl, fake = world
+    cfg = config_for(tmp, input_jsonl, "worker", fake.base_url, 4, {"stop_when_decided": RULES})
+    data = yaml.safe_load(cfg.read_text())
+    data["cluster"] |= {"workers": 1, "claim_heartbeat_s": 1, "claim_lease_s": 10}
+    cfg.write_text(yaml.safe_dump(data))
+    shardrun("submit", str(cfg), cwd=tmp)
+    shardrun("merge-and-profile", str(tmp / "worker"), cwd=tmp)
+    markers = check_against_full(tmp, tmp / "worker", 4)
+    assert all(m.get("worker") for m in markers)

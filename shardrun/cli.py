@@ -329,15 +329,21 @@ def merge_and_profile_cmd(
         "CPUs this process may use, at most 8; one for small runs).",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the merge summary as JSON."),
+    missing: Optional[str] = typer.Option(
+        None,
+        "--missing",
+        help="What a planned rollout without a result (missing or failed) counts as in the aggregate metrics: omit "
+        "(left out of the denominator) or zero (reward 0, no answer). Default: the run's Gym version's policy (omit).",
+    ),
 ) -> None:
     """Merge sealed shards into merged/ (sorted rollouts and inputs, failures) and write Gym's reward profile,
-    agent metrics and pass@k aggregate metrics."""
+    agent metrics and pass@k aggregate metrics (with each agent's coverage)."""
     import orjson
 
     from shardrun.merge import outcome
     from shardrun.profile import merge_and_profile
 
-    result = run(merge_and_profile.merge_and_profile, run_dir, allow_partial, answer_field, workers)
+    result = run(merge_and_profile.merge_and_profile, run_dir, allow_partial, answer_field, workers, missing)
     typer.echo(
         orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode() if json_out else outcome.render(result)
     )

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from shardrun.shard import gym_adapter
 from shardrun.shard import gym_stack
 from shardrun.shard import runtime
 from shardrun.rundir import store
 from tests.fakes import harness
+from tests.test_profile_vs_gym import same
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
 REPEATS = 3
@@ -54,15 +56,14 @@ def essentials(rollouts: list[dict]) -> dict[tuple[int, int], tuple]:
     return out
 
 
-def run_gym(venv: Path, tool: str, *args: str, cwd: Path, env: dict, timeout: float = 300) -> None:
-    proc = subprocess.run(
-        [str(venv / "bin" / tool), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, f"{tool} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+def run_cmd(*cmd: str, cwd: Path, env: dict, timeout: float = 300) -> None:
+    proc = subprocess.run(list(cmd), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd[:4]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 def unsharded_reference(tmp: Path, cfg_path: Path, input_jsonl: Path, gym_venv: Path) -> Path:
-    """One plain Gym run over the input (own stack), then ng_reward_profile. Returns its output dir."""
+    """One plain Gym run over the input (own stack), then the release's own profiler. Returns its output dir."""
+    release = gym_adapter.for_venv(gym_venv)
     cfg = harness.load_config(cfg_path)
     out = tmp / "reference" / "out"
     out.mkdir(parents=True)
@@ -71,9 +72,8 @@ def unsharded_reference(tmp: Path, cfg_path: Path, input_jsonl: Path, gym_venv: 
     )
     try:
         env = gym_stack.stack_env(dict(os.environ), gym_venv, stack.ray_tmp, True)
-        run_gym(
-            gym_venv,
-            "ng_collect_rollouts",
+        run_cmd(
+            *release.collect_command(gym_venv),
             f"+head_server.host={gym_stack.HEAD_HOST}",
             f"+head_server.port={stack.port}",
             f"+input_jsonl_fpath={input_jsonl}",
@@ -87,11 +87,8 @@ def unsharded_reference(tmp: Path, cfg_path: Path, input_jsonl: Path, gym_venv: 
         )
     finally:
         stack.stop()
-    run_gym(
-        gym_venv,
-        "ng_reward_profile",
-        f"+materialized_inputs_jsonl_fpath={out / 'rollouts_materialized_inputs.jsonl'}",
-        f"+rollouts_jsonl_fpath={out / 'rollouts.jsonl'}",
+    run_cmd(
+        *release.profile_command(gym_venv, out / "rollouts_materialized_inputs.jsonl", out / "rollouts.jsonl", False),
         cwd=out,
         env=dict(os.environ),
     )
@@ -102,7 +99,11 @@ def profile_rows(path: Path) -> list[dict]:
     return sorted(rows(path), key=lambda r: r["_ng_task_index"])
 
 
-def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv: Path, monkeypatch) -> None:
+def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv_each: Path, monkeypatch) -> None:
+    """On every supported Gym version (gym_venv_each): the sharded run and its merged profile equal one unsharded
+    run of that version and that version's own profiler, file for file."""
+    gym_venv = gym_venv_each
+    release = gym_adapter.for_venv(gym_venv)
     tag = uuid.uuid4().hex
     monkeypatch.setenv(harness.TAG_ENV, tag)
     monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
@@ -173,9 +174,12 @@ def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv: P
     assert profile_rows(merged / "rollouts_reward_profiling.jsonl") == profile_rows(
         reference / "rollouts_reward_profiling.jsonl"
     )
-    assert json.loads((merged / "rollouts_agent_metrics.json").read_text()) == json.loads(
-        (reference / "rollouts_agent_metrics.json").read_text()
-    )
+    for suffix in release.profile_file_suffixes()[1:]:  # agent metrics; with 0.7 also the repeat-level metrics
+        name = f"rollouts{suffix}"
+        same(json.loads((merged / name).read_text()), json.loads((reference / name).read_text()), name)
+    profile_files = {p.name for p in merged.glob("rollouts_*_metrics.json")} - {"rollouts_aggregate_metrics.json"}
+    assert profile_files == {p.name for p in reference.glob("rollouts_*_metrics.json")}  # no file more, none less
+    assert store.load_plan(run_dir).gym_version == release.version
 
     # nothing left running, no key on disk, env.yaml deleted
     assert harness.tagged_processes(tag) == []
@@ -185,6 +189,7 @@ def test_sharded_submit_equals_one_unsharded_gym_run(tmp_path: Path, gym_venv: P
         if path.is_file():
             assert harness.API_KEY.encode() not in path.read_bytes(), f"API key written to {path}"
     markers = [json.loads(store.done_path(run_dir, i).read_text()) for i in (0, 1)]
+    assert [m["gym_version"] for m in markers] == [release.version] * 2
     assert markers[0]["server_wait_s"] > 0 and markers[0]["collect_s"] > 0 and markers[0]["extra"]["output_tokens"] > 0
     assert (
         markers[1]["server_wait_s"] == 0

@@ -1,5 +1,6 @@
-"""shardrun's merged profile equals the real `ng_reward_profile` (NeMo Gym 0.4.0) on the merged files, row by row,
-and its aggregate metrics equal Gym's `compute_aggregate_metrics` + `compute_pass_majority_metrics`."""
+"""shardrun's merged profile equals the real profiler of each supported NeMo Gym version (`ng_reward_profile` of
+0.4.0, `gym eval profile` of 0.7.0: gym_each) on the merged files, file by file and row by row, and its
+aggregate metrics equal Gym's `compute_aggregate_metrics` + `compute_pass_majority_metrics` (0.4.0)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from shardrun.profile.merge_and_profile import merge_and_profile
 from shardrun.rundir import store
+from shardrun.shard import gym_adapter
 from tests.builders import input_rows, make_run, rollout_row, write_shard
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow]
@@ -36,15 +38,21 @@ def same(got: Any, want: Any, where: str = "") -> None:
             assert got == want, where
 
 
+@pytest.fixture()
+def gym_each(gym_venv_each: Path, monkeypatch) -> Path:
+    """Each supported Gym version's venv, as the venv the run is planned with (so its profile is that version's)."""
+    monkeypatch.setenv("SHARDRUN_GYM_VENV", str(gym_venv_each))
+    return gym_venv_each
+
+
 def gym_profile(gym_venv: Path, merged: Path, work: Path, partial: bool) -> tuple[list[dict], list[dict]]:
     work.mkdir()
     for name in ("rollouts.jsonl", "rollouts_materialized_inputs.jsonl"):
         shutil.copy(merged / name, work / name)
-    cmd = [
-        str(gym_venv / "bin" / "ng_reward_profile"),
-        f"+materialized_inputs_jsonl_fpath={work}/rollouts_materialized_inputs.jsonl",
-        f"+rollouts_jsonl_fpath={work}/rollouts.jsonl",
-    ] + (["++allow_partial_rollouts=True"] if partial else [])
+    release = gym_adapter.for_venv(gym_venv)
+    cmd = release.profile_command(
+        gym_venv, work / "rollouts_materialized_inputs.jsonl", work / "rollouts.jsonl", partial
+    )
     done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = [orjson.loads(x) for x in (work / "rollouts_reward_profiling.jsonl").read_bytes().splitlines()]
@@ -59,9 +67,13 @@ def assert_profile_equals_gym(gym_venv: Path, run_dir: Path, work: Path, partial
     for got, want in zip(got_rows, want_rows):
         same(got, want, f"task {want['_ng_task_index']}")
     same(orjson.loads((merged / "rollouts_agent_metrics.json").read_bytes()), want_agents, "agents")
+    ours = {p.name for p in merged.glob("rollouts_*_metrics.json")} - {"rollouts_aggregate_metrics.json"}
+    assert ours == {p.name for p in work.glob("rollouts_*_metrics.json")}  # the version's files, no more
+    for name in ours - {"rollouts_agent_metrics.json"}:  # 0.7: rollouts_repeat_level_metrics.json
+        same(orjson.loads((merged / name).read_bytes()), orjson.loads((work / name).read_bytes()), name)
 
 
-def test_partial_run_with_duplicates_torn_foreign_and_failures(gym_venv: Path, tmp_path: Path) -> None:
+def test_partial_run_with_duplicates_torn_foreign_and_failures(gym_each: Path, tmp_path: Path) -> None:
     run = make_run(
         tmp_path,
         input_rows(12, agents=("math", "tool"), explicit_index=True, shuffle_seed=2),
@@ -72,7 +84,7 @@ def test_partial_run_with_duplicates_torn_foreign_and_failures(gym_venv: Path, t
     for i in range(4):
         write_shard(run, i, duplicates=i, torn=i == 1, foreign=i == 2, failed=i == 3, missing=i == 0, seed=i)
     merge_and_profile(run.run_dir)
-    assert_profile_equals_gym(gym_venv, run.run_dir, tmp_path / "gym", partial=True)
+    assert_profile_equals_gym(gym_each, run.run_dir, tmp_path / "gym", partial=True)
 
 
 def odd_row(m: dict[str, Any]) -> dict[str, Any]:
@@ -96,13 +108,13 @@ def odd_row(m: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def test_corner_case_rows_complete_run(gym_venv: Path, tmp_path: Path) -> None:
+def test_corner_case_rows_complete_run(gym_each: Path, tmp_path: Path) -> None:
     run = make_run(tmp_path, input_rows(9, agents=("a", "b")), num_repeats={"a": 3, "_default": 1}, num_shards=3)
     for i in range(3):
         write_shard(run, i, make_row=odd_row, seed=i)
     summary = merge_and_profile(run.run_dir)
     assert summary.tasks_complete == 9
-    assert_profile_equals_gym(gym_venv, run.run_dir, tmp_path / "gym", partial=False)
+    assert_profile_equals_gym(gym_each, run.run_dir, tmp_path / "gym", partial=False)
 
 
 def int_row(m: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +130,7 @@ def int_row(m: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def test_all_integer_frame_keeps_integer_max_and_min(gym_venv: Path, tmp_path: Path) -> None:
+def test_all_integer_frame_keeps_integer_max_and_min(gym_each: Path, tmp_path: Path) -> None:
     run = make_run(
         tmp_path, input_rows(6, agents=("a", "b")), num_repeats={"a": 4, "b": 1}, num_shards=2, slicing="round_robin"
     )
@@ -127,7 +139,7 @@ def test_all_integer_frame_keeps_integer_max_and_min(gym_venv: Path, tmp_path: P
     merge_and_profile(run.run_dir)
     first = orjson.loads(store.merged_reward_profiling_path(run.run_dir).read_bytes().splitlines()[0])
     assert isinstance(first["max/reward"], int)
-    assert_profile_equals_gym(gym_venv, run.run_dir, tmp_path / "gym", partial=False)
+    assert_profile_equals_gym(gym_each, run.run_dir, tmp_path / "gym", partial=False)
 
 
 GYM_AGGREGATE = r"""

@@ -113,6 +113,7 @@ class RowTable:
 
     answer_key: str | None = None
     exact_ints: bool = False  # check every row for integers beyond 2**53 (see needs_exact_ints)
+    ignored: frozenset[str] = frozenset()  # top-level fields the Gym release's profiler leaves out (mask_sample)
     schemas: list[Schema] = field(default_factory=list)
     values: list[array] = field(default_factory=list)
     irregular_infos: list[list[dict] | None] = field(default_factory=list)
@@ -171,7 +172,7 @@ class RowTable:
         ident = [keys.index(k) if type(row.get(k)) is int else None for k in (TASK_KEY, ROLLOUT_KEY)]
         if None in ident:
             ident = [None, None]
-        top = [i for i, k in enumerate(keys) if type(row[k]) in KIND and k not in IDENTITY]
+        top = [i for i, k in enumerate(keys) if type(row[k]) in KIND and k not in IDENTITY and k not in self.ignored]
         ukeys = list(usage or {})
         low = [i for i, k in enumerate(ukeys) if type(usage[k]) in KIND]  # type: ignore[index]
         regular = not any(k in row for k in ukeys) and ("reward" not in row or type(row["reward"]) in KIND)
@@ -190,6 +191,7 @@ class RowTable:
         return shape
 
     def _add_irregular(self, row: dict[str, Any], usage: dict[str, Any]) -> None:
+        row = {k: v for k, v in row.items() if k not in self.ignored}
         merged = row | usage  # Gym's `result | response.usage`
         stats = [(k, KIND[type(v)], v) for k, v in merged.items() if type(v) in KIND and k not in IDENTITY]
         key = ("irregular", tuple(k for k, _, _ in stats), "".join(c for _, c, _ in stats))

@@ -57,12 +57,13 @@ def merge_shards(
     allow_partial: bool,
     answer_field: str | None,
     workers: int,
+    ignored_fields: tuple[str, ...] = (),
 ) -> tuple[MergedTable, MergeSummary]:
     """Read the shards, write the merged row files; the table (planned rows and row locations still held, for
     the caller to take what it needs and release) and the summary of what the merge saw."""
     tick = time.monotonic()
     jobs = [
-        ShardReadJob(run_dir, spec.index, spec.num_rollouts, state, allow_partial, answer_field)
+        ShardReadJob(run_dir, spec.index, spec.num_rollouts, state, allow_partial, answer_field, ignored_fields)
         for spec, state in zip(plan.shards, states)
     ]
     builder = TableBuilder(plan.num_rollouts, answers=answer_field is not None)

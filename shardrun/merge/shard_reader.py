@@ -93,6 +93,7 @@ class ShardReadJob:
     state: seal.SealState
     allow_partial: bool
     answer_field: str | None
+    ignored_fields: tuple[str, ...] = ()  # rollout fields the Gym release's profiler leaves out
 
 
 @dataclass
@@ -150,7 +151,13 @@ def read_rollouts(job: ShardReadJob) -> tuple[Rollouts, seal.SealState]:
     path, state = store.rollouts_path(job.run_dir, job.index), job.state
     if state.sealed:
         marker = state.marker or {}
-        rollouts = scan_rollouts(path, limit=marker.get("rollouts_bytes"), snapshot=None, answer_key=job.answer_field)
+        rollouts = scan_rollouts(
+            path,
+            limit=marker.get("rollouts_bytes"),
+            snapshot=None,
+            answer_key=job.answer_field,
+            ignored=frozenset(job.ignored_fields),
+        )
         if rollouts.sha256 == marker.get("rollouts_sha256"):
             return rollouts, state
         state = seal.SealState(False, f"{path}: content changed after sealing (sha256 differs); not sealed", marker)
@@ -160,7 +167,9 @@ def read_rollouts(job: ShardReadJob) -> tuple[Rollouts, seal.SealState]:
                 f"{job.run_dir}` to finish it, or merge what it holds with --allow-partial."
             )
     snapshot = store.merge_scratch(job.run_dir, f"snapshot-{job.index:05d}.jsonl")
-    return scan_rollouts(path, limit=None, snapshot=snapshot, answer_key=job.answer_field), state
+    return scan_rollouts(
+        path, limit=None, snapshot=snapshot, answer_key=job.answer_field, ignored=frozenset(job.ignored_fields)
+    ), state
 
 
 # ---------------------------------------------------------------- one file each
@@ -210,11 +219,17 @@ def scan_planned(path: Path) -> Planned:
 
 
 def scan_rollouts(
-    path: Path, *, limit: int | None, snapshot: Path | None, answer_key: str | None, exact_ints: bool = False
+    path: Path,
+    *,
+    limit: int | None,
+    snapshot: Path | None,
+    answer_key: str | None,
+    exact_ints: bool = False,
+    ignored: frozenset[str] = frozenset(),
 ) -> Rollouts:
     """Parse a shard's rollouts.jsonl. With `snapshot`, complete lines are copied there (offsets stay equal)."""
     offset, length = array("q"), array("q")
-    table = RowTable(answer_key=answer_key, exact_ints=exact_ints)
+    table = RowTable(answer_key=answer_key, exact_ints=exact_ints, ignored=ignored)
     add = table.adder()
     empty = np.zeros(0, np.int64)
     out = Rollouts(snapshot or path, empty, empty, empty, empty, table)
@@ -245,7 +260,9 @@ def scan_rollouts(
                     off += len(line) + 1
             out.torn_bytes = reader.torn
     if table.needs_exact_ints():  # rare: integers beyond 2**53; read again (from the snapshot if any)
-        again = scan_rollouts(snapshot or path, limit=limit, snapshot=None, answer_key=answer_key, exact_ints=True)
+        again = scan_rollouts(
+            snapshot or path, limit=limit, snapshot=None, answer_key=answer_key, exact_ints=True, ignored=ignored
+        )
         again.torn_bytes = out.torn_bytes
         return again
     table.finish()

@@ -6,6 +6,7 @@
     merged/rollouts_reward_profiling.jsonl       ng_reward_profile's per-task rows
     merged/rollouts_agent_metrics.json           ng_reward_profile's per-agent rows
     merged/rollouts_aggregate_metrics.json       Gym's aggregate-metrics list (pass@k, majority@k per agent)
+    merged/rollouts_repeat_level_metrics.json    Gym 0.7's per-agent, per-repeat rows (a 0.7 run only)
     merged/merge_summary.json                    what the merge saw and did (the only file with timings)
 
 The merge stage (merge.shard_merge) reads the shards and writes the three row files; this module then profiles
@@ -18,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Sequence
 
+import numpy as np
 import orjson
 
 from shardrun.merge import shard_merge, shard_reader
@@ -27,23 +29,37 @@ from shardrun.merge.merged_table import MergedTable
 from shardrun.merge.outcome import AgentResult, MergeSummary
 from shardrun.merge.shard_merge import RowFiles
 from shardrun.plan.planner import Plan
-from shardrun.profile import writers
+from shardrun.profile import denominator, repeat_metrics, writers
 from shardrun.profile.writers import TaskInfo
+from shardrun.core.gym_names import ROLLOUTS
 from shardrun.rundir import store
+from shardrun.rundir.seal import SealState
+from shardrun.shard import gym_adapter
+
+
+REPEAT_LEVEL_METRICS = ROLLOUTS.removesuffix(".jsonl") + "_repeat_level_metrics.json"
 
 
 def merge_and_profile(
-    run_dir: Path | str, allow_partial: bool = False, answer_field: str | None = None, workers: int | None = None
+    run_dir: Path | str,
+    allow_partial: bool = False,
+    answer_field: str | None = None,
+    workers: int | None = None,
+    missing: str | None = None,
 ) -> MergeSummary:
     """Merge the run's shards and profile them. IncompleteRun if a shard is unsealed and not allow_partial.
 
     `answer_field` names the rollout field holding the extracted answer (enables majority@k); `workers` is how
-    many processes read shards (default: the CPUs this process may use, at most 8; one for small runs).
+    many processes read shards (default: the CPUs this process may use, at most 8; one for small runs);
+    `missing` is what a planned rollout without a result counts as in the aggregate metrics, "omit" or "zero"
+    (default: the run's Gym version's policy; profile/denominator.py).
     """
     started = time.monotonic()
     run_dir = Path(run_dir)
     plan = store.load_plan(run_dir)
     states = shard_merge.check_seals(run_dir, plan, allow_partial)
+    release = gym_release(plan, states)
+    policy = denominator.check_policy(missing or release.missing_policy)
     workers = workers or shard_reader.default_workers(plan.num_rollouts)
     with store.merge_lock(run_dir):
         store.remove_stale_temps(store.merged_dir(run_dir))
@@ -51,7 +67,7 @@ def merge_and_profile(
             with contextlib.ExitStack() as stack:
                 # the summary's writer is entered first, so it is renamed last: a merge_summary.json in place means
                 # every output beside it comes from the same merge (one killed while renaming leaves the earlier one)
-                outputs = output_paths(run_dir)
+                outputs = output_paths(run_dir, release)
                 out: dict[str, IO[bytes]] = {
                     k: stack.enter_context(store.atomic_writer(outputs[k]))
                     for k in sorted(outputs, key=lambda k: k != "summary")
@@ -65,13 +81,15 @@ def merge_and_profile(
                     allow_partial=allow_partial,
                     answer_field=answer_field,
                     workers=workers,
+                    ignored_fields=release.profile_ignored_fields,
                 )
                 summary.outputs = {k: str(p) for k, p in outputs.items()}
                 tasks = TaskInfo(table)
+                imputed = _without_result(table, tasks) if policy == "zero" else None
                 table.release_planned()
                 table.release_locations()
                 tick = time.monotonic()
-                _profile(run_dir, plan, table, tasks, summary, out)
+                _profile(run_dir, plan, table, tasks, summary, out, release, imputed)
                 summary.timings["profile_s"] = time.monotonic() - tick
                 summary.timings["total_s"] = time.monotonic() - started
                 out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
@@ -80,7 +98,24 @@ def merge_and_profile(
     return summary
 
 
-def output_paths(run_dir: Path) -> dict[str, Path]:
+def gym_release(plan: Plan, states: Sequence[SealState]) -> gym_adapter.GymAdapter:
+    """The adapter of the run's Gym release: the plan's version, else the one its sealed shards ran with, else
+    0.4.0 (what shardrun profiled before it recorded versions)."""
+    marked = (s.marker.get("gym_version") for s in states if s.marker and isinstance(s.marker.get("gym_version"), str))
+    return gym_adapter.for_version(plan.gym_version or next(marked, None) or "0.4.0")
+
+
+def _without_result(table: MergedTable, tasks: TaskInfo) -> dict[int, np.ndarray]:
+    """Per agent code, the planned keys that have no kept rollout (missing or failed), before the planned rows
+    are released."""
+    keys = table.p_key[~table.has_rollout(table.p_key)]
+    agent = tasks.agent[keys // table.stride]
+    return {int(a): keys[agent == a] for a in np.unique(agent).tolist()}
+
+
+def output_paths(run_dir: Path, release: gym_adapter.GymAdapter) -> dict[str, Path]:
+    """The merged files, the profile's as the release's own profiler names them."""
+    repeats = {"repeat_level_metrics": store.merged_dir(run_dir) / REPEAT_LEVEL_METRICS}
     return {
         "rollouts": store.merged_rollouts_path(run_dir),
         "materialized_inputs": store.merged_materialized_path(run_dir),
@@ -89,7 +124,7 @@ def output_paths(run_dir: Path) -> dict[str, Path]:
         "agent_metrics": store.merged_agent_metrics_path(run_dir),
         "aggregate_metrics": store.merged_aggregate_metrics_path(run_dir),
         "summary": store.merged_summary_path(run_dir),
-    }
+    } | (repeats if release.repeat_level_metrics else {})
 
 
 def _profile(
@@ -99,11 +134,19 @@ def _profile(
     tasks: TaskInfo,
     summary: MergeSummary,
     out: dict[str, IO[bytes]],
+    release: gym_adapter.GymAdapter,
+    imputed: dict[int, np.ndarray] | None = None,
 ) -> None:
     _count_tasks(summary, table, tasks, plan)
     agents = writers.AgentStats(table, tasks)
-    out["agent_metrics"].write(orjson.dumps(writers.agent_metric_rows(table, agents)))
-    entries = writers.aggregate_entries(table, agents, plan)
+    agent_rows = writers.agent_metric_rows(table, agents)
+    if release.repeat_level_metrics:  # Gym 0.7: per-repeat rows, and their spread appended to each agent's row
+        repeats = repeat_metrics.repeat_level_metrics(repeat_metrics.table_frame(table, tasks.agent))
+        across = repeat_metrics.across_repeats(repeats)
+        agent_rows = [row | across.get(row["agent_ref"]["name"], {}) for row in agent_rows]
+        out["repeat_level_metrics"].write(orjson.dumps(repeats))
+    out["agent_metrics"].write(orjson.dumps(agent_rows))
+    entries = writers.aggregate_entries(table, agents, plan, imputed)
     _summarize_agents(summary, entries)
     groups = writers.AggregateWriter(
         out["aggregate_metrics"], entries, agents.codes, lambda a: store.merge_scratch(run_dir, f"groups-{a}.json")

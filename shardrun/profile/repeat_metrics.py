@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from shardrun.core.gym_names import AGENT_KEY, ROLLOUT_KEY, TASK_KEY
+from shardrun.merge.merged_table import MergedTable
 
 REPEAT_STATS = ("mean", "median", "std", "sem", "min", "max", "p25", "p75")
 ACROSS_MARKER = "_across_repeats/"
@@ -180,3 +181,16 @@ def across_repeats(repeat_rows: Sequence[dict[str, Any]]) -> dict[str, dict[str,
                 entry[f"ci_low_95{ACROSS_MARKER}{key}"], entry[f"ci_high_95{ACROSS_MARKER}{key}"] = ci
         out[agent] = entry
     return out
+
+
+def table_frame(table: MergedTable, agent_of_task: np.ndarray) -> RolloutFrame:
+    """The frame of a merged table's kept rollouts (`agent_of_task`: the agent code of each of its tasks)."""
+    task_rank = table.r_key // table.stride
+    return RolloutFrame(
+        agent_names=table.agents,
+        agent=agent_of_task[task_rank],
+        task=table.task_of_key(table.r_key),
+        rollout=table.rollout_of_key(table.r_key),
+        names=list(table.columns),
+        column=table.column,
+    )

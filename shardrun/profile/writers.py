@@ -20,7 +20,8 @@ import orjson
 from shardrun.merge.merged_table import MergedTable, segments
 from shardrun.merge.row_copier import ByteSources
 from shardrun.plan.planner import Plan
-from shardrun.profile import aggregate, reward_profile
+from shardrun.merge.rowtable import NO_ANSWER
+from shardrun.profile import aggregate, denominator, reward_profile
 from shardrun.profile.reward_profile import Layout
 
 CHUNK_ROWS = 1 << 15  # rollouts per chunk of tasks
@@ -74,18 +75,28 @@ def agent_metric_rows(table: MergedTable, stats: AgentStats) -> list[dict[str, A
     ]
 
 
-def aggregate_entries(table: MergedTable, stats: AgentStats, plan: Plan) -> list[dict[str, Any]]:
+def aggregate_entries(
+    table: MergedTable, stats: AgentStats, plan: Plan, imputed: dict[int, np.ndarray] | None = None
+) -> list[dict[str, Any]]:
     """Gym's aggregate-metrics entries without their group rows: agent_metrics (stats over the agent's own frame
-    and pass@k / majority@k) and key_metrics."""
+    and pass@k / majority@k, then its coverage) and key_metrics. `imputed` (the zero policy, profile/denominator.py):
+    per agent code, the planned keys without a result, counted as reward 0 in the reward stats and pass@k."""
     reward = table.column("reward")
     answers = table.r_answers
-    row_task = table.r_key // table.stride
     entries = []
     for j, a in enumerate(stats.codes):
         rows, name = stats.rows[a], table.agents[a]
-        scores = aggregate.score_table(row_task[rows], reward[rows], answers[rows] if answers is not None else None)
+        keys, rew, ans = table.r_key[rows], reward[rows], answers[rows] if answers is not None else None
+        zeros = imputed.get(a, np.zeros(0, np.int64)) if imputed is not None else None
+        if zeros is not None:
+            keys, rew, ans = denominator.with_zeros(keys, rew, ans, zeros, NO_ANSWER)
+        scores = aggregate.score_table(keys // table.stride, rew, ans)
         metrics = reward_profile.stat_items(stats.layouts[a], stats.stats, j)
+        if zeros is not None:
+            metrics.update(denominator.reward_stats(rew))
         metrics.update(aggregate.agent_pass_metrics(scores, plan.agents.get(name, {}).get("repeats", 1)))
+        planned = int(plan.agents.get(name, {}).get("rollouts", len(rows)))
+        metrics.update(denominator.coverage(planned, len(rows), None if zeros is None else len(zeros)))
         entries.append(
             {"agent_ref": {"name": name}, "agent_metrics": metrics, "key_metrics": aggregate.key_metrics(metrics)}
         )

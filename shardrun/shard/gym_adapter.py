@@ -30,6 +30,7 @@ class GymAdapter(abc.ABC):
     server_kinds: ClassVar[tuple[str, ...]]  # the server packages ng_run may start, each with its own venv dir
     repeat_level_metrics: ClassVar[bool]  # the profiler writes *_repeat_level_metrics.json and across-repeat stats
     missing_policy: ClassVar[str]  # how the release's profile and aggregate metrics count missing/failed rollouts
+    profile_ignored_fields: ClassVar[tuple[str, ...]]  # rollout fields its profiler leaves out of the stats
 
     def __init__(self, version: str):
         self.version = version

@@ -11,6 +11,8 @@
 - Resume (`+resume_from_cache=true`) on a pre-materialized file dispatches exactly the identities that are
   neither done nor gated, keeps the file unchanged, and repairs a torn last line of the rollouts and the sidecar
   itself. The output directory is created if missing.
+- The profiler leaves the `mask_sample` flag out of the stats (and leaves rollouts flagged true out of quality
+  metrics; shardrun does not model that yet: docs/gym-versions.md).
 - The profiler also writes `_repeat_level_metrics.json` (one row per agent and rollout index) and adds
   across-repeat statistics (`mean_across_repeats/...`) to `_agent_metrics.json`; a missing or failed rollout is
   left out of the profile (the collector's `count_missing_rollouts_as_zero` is off by default).
@@ -30,6 +32,7 @@ class GymV07(GymAdapter):
     server_kinds = ("resources_servers", "responses_api_agents", "responses_api_models", "environment_servers")
     repeat_level_metrics = True
     missing_policy = "omit"
+    profile_ignored_fields = ("mask_sample",)  # a flag, not a measurement: the profiler strips it
 
     def stack_command(self, venv: Path) -> list[str]:
         return [str(venv / "bin" / "gym"), "env", "start"]

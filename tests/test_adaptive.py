@@ -242,3 +242,35 @@ def test_report_shows_the_skipped_rollouts_and_the_gpu_hours_saved(runs) -> None
     assert rows["skipped (decided)"].startswith(f"{skipped:,} rollouts never run because their task was decided")
     assert "GPU-hours saved" in rows["skipped (decided)"]
     assert rows["failures"].endswith("0 planned rollouts without a result")
+
+
+def test_a_shard_killed_mid_way_resumes_and_decides_afresh(tmp_path: Path) -> None:
+    """A shard killed after part of its rows: its next start keeps what it collected, decides from at least what
+    the first start saw (rows it had skipped stay skipped), and the run still selects what the full run selects."""
+    full = plan_run(tmp_path, "full", None)
+    adaptive = plan_run(tmp_path, "adaptive", {"stop_when_decided": RULES, "wave": 2})
+    for i in range(SHARDS):
+        collect_shard(full, i)
+    plan = store.load_plan(adaptive)
+    for i in range(SHARDS):
+        first = decided.decide_shard(adaptive, plan, i, max_attempts=3)
+        if i == 3:  # killed mid-way: half of the rows it meant to collect are on disk, no seal
+            rows = list(store.iter_jsonl_objects(store.materialized_path(adaptive, i)))
+            todo = [r for r in rows if (r["_ng_task_index"], r["_ng_rollout_index"]) not in first.skip]
+            half = todo[: len(todo) // 2]
+            store.rollouts_path(adaptive, i).write_bytes(
+                b"".join(
+                    orjson.dumps(rollout(r, reward(r["_ng_task_index"], r["_ng_rollout_index"]), 10)) + b"\n"
+                    for r in half
+                )
+            )
+            again = decided.decide_shard(adaptive, plan, i, max_attempts=3)
+            assert first.skip <= again.skip and set(first.verdicts) <= set(again.verdicts)
+            done = {(r["_ng_task_index"], r["_ng_rollout_index"]) for r in half}
+            assert not again.skip & done  # what it collected stays; only open rows are skipped
+            first = again
+        collect_shard(adaptive, i, first.skip)
+    assert all(seal.check(adaptive, plan, i, deep=True).sealed for i in range(SHARDS))
+    merge_run(full)
+    merge_run(adaptive)
+    assert select_bytes(adaptive, tmp_path / "a.jsonl", **RULES) == select_bytes(full, tmp_path / "f.jsonl", **RULES)

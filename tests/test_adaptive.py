@@ -274,3 +274,18 @@ def test_a_shard_killed_mid_way_resumes_and_decides_afresh(tmp_path: Path) -> No
     merge_run(full)
     merge_run(adaptive)
     assert select_bytes(adaptive, tmp_path / "a.jsonl", **RULES) == select_bytes(full, tmp_path / "f.jsonl", **RULES)
+
+
+def test_profile_rows_report_coverage_and_stopped_tasks(runs) -> None:
+    full, adaptive, markers = runs
+    stopped = {t for m in markers for t in m.get("skipped_decided_tasks", [])}
+    rows = list(store.iter_jsonl_objects(store.merged_reward_profiling_path(adaptive)))
+    for row in rows:
+        t = row["_ng_task_index"]
+        assert row["expected_num_rollouts"] == K
+        if t in stopped:
+            assert row["stopped_decided"] is True and row["num_rollouts"] < K
+            assert row["reward_profile_completion_pct"] == 100.0 * row["num_rollouts"] / K
+        else:
+            assert "stopped_decided" not in row and row["num_rollouts"] == K
+    assert not any("stopped_decided" in r for r in store.iter_jsonl_objects(store.merged_reward_profiling_path(full)))

@@ -34,7 +34,7 @@ from shardrun.profile.writers import TaskInfo
 from shardrun.core.gym_names import ROLLOUTS
 from shardrun.rundir import store
 from shardrun.rundir.seal import SealState
-from shardrun.shard import gym_adapter
+from shardrun.core import gym_adapter
 
 
 REPEAT_LEVEL_METRICS = ROLLOUTS.removesuffix(".jsonl") + "_repeat_level_metrics.json"
@@ -89,13 +89,20 @@ def merge_and_profile(
                 table.release_planned()
                 table.release_locations()
                 tick = time.monotonic()
-                _profile(run_dir, plan, table, tasks, summary, out, release, imputed)
+                _profile(run_dir, plan, table, tasks, summary, out, release, imputed, stopped_tasks(states))
                 summary.timings["profile_s"] = time.monotonic() - tick
                 summary.timings["total_s"] = time.monotonic() - started
                 out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
         finally:
             store.remove_stale_temps(store.merged_dir(run_dir))
     return summary
+
+
+def stopped_tasks(states: Sequence[SealState]) -> frozenset[int]:
+    """Tasks whose rollouts a sealed shard skipped because they were decided (adaptive sampling)."""
+    return frozenset(
+        int(t) for s in states if s.sealed and s.marker for t in s.marker.get("skipped_decided_tasks") or ()
+    )
 
 
 def gym_release(plan: Plan, states: Sequence[SealState]) -> gym_adapter.GymAdapter:
@@ -136,6 +143,7 @@ def _profile(
     out: dict[str, IO[bytes]],
     release: gym_adapter.GymAdapter,
     imputed: dict[int, np.ndarray] | None = None,
+    stopped: frozenset[int] = frozenset(),
 ) -> None:
     _count_tasks(summary, table, tasks, plan)
     agents = writers.AgentStats(table, tasks)
@@ -152,7 +160,7 @@ def _profile(
         out["aggregate_metrics"], entries, agents.codes, lambda a: store.merge_scratch(run_dir, f"groups-{a}.json")
     )
     materialized = [store.materialized_path(run_dir, s.index) for s in plan.shards]
-    writers.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized)
+    writers.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized, stopped)
     groups.close()
 
 

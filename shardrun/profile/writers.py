@@ -29,6 +29,7 @@ PLACEHOLDER = b'"@@shardrun-group-level-metrics@@"'
 ROW_INDENT = b"\n      "
 LIST_END = b"\n    ]"
 STUB_SAMPLE = b'{"agent_ref":{"name":"agent"}}'  # Gym's stub `sample` of group rows, as JSON
+STOPPED_DECIDED = b',"stopped_decided":true'  # adaptive sampling: the task's other rollouts were skipped, decided
 
 
 def frame_layout(table: MergedTable, rows: np.ndarray | None = None) -> Layout:
@@ -151,18 +152,25 @@ def write_profile(
     tasks: TaskInfo,
     stats: AgentStats,
     materialized: list[Path],
+    stopped: frozenset[int] = frozenset(),
 ) -> None:
-    """The per-task profile rows (and each task's aggregate group row), chunk by chunk in task order."""
+    """The per-task profile rows (and each task's aggregate group row), chunk by chunk in task order. A task in
+    `stopped` (adaptive sampling: rollouts skipped because it was decided) says so in its row: `stopped_decided`."""
     with ByteSources(materialized) as samples:
         for bounds in chunks(tasks.sizes):
-            text, by_agent = render_chunk(table, tasks, stats, samples, bounds)
+            text, by_agent = render_chunk(table, tasks, stats, samples, bounds, stopped)
             out.write(text)
             for agent, rows in by_agent.items():
                 aggregate_out.add(agent, rows)
 
 
 def render_chunk(
-    table: MergedTable, tasks: TaskInfo, stats: AgentStats, samples: ByteSources, bounds: tuple[int, int]
+    table: MergedTable,
+    tasks: TaskInfo,
+    stats: AgentStats,
+    samples: ByteSources,
+    bounds: tuple[int, int],
+    stopped: frozenset[int] = frozenset(),
 ) -> tuple[bytes, dict[int, list[bytes]]]:
     """Profile lines of tasks g0..g1 (task order), and their aggregate group rows by agent."""
     layout = frame_layout(table)
@@ -184,11 +192,10 @@ def render_chunk(
         infos_json = b"[" + b",".join(infos[start : start + n]) + b"]"
         items_json = orjson.dumps(all_items[j])
         sample = orjson.dumps(reward_profile.sample_of(orjson.loads(samples.get(*where))))
-        lines.append(
-            reward_profile.task_profile_row_json(
-                task_index, items_json, sample, n, int(tasks.expected[code]), infos_json
-            )
+        row = reward_profile.task_profile_row_json(
+            task_index, items_json, sample, n, int(tasks.expected[code]), infos_json
         )
+        lines.append(row[:-1] + STOPPED_DECIDED + b"}" if task_index in stopped else row)
         if not same[agent]:
             items_json = orjson.dumps(reward_profile.stat_items(stats.layouts[agent], group, j))
         by_agent[agent].append(

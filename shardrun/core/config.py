@@ -28,7 +28,7 @@ DEFAULT_MAX_ARRAY_SIZE = 1001
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # every number is finite
 
 
 class ShardingConfig(StrictModel):
@@ -170,7 +170,7 @@ class ClusterConfig(StrictModel):
     nodes: int = Field(1, ge=1, le=100_000)
     gpus_per_node: int = Field(0, ge=0, le=1024)
     cpus_per_task: int | None = Field(None, ge=1, le=100_000)
-    mem_gb: float | None = Field(None, gt=0)
+    mem_gb: float | None = Field(None, gt=0, le=2**30)
     setup: list[str] = Field(default_factory=list, description="Shell lines run before each shard (module load).")
     array_parallelism: int = Field(
         64, ge=1, le=4_000_001, description="Max shards running at once (array throttle / local cap)."
@@ -194,7 +194,7 @@ class ClusterConfig(StrictModel):
     merge_partition: str | None = Field(None, description="Partition of the CPU merge job (default: partition).")
     merge_time_limit: str = Field("01:00:00", description="Time limit of the merge job.")
     merge_cpus_per_task: int = Field(4, ge=1, le=100_000, description="CPUs of the merge job.")
-    merge_mem_gb: float = Field(16, gt=0, description="Memory of the merge job.")
+    merge_mem_gb: float = Field(16, gt=0, le=2**30, description="Memory of the merge job.")
     additional_parameters: dict[str, Any] = Field(default_factory=dict, description="Extra sbatch parameters.")
 
     workers: int | None = Field(

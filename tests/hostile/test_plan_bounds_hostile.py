@@ -194,3 +194,20 @@ def test_a_config_with_a_few_aliases_is_fine(tmp_path):
     )
     outcome = invoke("plan", cfg, "--write")
     assert outcome.exit_code == 0, outcome.output
+
+
+@pytest.mark.parametrize(
+    "settings, key",
+    [
+        ({"cluster": {"mem_gb": float("inf")}}, "cluster.mem_gb"),
+        ({"cluster": {"mem_gb": 1e30}}, "cluster.mem_gb"),
+        ({"cluster": {"merge_mem_gb": float("nan")}}, "cluster.merge_mem_gb"),
+        ({"gym": {"ready_timeout_s": float("inf")}}, "gym.ready_timeout_s"),
+    ],
+)
+def test_a_number_that_is_not_finite_or_beyond_its_range_is_refused(tmp_path, unchanged, settings, key):
+    """mem_gb=.inf once ended `submit` in an OverflowError while the sbatch --mem value was rendered."""
+    cfg = write_config(tmp_path, [row(0)], **settings)
+    with unchanged(tmp_path):
+        refused(invoke("plan", cfg, "--write"), key)
+        refused(invoke("submit", cfg, "--dry-run"), key)

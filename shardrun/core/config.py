@@ -227,6 +227,7 @@ class ClusterConfig(StrictModel):
                 f"({self.claim_heartbeat_s:g}): a claim would go stale between two heartbeats"
             )
         return self
+
     @field_validator("env_vars")
     @classmethod
     def _env_vars(cls, v: list[str]) -> list[str]:

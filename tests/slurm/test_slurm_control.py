@@ -103,5 +103,5 @@ def test_submit_refuses_when_the_key_is_not_exported(tmp_path, env, monkeypatch)
     monkeypatch.delenv(harness.API_KEY_ENV)
     run_dir, cfg = held_run(tmp_path)
     out = shardrun("submit", cfg, cwd=tmp_path, check=False)
-    assert out.returncode == 2 and f"{harness.API_KEY_ENV} not set in this shell" in out.stderr
+    assert out.returncode == 2 and f"${harness.API_KEY_ENV} is not set in this shell" in out.stderr
     assert not store.launches_path(run_dir).exists()

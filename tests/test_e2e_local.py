@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shardrun.shard import gym_adapter
+from shardrun.core import gym_adapter
 from shardrun.shard import gym_stack
 from shardrun.shard import runtime
 from shardrun.rundir import store

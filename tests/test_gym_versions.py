@@ -18,7 +18,7 @@ import yaml
 from shardrun.core.errors import BadInput, PlanMismatch
 from shardrun.launch import status, submission
 from shardrun.rundir import env_manifest, store
-from shardrun.shard import gym_adapter
+from shardrun.core import gym_adapter
 from shardrun.shard import runtime
 from tests.builders import input_rows
 
@@ -199,3 +199,31 @@ def test_a_gym_0_7_failure_row_gives_its_reason() -> None:
     assert gym_errors.sidecar_reason(row) == ledger.failure_reason(row) == want
     assert ledger.failure_reason(row | {"reason": "shardrun's own"}) == "shardrun's own"
     assert ledger.failure_reason({"_ng_failure_class": "agent_request_failed"}) == "agent_request_failed"
+
+
+@pytest.mark.parametrize("version,routed", [("0.4.0", ["a", "own", "a"]), ("0.7.0", ["a", "a", "a"])])
+def test_agent_name_follows_the_gym_versions_semantics(tmp_path: Path, monkeypatch, version, routed) -> None:
+    """Gym 0.4's +agent_name fills in rows without an agent_ref; Gym 0.7's routes every row to it (a new agent_ref),
+    a dict num_repeats still matching the row's own agent when the routed one has no entry."""
+    from shardrun.core import config as config_mod
+
+    monkeypatch.setenv("SHARDRUN_GYM_VENV", str(stand_in_venv(tmp_path, version)))
+    rows = [{"responses_create_params": {"input": "x"}}, {"responses_create_params": {"input": "y"}}]
+    rows[1]["agent_ref"] = {"type": "responses_api_agents", "name": "own"}
+    rows.append({"responses_create_params": {"input": "z"}})
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    cfg = config_mod.validate(
+        {
+            "input_jsonl": str(src),
+            "run_dir": str(tmp_path / "run"),
+            "agent_name": "a",
+            "num_repeats": {"own": 3, "_default": 1},
+        }
+    )
+    plan, _ = store.write_plan(cfg)
+    planned = [orjson.loads(x) for x in store.materialized_path(cfg.run_dir, 0).read_bytes().splitlines()]
+    by_task = {r["_ng_task_index"]: r["agent_ref"]["name"] for r in planned}
+    assert [by_task[t] for t in sorted(by_task)] == routed
+    assert sum(1 for r in planned if r["_ng_task_index"] == 1) == 3  # "own"'s repeats either way
+    assert ("agent_name_overrides" in plan.planning) == (version == "0.7.0")

@@ -1,6 +1,7 @@
 """The planned rows equal, byte for byte, what NeMo Gym itself materializes for one unsharded run.
 
-Uses the real nemo-gym 0.4.0 package (its row preprocessing, offline: no servers needed).
+Uses the real nemo-gym packages of every supported version (their row preprocessing, offline: no servers needed);
+the run is planned with that version's venv, whose semantics the planner follows (0.7's agent_name routes every row).
 """
 
 from __future__ import annotations
@@ -51,7 +52,11 @@ def explicit_inputs() -> list[dict]:
         (explicit_inputs, 3, "contiguous", 2),
     ],
 )
-def test_planned_rows_equal_gyms_materialized_rows(tmp_path, gym_venv, rows, repeats, slicing, shards):
+def test_planned_rows_equal_gyms_materialized_rows(
+    tmp_path, gym_venv_each, monkeypatch, rows, repeats, slicing, shards
+):
+    gym_venv = gym_venv_each
+    monkeypatch.setenv("SHARDRUN_GYM_VENV", str(gym_venv))
     inp = tmp_path / "input.jsonl"
     inp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows()))
     cfg = config.validate(

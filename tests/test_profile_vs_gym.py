@@ -14,7 +14,7 @@ import pytest
 
 from shardrun.profile.merge_and_profile import merge_and_profile
 from shardrun.rundir import store
-from shardrun.shard import gym_adapter
+from shardrun.core import gym_adapter
 from tests.builders import input_rows, make_run, rollout_row, write_shard
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from shardrun.rundir import ledger
-from shardrun.shard import gym_adapter
+from shardrun.core import gym_adapter
 from shardrun.shard import gym_stack
 from shardrun.shard import processes
 from shardrun.shard import runtime

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from shardrun.shard import collector
-from shardrun.shard import gym_adapter
+from shardrun.core import gym_adapter
 from shardrun.shard import gym_stack
 from shardrun.launch import submission
 from shardrun.rundir import ledger

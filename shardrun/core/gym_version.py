@@ -2,7 +2,7 @@
 
 A run is made with one release: the planner records the version found in `gym.venv`, every `.done` marker repeats
 it, and `resume` refuses a venv that holds another one. What differs between releases (commands, flags, server
-kinds, profile files) lives in the shard stage's adapters (shardrun/shard/gym_adapter.py); this module only finds
+kinds, profile files) lives in the adapters (shardrun/core/gym_adapter.py); this module only finds
 and names the version.
 """
 

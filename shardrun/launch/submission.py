@@ -40,7 +40,7 @@ from shardrun.shard import processes
 from shardrun.core import gym_version
 from shardrun.rundir import env_manifest
 from shardrun.rundir import seal
-from shardrun.shard import gym_adapter
+from shardrun.core import gym_adapter
 from shardrun.launch import preflight, scheduler, slurm
 from shardrun.launch import status
 from shardrun.rundir import store

@@ -84,14 +84,18 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
-def row_agent(row: dict[str, Any], line_no: int, source: str, default_agent: str | None) -> str | None:
+def row_agent(
+    row: dict[str, Any], line_no: int, source: str, default_agent: str | None, overrides: bool = False
+) -> str | None:
+    """The row's agent: its agent_ref's name, else `default_agent` (agent_name); with `overrides` (Gym 0.7's
+    agent_name, which routes every row) `default_agent` whenever it is set."""
     where = f"{source}:{line_no}"
     ref = row.get(AGENT_KEY)
     if ref is None:
         return default_agent
     if not isinstance(ref, dict) or not isinstance(ref.get("name"), str) or not ref["name"]:
         raise BadInput(f"{where}: field {AGENT_KEY}: must be an object with a non-empty string 'name', got {ref!r}")
-    return ref["name"]
+    return default_agent if overrides and default_agent else ref["name"]
 
 
 def check_row(row: dict[str, Any], line_no: int, source: str) -> None:
@@ -181,9 +185,14 @@ class _IndexSet:
 
 
 def iter_tasks(
-    lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str, problems: list[str] | None = None
+    lines: Iterable[tuple[int, bytes]],
+    cfg: RunConfig,
+    source: str,
+    problems: list[str] | None = None,
+    agent_name_overrides: bool = False,
 ) -> Iterator[tuple[Task, dict[str, Any]]]:
-    """Yield (task, row) for every non-blank line. Row problems go to `problems` (if given) or raise."""
+    """Yield (task, row) for every non-blank line. Row problems go to `problems` (if given) or raise.
+    `agent_name_overrides`: cfg.agent_name routes every row (Gym 0.7), not only rows without an agent_ref."""
     position = 0
     for line_no, raw in lines:
         if not raw.strip():
@@ -191,7 +200,7 @@ def iter_tasks(
         try:
             row = parse_line(raw, line_no, source)
             check_row(row, line_no, source)
-            agent = row_agent(row, line_no, source, cfg.agent_name)
+            agent = row_agent(row, line_no, source, cfg.agent_name, agent_name_overrides)
         except BadInput as e:
             if problems is None:
                 raise
@@ -210,17 +219,22 @@ def iter_tasks(
             problems.append(msg)
             continue
         k = repeats_for(agent, cfg.num_repeats)
+        original = (row.get(AGENT_KEY) or {}).get("name") if agent_name_overrides else None
+        if original and isinstance(cfg.num_repeats, dict) and agent not in cfg.num_repeats:
+            k = repeats_for(original, cfg.num_repeats)  # Gym 0.7: the row's own agent's entry, before _default
         yield Task(line_no, index, agent, k or 0), row
 
 
-def scan(lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str) -> InputSummary:
+def scan(
+    lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str, agent_name_overrides: bool = False
+) -> InputSummary:
     """Validate every row and count tasks and rollouts. One BadInput lists every problem found."""
     problems: list[str] = []
     summary = InputSummary()
     seen = _IndexSet()
     first_line: dict[int, int] = {}
     missing_agents: dict[str, int] = {}
-    for task, _row in iter_tasks(_count(lines, summary), cfg, source, problems):
+    for task, _row in iter_tasks(_count(lines, summary), cfg, source, problems, agent_name_overrides):
         if not seen.add(task.task_index):
             problems.append(
                 f"{source}:{task.line_no}: field {TASK_KEY}: task index {task.task_index} is used by "
@@ -303,6 +317,9 @@ def shard_count(num_rollouts: int, cfg: RunConfig) -> int:
     else:
         n = 1
     return max(1, min(n, num_rollouts))
+
+
+AGENT_NAME_OVERRIDES = "agent_name_overrides"  # the planning key: agent_name routes every row (Gym 0.7)
 
 
 def make_shards(num_rollouts: int, num_shards: int, slicing: str) -> tuple[ShardSpec, ...]:
@@ -410,12 +427,21 @@ def public_config(cfg: RunConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json")
 
 
-def make_plan(cfg: RunConfig, info: InputInfo, summary: InputSummary, gym_version: str | None = None) -> Plan:
+def make_plan(
+    cfg: RunConfig,
+    info: InputInfo,
+    summary: InputSummary,
+    gym_version: str | None = None,
+    agent_name_overrides: bool = False,
+) -> Plan:
+    """The plan; `agent_name_overrides` (the Gym release's agent_name routes every row) is a planning setting
+    then, in the fingerprint, as it decides the rows' agents."""
+    overrides = agent_name_overrides and bool(cfg.agent_name)
     shards = make_shards(summary.num_rollouts, shard_count(summary.num_rollouts, cfg), cfg.sharding.slicing)
     plan = Plan(
         planner_version=PLANNER_VERSION,
         input=info,
-        planning=cfg.planning_view(),
+        planning=cfg.planning_view() | ({AGENT_NAME_OVERRIDES: True} if overrides else {}),
         config=public_config(cfg),
         num_tasks=summary.num_tasks,
         num_rollouts=summary.num_rollouts,
@@ -457,9 +483,17 @@ _SENT_ROLLOUT = 7316492850184736291
 _SENT_SEED = 8426193057264819374
 
 
-def stamp(row: dict[str, Any], task: Task, default_agent: str | None, rcp_overrides: dict[str, Any]) -> dict:
+def stamp(
+    row: dict[str, Any],
+    task: Task,
+    default_agent: str | None,
+    rcp_overrides: dict[str, Any],
+    agent_name_overrides: bool = False,
+) -> dict:
     """Apply Gym's per-row preprocessing (agent, params overrides, task index) to a freshly parsed row."""
-    if default_agent:
+    if default_agent and agent_name_overrides:
+        row[AGENT_KEY] = {"name": default_agent}  # Gym 0.7: agent_name re-routes the row (a new agent_ref)
+    elif default_agent:
         row.setdefault(AGENT_KEY, {"name": default_agent})
     if rcp_overrides:
         row[RCP_KEY] = row[RCP_KEY] | rcp_overrides
@@ -536,7 +570,8 @@ def materialize(
     rcp_overrides = dict(cfg.gym.responses_create_params) if cfg.gym else {}
     waves = WaveOrder(plan)
     ordinal = 0
-    for task, row in iter_tasks(lines, cfg, source):
+    overrides = bool(plan.planning.get(AGENT_NAME_OVERRIDES))
+    for task, row in iter_tasks(lines, cfg, source, agent_name_overrides=overrides):
         runs: Iterable[tuple[int, int, int]] = (
             run for first, a, b in waves.segments(ordinal, task.repeats) for run in _runs(plan, route, first, a, b)
         )
@@ -545,7 +580,7 @@ def materialize(
             runs = [run for run in runs if run[0] in only]
             if not runs:
                 continue
-        stamp(row, task, cfg.agent_name, rcp_overrides)
+        stamp(row, task, cfg.agent_name, rcp_overrides, overrides)
         render = expansion(row, cfg.seed_offset)
         for shard_index, a, b in runs:
             for start in range(a, b, MATERIALIZE_CHUNK):

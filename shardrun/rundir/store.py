@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from shardrun.plan import planner
 from shardrun.rundir import safepaths
-from shardrun.core import gym_version
+from shardrun.core import gym_adapter, gym_version
 from shardrun.core import slurm_values
 from shardrun.core.config import RunConfig
 from shardrun.core.errors import BadInput, PlanMismatch, RunDirError
@@ -417,10 +417,11 @@ def scan_input(cfg: RunConfig) -> Plan:
     """Validation pass over the input (streamed) -> the plan. Writes nothing."""
     src = cfg.input_jsonl
     hasher = hashlib.sha256()
-    summary = planner.scan(read_lines(src, hasher), cfg, str(src))
-    info = planner.InputInfo(path=str(src), sha256=hasher.hexdigest(), num_lines=summary.num_lines)
     version = gym_version.of_settings(cfg.gym.venv if cfg.gym else None, os.environ)
-    return planner.make_plan(cfg, info, summary, gym_version=version)
+    overrides = gym_adapter.for_version(version).agent_name_overrides if version else False
+    summary = planner.scan(read_lines(src, hasher), cfg, str(src), overrides)
+    info = planner.InputInfo(path=str(src), sha256=hasher.hexdigest(), num_lines=summary.num_lines)
+    return planner.make_plan(cfg, info, summary, gym_version=version, agent_name_overrides=overrides)
 
 
 def existing_plan_matches(run_dir: Path, plan: Plan) -> bool:

@@ -24,7 +24,7 @@ from shardrun.shard import processes
 from shardrun.rundir import store
 from shardrun.core.config import GymConfig
 from shardrun.core.gym_names import FAILURES, MATERIALIZED, ROLLOUT_KEY, ROLLOUTS, TASK_KEY
-from shardrun.shard.gym_adapter import GymAdapter
+from shardrun.core.gym_adapter import GymAdapter
 from shardrun.shard.gym_stack import HEAD_HOST, GymStack, stack_env
 
 ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"  # read by Gym's resume (0.4 and 0.7): the retry cap per identity

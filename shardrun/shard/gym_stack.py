@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import yaml
 
 from shardrun.shard import processes
-from shardrun.shard.gym_adapter import GymAdapter, for_venv
+from shardrun.core.gym_adapter import GymAdapter, for_venv
 from shardrun.rundir import store
 from shardrun.core import gym_version
 from shardrun.core.config import GymConfig

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from shardrun.shard import collector
-from shardrun.shard import gym_adapter
+from shardrun.core import gym_adapter
 from shardrun.shard import gym_stack
 from shardrun.rundir import decided
 from shardrun.rundir import ledger

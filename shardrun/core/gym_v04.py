@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from shardrun.core.gym_errors import reason_text
-from shardrun.shard.gym_adapter import GymAdapter, Key
+from shardrun.core.gym_adapter import GymAdapter, Key
 
 FAILED_RUN = re.compile(r"\[rollout_collection\] /run failed status=(\S+) row=(\{[^\n]*\})")
 RESPONSE_CONTENT = re.compile(r"Response content: (b?['\"].*)")
@@ -35,6 +35,7 @@ class GymV04(GymAdapter):
     repeat_level_metrics = False
     missing_policy = "omit"
     profile_ignored_fields = ()
+    agent_name_overrides = False  # +agent_name fills in rows without an agent_ref
 
     def stack_command(self, venv: Path) -> list[str]:
         return [str(venv / "bin" / "ng_run")]

@@ -31,6 +31,7 @@ class GymAdapter(abc.ABC):
     repeat_level_metrics: ClassVar[bool]  # the profiler writes *_repeat_level_metrics.json and across-repeat stats
     missing_policy: ClassVar[str]  # how the release's profile and aggregate metrics count missing/failed rollouts
     profile_ignored_fields: ClassVar[tuple[str, ...]]  # rollout fields its profiler leaves out of the stats
+    agent_name_overrides: ClassVar[bool]  # `+agent_name` routes every row (else only rows without an agent_ref)
 
     def __init__(self, version: str):
         self.version = version
@@ -71,7 +72,7 @@ class GymAdapter(abc.ABC):
 
 def for_version(version: str) -> GymAdapter:
     """The adapter of a nemo-gym version; BadInput for a release series shardrun does not support."""
-    from shardrun.shard import gym_v04, gym_v07
+    from shardrun.core import gym_v04, gym_v07
 
     adapters: dict[str, type[GymAdapter]] = {a.series: a for a in (gym_v04.GymV04, gym_v07.GymV07)}
     cls = adapters.get(gym_version.series(version))
@@ -87,6 +88,6 @@ def for_venv(venv: Path | str) -> GymAdapter:
 
 
 def supported_series() -> tuple[str, ...]:
-    from shardrun.shard import gym_v04, gym_v07
+    from shardrun.core import gym_v04, gym_v07
 
     return (gym_v04.GymV04.series, gym_v07.GymV07.series)

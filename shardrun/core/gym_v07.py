@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardrun.shard.gym_adapter import GymAdapter
+from shardrun.core.gym_adapter import GymAdapter
 
 
 class GymV07(GymAdapter):
@@ -33,6 +33,7 @@ class GymV07(GymAdapter):
     repeat_level_metrics = True
     missing_policy = "omit"
     profile_ignored_fields = ("mask_sample",)  # a flag, not a measurement: the profiler strips it
+    agent_name_overrides = True  # agent_name is agent_map._default: every row goes to it, with a new agent_ref
 
     def stack_command(self, venv: Path) -> list[str]:
         return [str(venv / "bin" / "gym"), "env", "start"]

@@ -1,21 +1,27 @@
 #!/usr/bin/env python
-"""Benchmark `shardrun merge-and-profile` against NeMo Gym's `ng_reward_profile` (same merged data, one run).
+"""Benchmark `shardrun merge-and-profile` against NeMo Gym's `ng_reward_profile`, and print the targets of #11.
 
-    .venv/bin/python scripts/bench_profile.py                       # 20,000 tasks x 16 repeats, 40 shards, + Gym
-    .venv/bin/python scripts/bench_profile.py --rollouts 10000000   # 10M rollouts: peak RSS and throughput vs orjson
+    .venv/bin/python scripts/bench_profile.py             # 20,000 tasks x 16 repeats (320k rollouts), 40 shards, + Gym
+    .venv/bin/python scripts/bench_profile.py --scaling   # the same, then 1M, 3M and 10M rollouts (shardrun only)
 
 Writes a planned run directory in a temp dir (removed at the end, also on failure): the input, the planner's
 shard files, and for every shard a rollouts.jsonl of realistic rows (reward, a bool, a few numeric fields, a
 `response` with ~200 characters of text and usage) in shuffled completion order, sealed. Then it times, each in
-its own process (wall time and peak RSS from wait4): a raw orjson parse of every shard file (the floor for any
-tool that reads them), `shardrun merge-and-profile`, and (default mode, when the Gym venv exists)
-`ng_reward_profile` on the merged files. Targets: >= 30x faster than Gym with <= 1/5 of its peak RSS; at 10M
-rollouts peak RSS < 2 GB and at least half the raw-parse throughput.
+its own process (wall time, CPU time of the process and its workers from wait4, and peak memory): a raw orjson
+parse of every shard file (the floor for any tool that reads them), `shardrun merge-and-profile`, and, when the
+Gym venv exists, `ng_reward_profile` on the merged files, and checks that the two profiles are equal.
+
+Targets (PASS/FAIL each): at 320k rollouts shardrun is at least 10x faster than Gym, by wall time and by CPU
+time (shardrun's CPU time counts every worker process), with at most 1/5 of Gym's peak memory; with --scaling,
+peak memory stays under 2 GiB at the largest size (10M), and time grows linearly: the CPU seconds per million
+rollouts at the largest size are at most 1.25x those at the smallest (CPU time, not wall time, because the
+machine may be shared; wall seconds are printed beside them). The exit status is 2 when a target is missed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -23,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import orjson
@@ -173,7 +180,7 @@ def build(tmp: Path, rollouts: int, repeats: int, shards: int, slicing: str) -> 
 class Measured:
     """One command run in its own process: wall seconds, CPU seconds (user + system, its worker processes
     included), exit status, and peak memory in MiB: the larger of the biggest single process's peak RSS
-    (getrusage) and the peak of the process tree's summed PSS (sampled every 20 ms from /proc)."""
+    (getrusage) and the peak of the process tree's summed PSS (sampled every 100 ms from /proc)."""
 
     def __init__(self, cmd: list[str], cwd: Path | None = None):
         start = time.monotonic()
@@ -184,7 +191,7 @@ class Measured:
             if pid:
                 break
             self.tree = max(self.tree, _tree_pss_mib(proc.pid))
-            time.sleep(0.02)
+            time.sleep(0.1)
         self.wall = time.monotonic() - start
         proc.returncode = self.rc = os.waitstatus_to_exitcode(status)
         err = proc.stderr.read().decode() if proc.stderr else ""
@@ -236,81 +243,155 @@ print(n)
 """
 
 
+SPEEDUP_TARGET = 10.0  # x Gym's wall time at 320k
+MEMORY_TARGET = 0.2  # of Gym's peak memory at 320k
+PEAK_TARGET_GIB = 2.0  # at the largest --scaling size
+LINEAR_TARGET = 1.25  # CPU s per million rollouts, largest size / smallest size
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rollouts", type=int, default=None, help="total rollouts (default 20,000 x 16 = 320,000)")
     ap.add_argument("--tasks", type=int, default=20_000)
     ap.add_argument("--repeats", type=int, default=16)
     ap.add_argument("--shards", type=int, default=40)
     ap.add_argument("--slicing", choices=("contiguous", "round_robin"), default="contiguous")
     ap.add_argument("--no-gym", action="store_true", help="skip Gym's ng_reward_profile")
+    ap.add_argument("--scaling", action="store_true", help="also time 1M, 3M and 10M rollouts (see --sizes)")
+    ap.add_argument("--sizes", default="1000000,3000000,10000000", help="rollouts per --scaling run, comma-separated")
     ap.add_argument("--keep", type=Path, default=None, help="build under this directory and keep it")
     args = ap.parse_args()
-    rollouts = args.rollouts or args.tasks * args.repeats
-    big = args.rollouts is not None and args.rollouts >= 2_000_000
-    tmp = Path(tempfile.mkdtemp(prefix="bench-profile-", dir=args.keep))
-    try:
-        t0 = time.monotonic()
-        run_dir = build(tmp, rollouts, args.repeats, args.shards, args.slicing)
-        files = [
-            p
-            for i in range(args.shards)
-            for p in (store.rollouts_path(run_dir, i), store.materialized_path(run_dir, i))
-        ]
-        size = sum(p.stat().st_size for p in files)
-        print(
-            f"input: {rollouts // args.repeats:,} tasks x {args.repeats} repeats = {rollouts:,} rollouts, "
-            f"{args.shards} shards ({args.slicing}), {size / 2**30:.2f} GiB of shard files "
-            f"(built in {time.monotonic() - t0:.0f} s)"
-        )
-
-        raw = Measured([sys.executable, "-c", RAW_PARSE, *map(str, files)])
-        print(raw.line("raw orjson parse of the shard files:") + f"  ({size / 2**20 / raw.wall:.0f} MiB/s)")
-
-        ours = Measured([sys.executable, "-m", "shardrun.cli", "merge-and-profile", str(run_dir)], cwd=REPO)
-        if ours.rc != 0:
-            print("shardrun merge-and-profile failed", file=sys.stderr)
+    results: list[tuple[str, bool]] = []
+    rollouts = args.tasks * args.repeats
+    print(f"load average at the start: {os.getloadavg()[1]:.1f} (5 min) on {os.cpu_count()} CPUs")
+    with bench_dir(args.keep) as tmp:
+        run_dir, size, ours = build_and_merge(tmp, rollouts, args.repeats, args.shards, args.slicing, raw=True)
+        if ours is None:
             return 1
-        phases = orjson.loads(store.merged_summary_path(run_dir).read_bytes())["timings"]
-        print(
-            ours.line("shardrun merge-and-profile:") + f"  ({size / 2**20 / ours.wall:.0f} MiB/s; read "
-            f"{phases['read_s']:.1f} s, copy {phases['copy_s']:.1f} s, profile {phases['profile_s']:.1f} s)"
-        )
-        print(
-            f"  throughput vs raw parse: {raw.wall / ours.wall:.2f} by wall time, {raw.cpu / ours.cpu:.2f} by CPU "
-            f"time (target >= 0.5)"
-        )
-        if big:
-            print(f"  peak RSS {ours.rss / 1024:.2f} GiB (target < 2 GiB)")
-
         gym = GYM_VENV / "bin" / "ng_reward_profile"
-        if not args.no_gym and not big and gym.exists():
-            work = tmp / "gym"
-            work.mkdir()
-            for name in ("rollouts.jsonl", "rollouts_materialized_inputs.jsonl"):
-                os.link(store.merged_dir(run_dir) / name, work / name)
-            theirs = Measured(
-                [
-                    str(gym),
-                    f"+materialized_inputs_jsonl_fpath={work}/rollouts_materialized_inputs.jsonl",
-                    f"+rollouts_jsonl_fpath={work}/rollouts.jsonl",
-                ],
-                cwd=work,
-            )
-            print(theirs.line("Gym ng_reward_profile:") + ("" if theirs.rc == 0 else f"  (FAILED, exit {theirs.rc})"))
-            print(
-                f"  shardrun is {theirs.wall / ours.wall:.1f}x faster by wall time ({theirs.cpu / ours.cpu:.1f}x "
-                f"by CPU time; target >= 30x) with {ours.rss / theirs.rss:.3f} of Gym's peak RSS (target <= 0.2)"
-            )
-            same = _same_profile(store.merged_reward_profiling_path(run_dir), work / "rollouts_reward_profiling.jsonl")
-            print(f"  profiles equal row by row: {same}")
-        elif not big:
+        if args.no_gym or not gym.exists():
             print(f"Gym ng_reward_profile: skipped ({'--no-gym' if args.no_gym else f'{gym} not found'})")
-        print(f"load average during the run: {os.getloadavg()[1]:.1f} (5 min) on {os.cpu_count()} CPUs")
-        return 0
+        else:
+            theirs = run_gym(gym, tmp, run_dir)
+            if theirs.rc != 0:
+                return 1
+            speedup, cpu_speedup, memory = theirs.wall / ours.wall, theirs.cpu / ours.cpu, ours.rss / theirs.rss
+            print(
+                f"  shardrun / Gym: {ours.wall:.1f} / {theirs.wall:.1f} s wall, {ours.cpu:.1f} / {theirs.cpu:.1f} s CPU, "
+                f"{ours.rss:.0f} / {theirs.rss:.0f} MiB peak memory"
+            )
+            results.append(
+                (
+                    f"at {rollouts:,} rollouts: {speedup:.1f}x faster than Gym by wall time and {cpu_speedup:.1f}x by "
+                    f"CPU time (target >= {SPEEDUP_TARGET:.0f}x, both)",
+                    min(speedup, cpu_speedup) >= SPEEDUP_TARGET,
+                )
+            )
+            results.append(
+                (
+                    f"at {rollouts:,} rollouts: {memory:.3f} of Gym's peak memory (target <= {MEMORY_TARGET})",
+                    memory <= MEMORY_TARGET,
+                )
+            )
+            same = _same_profile(
+                store.merged_reward_profiling_path(run_dir), tmp / "gym" / "rollouts_reward_profiling.jsonl"
+            )
+            results.append(("the two profiles are equal row by row", same))
+    if args.scaling:
+        sizes = [int(x) for x in args.sizes.split(",")]
+        per_shard = rollouts // args.shards
+        runs = []
+        for n in sizes:
+            with bench_dir(args.keep) as tmp:
+                _, _, m = build_and_merge(tmp, n, args.repeats, max(1, n // per_shard), args.slicing, raw=False)
+                if m is None:
+                    return 1
+                runs.append((n, m))
+        print("scaling (shardrun merge-and-profile):")
+        for n, m in runs:
+            print(
+                f"  {n:>12,} rollouts: {m.wall / n * 1e6:6.1f} s wall and {m.cpu / n * 1e6:6.1f} s CPU per million "
+                f"rollouts, peak {m.rss / 1024:.2f} GiB"
+            )
+        (n0, m0), (n1, m1) = runs[0], runs[-1]
+        ratio = (m1.cpu / n1) / (m0.cpu / n0)
+        wall_ratio = (m1.wall / n1) / (m0.wall / n0)
+        results.append(
+            (
+                f"at {n1:,} rollouts: peak memory {m1.rss / 1024:.2f} GiB (target < {PEAK_TARGET_GIB:g} GiB)",
+                m1.rss / 1024 < PEAK_TARGET_GIB,
+            )
+        )
+        results.append(
+            (
+                f"linear from {n0:,} to {n1:,}: {ratio:.2f}x the CPU seconds per million rollouts (wall: "
+                f"{wall_ratio:.2f}x; target <= {LINEAR_TARGET})",
+                ratio <= LINEAR_TARGET,
+            )
+        )
+    print(f"load average at the end: {os.getloadavg()[1]:.1f} (5 min) on {os.cpu_count()} CPUs")
+    print("targets:")
+    for text, ok in results:
+        print(f"  {verdict(ok)}  {text}")
+    return 0 if all(ok for _, ok in results) else 2
+
+
+@contextlib.contextmanager
+def bench_dir(keep: Path | None) -> Iterator[Path]:
+    tmp = Path(tempfile.mkdtemp(prefix="bench-profile-", dir=keep))
+    try:
+        yield tmp
     finally:
-        if args.keep is None:
+        if keep is None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_and_merge(
+    tmp: Path, rollouts: int, repeats: int, shards: int, slicing: str, raw: bool
+) -> tuple[Path, int, Measured | None]:
+    """Build a sealed run of `rollouts` and time merge-and-profile on it (and, with `raw`, a raw orjson parse)."""
+    t0 = time.monotonic()
+    run_dir = build(tmp, rollouts, repeats, shards, slicing)
+    files = [p for i in range(shards) for p in (store.rollouts_path(run_dir, i), store.materialized_path(run_dir, i))]
+    size = sum(p.stat().st_size for p in files)
+    print(
+        f"input: {rollouts // repeats:,} tasks x {repeats} repeats = {rollouts:,} rollouts, {shards} shards "
+        f"({slicing}), {size / 2**30:.2f} GiB of shard files (built in {time.monotonic() - t0:.0f} s)"
+    )
+    if raw:
+        parse = Measured([sys.executable, "-c", RAW_PARSE, *map(str, files)])
+        print(parse.line("raw orjson parse of the shard files:") + f"  ({size / 2**20 / parse.wall:.0f} MiB/s)")
+    ours = Measured([sys.executable, "-m", "shardrun.cli", "merge-and-profile", str(run_dir)], cwd=REPO)
+    if ours.rc != 0:
+        print("shardrun merge-and-profile failed", file=sys.stderr)
+        return run_dir, size, None
+    phases = orjson.loads(store.merged_summary_path(run_dir).read_bytes())["timings"]
+    print(
+        ours.line("shardrun merge-and-profile:") + f"  (read {phases['read_s']:.1f} s, copy {phases['copy_s']:.1f} s, "
+        f"profile {phases['profile_s']:.1f} s)"
+    )
+    return run_dir, size, ours
+
+
+def run_gym(gym: Path, tmp: Path, run_dir: Path) -> Measured:
+    """Gym's ng_reward_profile on the merged files (hard links into tmp/gym)."""
+    work = tmp / "gym"
+    work.mkdir()
+    for name in ("rollouts.jsonl", "rollouts_materialized_inputs.jsonl"):
+        os.link(store.merged_dir(run_dir) / name, work / name)
+    theirs = Measured(
+        [
+            str(gym),
+            f"+materialized_inputs_jsonl_fpath={work}/rollouts_materialized_inputs.jsonl",
+            f"+rollouts_jsonl_fpath={work}/rollouts.jsonl",
+        ],
+        cwd=work,
+    )
+    print(theirs.line("Gym ng_reward_profile:") + ("" if theirs.rc == 0 else f"  (FAILED, exit {theirs.rc})"))
+    return theirs
 
 
 def _same_profile(ours: Path, gyms: Path) -> bool:

@@ -23,12 +23,13 @@ import orjson
 from filelock import Timeout
 
 from shardrun.core import config as config_mod
+from shardrun.core import slurm_values
 from shardrun.plan import planner
 from shardrun.launch import preflight, scheduler, slurm
 from shardrun.launch import status
 from shardrun.rundir import store
 from shardrun.core.config import RunConfig
-from shardrun.core.errors import PlanMismatch, RunDirError, ShardrunError
+from shardrun.core.errors import BadInput, PlanMismatch, RunDirError, ShardrunError
 from shardrun.plan.planner import Plan
 
 LOCK_TIMEOUT_S = 600.0
@@ -93,6 +94,10 @@ def resume(
     run_dir = Path(run_dir).absolute()
     plan = store.load_plan(run_dir)
     cfg = resume_config(run_dir, config_file, overrides)
+    try:  # RUN_DIR from the command line reaches the job scripts as the config's run_dir does
+        slurm_values.run_dir(str(run_dir), slurm=cfg.cluster_or_default.executor == "slurm")
+    except ValueError as e:
+        raise BadInput(f"run_dir: {e}") from None
     cfg.require("gym", "policy")
     check_plan(cfg, plan)
     if not dry_run:

@@ -207,3 +207,13 @@ def test_scancel_is_never_given_an_option_for_a_job_id(job_id, monkeypatch):
     with pytest.raises(scheduler.SlurmError, match="not a Slurm job id"):
         scheduler.cancel(["7", job_id])
     assert not ran
+
+
+def test_resume_checks_the_run_directory_it_is_given_like_the_configs(tmp_path, unchanged):
+    """RUN_DIR on resume's command line replaces the config's run_dir; a Slurm job script gets it the same way."""
+    planned = tmp_path / "run-100%j"
+    local = slurm_config(tmp_path, {"executor": "local"}, run_dir=str(planned))
+    assert invoke("plan", local, "--write").exit_code == 0
+    on_slurm = slurm_config(tmp_path, run_dir=str(tmp_path / "elsewhere"))  # a run_dir Slurm takes; RUN_DIR wins
+    with unchanged(tmp_path):
+        refused(invoke("resume", planned, "--config", on_slurm, "--dry-run"), "run_dir", "%")

@@ -168,6 +168,8 @@ def check(run_dir: Path, plan: Plan, shard_index: int, deep: bool = False) -> Se
         return SealState(False, "no marker")
     except orjson.JSONDecodeError:
         return SealState(False, f"{path}: unreadable marker (ignored)")
+    except IsADirectoryError:
+        return SealState(False, f"{path}: a directory, not a marker (ignored)")
     if not isinstance(marker, dict):
         return SealState(False, f"{path}: marker is not an object (ignored)")
     if marker.get("plan_fingerprint") != plan.fingerprint:

@@ -299,6 +299,22 @@ def test_a_marker_with_a_field_of_the_wrong_type_is_ignored_and_reported(sealed,
     assert str(path) in merged.output
 
 
+@pytest.mark.parametrize("content", [b"[1, 2]", b"null", b'"sealed"', b"", b"\xff\xfe", b"{" * 2000, "dir"])
+def test_a_marker_that_is_no_object_is_ignored_and_reported(sealed, tmp_path, unchanged, content):
+    run_dir, _ = sealed
+    path = store.done_path(run_dir, 1)
+    path.unlink()
+    if content == "dir":
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with unchanged(tmp_path):
+        st = invoke("status", run_dir, "--all")
+        assert st.exit_code == 0 and "Traceback" not in st.output and str(path) in st.output, st.output
+        merged = invoke("merge-and-profile", run_dir)
+    assert merged.exit_code == 5 and isinstance(merged.exception, SystemExit), merged.output
+
+
 def test_a_marker_without_a_field_it_needs_is_ignored_and_reported(sealed, tmp_path, unchanged):
     run_dir, _ = sealed
     path = store.done_path(run_dir, 2)

@@ -167,3 +167,41 @@ def test_a_sigkilled_worker_s_shard_is_taken_over_after_the_lease(tmp_path: Path
     sealer = markers(run_dir)[1]["worker"]
     assert sealer["id"] != claim["worker_id"]
     assert harness.tagged_processes(env) == []
+
+
+def test_a_worker_whose_servers_keep_dying_restarts_them_then_exits_non_zero(
+    tmp_path: Path, gym_venv: Path, env: str
+) -> None:
+    """A self-hosted policy (the stand-in with vLLM's command line) that exits on its first request: the shard's
+    attempt fails as a shard job's would, the worker restarts its servers once (cluster.max_server_restarts: 1),
+    the policy dies again, and the worker exits non-zero with its claim released."""
+    input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=2)
+    run_dir = tmp_path / "run"
+    cfg_path = write_config(tmp_path, input_jsonl, run_dir, "http://unused/v1", workers=1, max_server_restarts=1)
+    data = yaml.safe_load(cfg_path.read_text())
+    data["sharding"] = {"num_shards": 2}
+    data["policy"] = {
+        "api_key_env": harness.API_KEY_ENV,
+        "vllm": {
+            "model": "stand-in",
+            "served_model_name": "fake-model",
+            "command": [sys.executable, str(harness.FAKE), "--fault=die:nth=1"],
+        },
+    }
+    cfg_path.write_text(yaml.safe_dump(data))
+    proc = submit(cfg_path, tmp_path)
+    out, _ = proc.communicate(timeout=800)
+    assert proc.returncode == 4, out  # no shard sealed
+
+    [state] = worker.read_states(run_dir)
+    reason = state.exit_reason
+    assert state.state == worker.FAILED and "died or failed to start 2 time(s)" in reason, state
+    assert "cluster.max_server_restarts = 1" in reason
+    # two starts, each ended by the policy's death (a start that fails on a loaded machine counts the same)
+    assert 1 <= state.server_starts <= 2, state
+    paths = [store.shard_failure_path(run_dir, i) for i in range(2)]
+    failures = [json.loads(p.read_text()) for p in paths if p.exists()]
+    assert failures and all(f["error"].startswith("ServerFailure") for f in failures), failures
+    assert any("vLLM server exited" in f["error"] for f in failures), failures
+    assert not any(store.claim_path(run_dir, i).exists() for i in range(2))  # released on the way out
+    assert harness.tagged_processes(env) == []

@@ -263,20 +263,28 @@ class Worker:
             self.collect(claim)  # a server failure is seen (and the servers restarted) at the top
 
     def ensure_servers(self) -> None:
-        """Servers up: started the first time; restarted when they died, at most cluster.max_server_restarts times
-        (then ServerFailure: the worker exits non-zero)."""
+        """Servers up: started the first time; restarted when they died (or a start failed), at most
+        cluster.max_server_restarts times (then ServerFailure: the worker exits non-zero)."""
         if self.servers is not None and not self.servers.problem():
             return
+        problem = None
         if self.servers is not None:
-            problem = self.servers.problem()
-            if self.restarts >= self.cluster.max_server_restarts:
-                raise ServerFailure(
-                    f"worker {self.worker_id}: its servers died {self.restarts + 1} time(s) "
-                    f"(cluster.max_server_restarts = {self.cluster.max_server_restarts}): {problem}"
-                )
-            self.restarts += 1
-            self.stop_servers(f"{problem}; restarting them ({self.restarts} of {self.cluster.max_server_restarts})")
-        self.start_servers()
+            problem = self.servers.problem() or "the servers stopped answering"
+            self.stop_servers(problem)
+        while True:
+            if problem is not None:
+                if self.restarts >= self.cluster.max_server_restarts:
+                    raise ServerFailure(
+                        f"worker {self.worker_id}: its servers died or failed to start {self.restarts + 1} time(s) "
+                        f"(cluster.max_server_restarts = {self.cluster.max_server_restarts}): {problem}"
+                    )
+                self.restarts += 1
+                self.log(f"restarting the servers ({self.restarts} of {self.cluster.max_server_restarts}): {problem}")
+            try:
+                self.start_servers()
+                return
+            except ServerFailure as e:
+                problem = f"start failed: {e}"
 
     def start_servers(self) -> None:
         self.save(state=STARTING)

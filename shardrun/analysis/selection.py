@@ -265,11 +265,7 @@ class SelectResult:
 
 
 def _hashed_lines(path: Path, hasher: "hashlib._Hash") -> Iterator[bytes]:
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
-        raise BadInput(f"input file not found: {path} (the plan's input; pass --input if it moved)") from None
-    with f:
+    with store.open_input(path, " (the plan's input; pass --input if it moved)") as f:
         for raw in f:
             hasher.update(raw)
             yield raw

@@ -233,12 +233,13 @@ def remove_stale_temps(directory: Path) -> int:
 # ---------------------------------------------------------------- JSONL
 
 
-def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tuple[int, bytes]]:
-    """Stream (1-based line number, line without newline) from a file, never loading it whole."""
+def open_input(path: Path, hint: str = "") -> IO[bytes]:
+    """An input file opened for reading: BadInput naming the path unless it is a regular file (a FIFO would hang,
+    a device never end; shardrun reads its input more than once and hashes it). `hint` ends the not-found message."""
     try:  # O_NONBLOCK: opening a FIFO must not wait for a writer; the kind is checked on what was opened
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise BadInput(f"input file not found: {path}") from None
+        raise BadInput(f"input file not found: {path}{hint}") from None
     except IsADirectoryError:
         raise BadInput(f"input path is a directory, not a JSONL file: {path}") from None
     mode = os.fstat(fd).st_mode
@@ -250,7 +251,12 @@ def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tu
             f"(plan, then write) and hashes it, so it must be a file"
         )
     os.set_blocking(fd, True)
-    with open(fd, "rb") as f:
+    return open(fd, "rb")
+
+
+def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tuple[int, bytes]]:
+    """Stream (1-based line number, line without newline) from a file, never loading it whole."""
+    with open_input(path) as f:
         for line_no, raw in enumerate(f, 1):
             if hasher is not None:
                 hasher.update(raw)

@@ -72,6 +72,24 @@ def test_the_planned_input_is_refused_when_another_input_is_named(run, tmp_path,
         refused(invoke("select", run_dir, "--input", moved, "-o", input_path), str(input_path), "input file itself")
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_an_input_that_is_not_a_regular_file_is_refused_without_hanging(run, tmp_path, unchanged, kind):
+    """--input names where the planned input is now; a FIFO would wait for a writer, a device never end."""
+    run_dir, _ = run
+    if kind == "fifo":
+        source = tmp_path / "input-pipe"
+        os.mkfifo(source)
+    elif kind == "device":
+        source = a_character_device(tmp_path)
+    else:
+        source = tmp_path / "input-dir"
+        source.mkdir()
+    out = tmp_path / "subset.jsonl"
+    with unchanged(tmp_path):
+        refused(invoke("select", run_dir, "--input", source, "-o", out), str(source), "not a regular JSONL file")
+    assert not out.exists()
+
+
 def test_a_hard_link_to_the_input_is_refused(run, tmp_path, unchanged):
     run_dir, input_path = run
     hard = tmp_path / "hard-link.jsonl"

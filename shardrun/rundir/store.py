@@ -424,7 +424,10 @@ def scan_input(cfg: RunConfig) -> Plan:
     src = cfg.input_jsonl
     hasher = hashlib.sha256()
     version = gym_version.of_settings(cfg.gym.venv if cfg.gym else None, os.environ)
-    overrides = gym_adapter.for_version(version).agent_name_overrides if version else False
+    try:
+        overrides = gym_adapter.for_version(version).agent_name_overrides if version else False
+    except BadInput as e:  # the venv the config names (or the environment's) holds a release shardrun cannot run
+        raise BadInput(f"gym.venv: {e}") from None
     summary = planner.scan(read_lines(src, hasher), cfg, str(src), overrides)
     info = planner.InputInfo(path=str(src), sha256=hasher.hexdigest(), num_lines=summary.num_lines)
     return planner.make_plan(cfg, info, summary, gym_version=version, agent_name_overrides=overrides)

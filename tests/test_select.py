@@ -149,7 +149,7 @@ def test_contradictory_or_unknown_rules_are_refused(rules, message):
 # ---------------------------------------------------------------- rows
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=5),  # what orjson reads as int
     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
     max_leaves=8,
 )

@@ -271,10 +271,10 @@ def resume(
             solved_threshold=fill_threshold,
         )
         tasks = None if rules == selection.Rules() else run(selection.fill_tasks, run_dir, rules)
-        reopened = run(decided.request_fill, run_dir, run(store_mod.load_plan, run_dir), tasks)
+        reopened = run(decided.request_fill, run_dir, run(store_mod.load_plan, run_dir), tasks, dry_run)
         typer.echo(
             f"fill: {'every stopped task' if tasks is None else f'{len(tasks)} stopped task(s)'}; "
-            f"{len(reopened)} shard(s) unsealed to collect their skipped rollouts"
+            f"{len(reopened)} shard(s) {'would be ' if dry_run else ''}unsealed to collect their skipped rollouts"
         )
     result = run(
         resume_mod.resume,

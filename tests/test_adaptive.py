@@ -217,7 +217,10 @@ def test_fill_collects_the_skipped_rollouts(runs) -> None:
     stopped = sorted({t for m in markers for t in m.get("skipped_decided_tasks", [])})
     # a rule first: only the shards holding skipped rows of those tasks reopen, and only those tasks are filled
     some = stopped[:1]
+    would = decided.request_fill(adaptive, plan, some, dry_run=True)
+    assert not store.fill_path(adaptive).exists() and all(store.done_path(adaptive, i).exists() for i in would)
     reopened = decided.request_fill(adaptive, plan, some)
+    assert reopened == would
     assert reopened == [i for i, m in enumerate(markers) if set(m.get("skipped_decided_tasks", [])) & set(some)]
     for i in reopened:
         found = decided.decide_shard(adaptive, plan, i, max_attempts=3)

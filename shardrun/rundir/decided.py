@@ -134,10 +134,11 @@ def fill_requested(run_dir: Path) -> tuple[bool, set[int]]:
     return data.get("all") is True, {int(t) for t in data.get("tasks") or ()}
 
 
-def request_fill(run_dir: Path, plan: Plan, tasks: Collection[int] | None) -> list[int]:
+def request_fill(run_dir: Path, plan: Plan, tasks: Collection[int] | None, dry_run: bool = False) -> list[int]:
     """Ask for the skipped rollouts of `tasks` (None: of every task) to be collected: record the tasks in fill.json
     (they are never skipped again) and unseal each sealed shard that skipped rows of them, so that `resume` runs it;
-    it resumes from its rollouts and collects only the skipped rows. Returns the shards unsealed."""
+    it resumes from its rollouts and collects only the skipped rows. Returns the shards unsealed (`dry_run`: the
+    shards it would unseal; nothing is written)."""
     with store.run_lock(run_dir):
         before_all, before = fill_requested(run_dir)
         if tasks is None or before_all:
@@ -146,12 +147,15 @@ def request_fill(run_dir: Path, plan: Plan, tasks: Collection[int] | None) -> li
         else:
             wanted = set(before) | {int(t) for t in tasks}
             record = {"tasks": sorted(wanted)}
-        store.atomic_write_json(store.fill_path(run_dir), record)
-        reopened = []
+        reopen = []
         for spec in plan.shards:
             state = seal.check(run_dir, plan, spec.index)
             skipped = set((state.marker or {}).get("skipped_decided_tasks") or ()) if state.sealed else set()
             if skipped and (wanted is None or skipped & wanted):
-                store.done_path(run_dir, spec.index).unlink()
-                reopened.append(spec.index)
-        return reopened
+                reopen.append(spec.index)
+        if dry_run:
+            return reopen
+        store.atomic_write_json(store.fill_path(run_dir), record)
+        for index in reopen:
+            store.done_path(run_dir, index).unlink()
+        return reopen

@@ -15,9 +15,12 @@ answers every request after `--policy-delay-s` (generation). The Gym stack is re
 for both runs:
 
     wall               submit to the last job's end
-    job-seconds        the jobs' time: per shard, first shard.log line to "sealed:" (after teardown); per worker,
-                       worker.json started_at to ended_at
-    server starts      policy + Gym stack starts (markers with server_wait_s > 0; workers' server_starts)
+    job-seconds        the jobs' time: per shard, every attempt's first shard.log line to its "sealed:" or
+                       "FAILED:" line (after teardown); per worker, worker.json started_at to ended_at
+    server starts      policy + Gym stack starts (per shard: attempts that started the policy; workers' server_starts)
+
+A run whose shards failed (on a loaded machine a Gym stack can fail to start: Ray's "GCS has become overloaded") is
+resumed, at most `--max-resumes` times; the wall time and job-seconds include the failed attempts.
     collecting-seconds the collector rounds, from the markers (collect_s)
     utilization        collecting-seconds / job-seconds
 
@@ -101,18 +104,23 @@ def stamp(text: str) -> float:
     return datetime.strptime(text, "%Y-%m-%d %H:%M:%S").timestamp()
 
 
-def shard_job_seconds(run_dir: Path, index: int) -> float:
-    """A shard job's time from its shard.log: the first line of its last attempt to its "sealed:" line."""
-    start = end = None
+def shard_job_seconds(run_dir: Path, index: int) -> tuple[float, int]:
+    """A shard's job time from its shard.log, every attempt: each "start: attempt" line to the attempt's "sealed:" or
+    "FAILED:" line (both written after its teardown); and how many attempts started the policy."""
+    total, start, starts = 0.0, None, 0
     for raw in store.shard_log_path(run_dir, index).read_text().splitlines():
         m = LINE.match(raw)
         if not m:
             continue
-        if m.group(2).startswith("start: attempt"):
+        text = m.group(2)
+        if text.startswith("start: attempt"):
             start = stamp(m.group(1))
-        elif m.group(2).startswith("sealed: "):
-            end = stamp(m.group(1))
-    return (end - start) if start is not None and end is not None else 0.0
+        elif text.startswith("policy ready in"):
+            starts += 1
+        elif text.startswith(("sealed: ", "FAILED: ")) and start is not None:
+            total += stamp(m.group(1)) - start
+            start = None
+    return total, starts
 
 
 def measure(run_dir: Path, mode: str, wall: float, shards: int) -> dict:
@@ -124,8 +132,9 @@ def measure(run_dir: Path, mode: str, wall: float, shards: int) -> dict:
         starts = sum(s.server_starts for s in states)
         jobs = len(states)
     else:
-        job_s = sum(shard_job_seconds(run_dir, i) for i in range(shards))
-        starts = sum(1 for m in markers if float(m["server_wait_s"]) > 0)
+        spans = [shard_job_seconds(run_dir, i) for i in range(shards)]
+        job_s = sum(t for t, _ in spans)
+        starts = sum(n for _, n in spans)
         jobs = shards
     return {
         "mode": mode,
@@ -144,15 +153,19 @@ def one_run(mode: str, args: argparse.Namespace, gym_venv: Path) -> dict:
         cfg = write_config(Path(tmp), mode, args, gym_venv)
         env = {**os.environ, harness.API_KEY_ENV: harness.API_KEY}
         t0 = time.monotonic()
-        done = subprocess.run(
-            [sys.executable, "-m", "shardrun.cli", "submit", str(cfg)], cwd=tmp, env=env, capture_output=True, text=True
-        )
+        cmd = [sys.executable, "-m", "shardrun.cli", "submit", str(cfg)]
+        resumes = 0
+        while True:  # shards that failed (a Gym stack that did not start on a loaded machine) are resumed; it counts
+            done = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+            if done.returncode != 4 or resumes >= args.max_resumes:
+                sys.exit(f"{mode}: {cmd[3]} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            resumes += 1
+            print(f"{mode}: {done.stdout.count(': failed (')} shard(s) failed; resume {resumes}", flush=True)
+            cmd = [sys.executable, "-m", "shardrun.cli", "resume", str(Path(tmp) / "run"), "cluster.max_attempts=100"]
         wall = time.monotonic() - t0
-        if done.returncode != 0:
-            sys.exit(
-                f"{mode}: shardrun submit failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-            )
-        result = measure(Path(tmp) / "run", mode, wall, args.shards)
+        result = measure(Path(tmp) / "run", mode, wall, args.shards) | {"resumes": resumes}
         print(f"{mode}: {result}", flush=True)
         return result
 
@@ -167,6 +180,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--parallel-rollouts", type=int, default=2, help="gym.num_samples_in_parallel")
     ap.add_argument("--only", choices=("per-shard", "workers"), help="run one of the two")
+    ap.add_argument("--max-resumes", type=int, default=3, help="resumes of a run whose shards failed")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     venv = os.environ.get("SHARDRUN_GYM_VENV") or str(Path.home() / ".cache/shardrun/gym-venv")

@@ -10,8 +10,11 @@ equals the full run's rollout with that identity, and the skipped count is plann
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -134,3 +137,59 @@ def test_one_warm_worker_claims_by_wave(world) -> None:
     shardrun("merge-and-profile", str(tmp / "worker"), cwd=tmp)
     markers = check_against_full(tmp, tmp / "worker", 4)
     assert all(m.get("worker") for m in markers)
+
+
+def test_a_worker_killed_mid_way(world, tmp_path: Path) -> None:
+    """Two warm workers over 4 shards; the first-wave shard holding task 2 hangs in the model on its rollout 1 and
+    its worker is SIGKILLed there. The other worker takes the shard over after the lease, resumes it, and the later
+    shards still decide from what is on disk: the same selection as the full run, nothing collected twice."""
+    tmp, input_jsonl, _ = world
+    question = f"What is {2 + 2} + 3?"  # task 2 (sometimes solved), in shard 0 with rollouts 0 and 1
+    with harness.fake_policy(
+        tmp_path, "--shares", str(tmp / "shares.json"), "--fault", f"hang:match={question},seed=1", offset=1
+    ) as fake:
+        cfg = config_for(tmp, input_jsonl, "killed", fake.base_url, 4, {"stop_when_decided": RULES})
+        data = yaml.safe_load(cfg.read_text())
+        data["cluster"] |= {"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "max_attempts": 3}
+        cfg.write_text(yaml.safe_dump(data))
+        run_dir = tmp / "killed"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shardrun.cli", "submit", str(cfg)],
+            cwd=tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            wait_for("the hanging request", lambda: [r for r in fake.requests() if r["fault"] == "hang"])
+            claim = wait_for("shard 0's claim", lambda: json.loads(store.claim_path(run_dir, 0).read_text()))
+            # every other rollout of shard 0 has landed: the worker is killed with exactly one rollout in flight
+            wait_for(
+                "shard 0's other rollouts", lambda: len(harness.keys_complete(store.rollouts_path(run_dir, 0))) == 5
+            )
+            os.kill(claim["pid"], signal.SIGKILL)
+            fake.set_faults([])
+            out, _ = proc.communicate(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, out
+        answered = [(r["prompt"], r["seed"]) for r in fake.requests() if r["fault"] is None]
+    assert len(answered) == len(set(answered))  # the model answered each rollout once
+    shardrun("merge-and-profile", str(run_dir), cwd=tmp)
+    markers = check_against_full(tmp, run_dir, 4)
+    assert markers[0]["worker"]["id"] != claim["worker_id"]
+
+
+def wait_for(what: str, check, timeout: float = 600):
+    """Poll the run directory and the stand-in's request log (files other processes write) until `check` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            got = check()
+        except (FileNotFoundError, json.JSONDecodeError):
+            got = None
+        if got:
+            return got
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}")

@@ -292,3 +292,15 @@ def test_profile_rows_report_coverage_and_stopped_tasks(runs) -> None:
         else:
             assert "stopped_decided" not in row and row["num_rollouts"] == K
     assert not any("stopped_decided" in r for r in store.iter_jsonl_objects(store.merged_reward_profiling_path(full)))
+
+
+def test_zero_policy_never_counts_skipped_rollouts(runs) -> None:
+    """merge-and-profile --missing zero counts planned rollouts without a result as 0 in the aggregate metrics; the
+    rows skipped because their task was decided were never run and are not among them."""
+    from shardrun.profile.merge_and_profile import merge_and_profile
+
+    _, adaptive, _ = runs
+    merge_and_profile(adaptive, missing="zero")
+    text = store.merged_aggregate_metrics_path(adaptive).read_text()
+    imputed = [int(v) for v in __import__("re").findall(r'"coverage/imputed":\s*(\d+)', text)]
+    assert imputed and all(v == 0 for v in imputed)

@@ -31,7 +31,7 @@ from shardrun.merge.shard_merge import RowFiles
 from shardrun.plan.planner import Plan
 from shardrun.profile import denominator, repeat_metrics, writers
 from shardrun.profile.writers import TaskInfo
-from shardrun.core.gym_names import ROLLOUTS
+from shardrun.core.gym_names import ROLLOUT_KEY, ROLLOUTS, TASK_KEY
 from shardrun.rundir import store
 from shardrun.rundir.seal import SealState
 from shardrun.core import gym_adapter
@@ -85,7 +85,7 @@ def merge_and_profile(
                 )
                 summary.outputs = {k: str(p) for k, p in outputs.items()}
                 tasks = TaskInfo(table)
-                imputed = _without_result(table, tasks) if policy == "zero" else None
+                imputed = _without_result(table, tasks, _skipped(run_dir, table, states)) if policy == "zero" else None
                 table.release_planned()
                 table.release_locations()
                 tick = time.monotonic()
@@ -112,10 +112,34 @@ def gym_release(plan: Plan, states: Sequence[SealState]) -> gym_adapter.GymAdapt
     return gym_adapter.for_version(plan.gym_version or next(marked, None) or "0.4.0")
 
 
-def _without_result(table: MergedTable, tasks: TaskInfo) -> dict[int, np.ndarray]:
-    """Per agent code, the planned keys that have no kept rollout (missing or failed), before the planned rows
-    are released."""
+def _skipped(run_dir: Path, table: MergedTable, states: Sequence[SealState]) -> np.ndarray:
+    """The planned keys skipped because their task was decided (adaptive sampling): in a shard whose seal lists
+    their task, without a rollout and without a failure row. They were never run, so no policy counts them."""
+    skipped = {
+        int(s.marker["shard_index"]): {int(t) for t in s.marker["skipped_decided_tasks"]}
+        for s in states
+        if s.sealed and s.marker and s.marker.get("skipped_decided_tasks")
+    }
+    if not skipped:
+        return np.zeros(0, np.int64)
     keys = table.p_key[~table.has_rollout(table.p_key)]
+    shards = table.planned_rows_of(keys)[0].tolist()
+    failed = {
+        (r.get(TASK_KEY), r.get(ROLLOUT_KEY))
+        for i in skipped
+        for r in store.iter_jsonl_objects(store.failures_path(run_dir, i))
+    }
+    task, rollout = table.task_of_key(keys).tolist(), table.rollout_of_key(keys).tolist()
+    mask = [t in skipped.get(s, ()) and (t, r) not in failed for s, t, r in zip(shards, task, rollout)]
+    return keys[np.array(mask, dtype=bool)]
+
+
+def _without_result(table: MergedTable, tasks: TaskInfo, skipped: np.ndarray | None = None) -> dict[int, np.ndarray]:
+    """Per agent code, the planned keys that have no kept rollout (missing or failed), before the planned rows
+    are released; `skipped` keys (adaptive sampling: never run) are not among them."""
+    keys = table.p_key[~table.has_rollout(table.p_key)]
+    if skipped is not None and len(skipped):
+        keys = keys[~np.isin(keys, skipped)]
     agent = tasks.agent[keys // table.stride]
     return {int(a): keys[agent == a] for a in np.unique(agent).tolist()}
 

@@ -21,7 +21,7 @@ from typing import IO, Iterator
 
 import numpy as np
 
-from shardrun.core.errors import IncompleteRun, RunDirError
+from shardrun.core.errors import IncompleteRun
 from shardrun.merge import row_copier, shard_reader
 from shardrun.merge.merged_table import MergedTable, TableBuilder
 from shardrun.merge.outcome import MAX_LISTED_FAILED, MergeSummary, MergedShard
@@ -146,11 +146,11 @@ def copy_rollouts(out: IO[bytes], table: MergedTable, sources: list[Path]) -> No
 
 @contextlib.contextmanager
 def _copy_errors() -> Iterator[None]:
-    """An OSError while copying rows (a full disk) as the merge's RunDirError."""
+    """An OSError while copying rows (a full disk) as the run directory's RunDirError (store's one conversion)."""
     try:
         yield
     except OSError as e:
-        raise RunDirError(f"copying the shards' rows into the merged files failed: {e}") from e
+        raise store.os_error(e, "copying the shards' rows into the merged files") from e
 
 
 def write_failures(

@@ -17,7 +17,8 @@ share: a task's known pass rate (0: never solved, 1: always). A first turn that 
 arguments filled with "San Francisco"); once a tool result is in the conversation the answer is text.
 
 Faults, for requests that match every condition (seed=N, match=SUBSTRING, nth=N: the N-th chat request, 1-based;
-after=N: every request after the N-th):  400 | 500 | garbage (200 with a non-JSON body) | hang (never answers) |
+after=N: every request after the N-th; times=N: only the first N requests that meet the fault's other conditions,
+so a fault can target "the first request for this prompt and seed" whatever order requests arrive in):  400 | 500 | garbage (200 with a non-JSON body) | hang (never answers) |
 die (the whole server exits at once).
 """
 
@@ -45,7 +46,7 @@ def parse_fault(spec: str) -> tuple[str, dict[str, str]]:
     cond = {}
     for part in filter(None, conds.split(",")):
         key, _, value = part.partition("=")
-        if key not in ("seed", "match", "nth", "after"):
+        if key not in ("seed", "match", "nth", "after", "times"):
             raise ValueError(f"unknown fault condition {key!r}")
         cond[key] = value
     return kind, cond
@@ -131,11 +132,15 @@ class State:
         self.share = args.correct_share
         self.shares = json.loads(open(args.shares).read()) if args.shares else None
         self.api_key = args.api_key
-        self.faults = [parse_fault(f) for f in args.fault]
+        self.set_faults(args.fault)
         self.log_path = args.request_log
         self.delay = args.delay
         self.count = 0
         self.lock = threading.Lock()
+
+    def set_faults(self, specs: list[str]) -> None:
+        self.faults = [parse_fault(f) for f in specs]
+        self.matched = [0] * len(self.faults)  # per fault: requests that met its conditions (for `times`)
 
     def next_request(self) -> int:
         with self.lock:
@@ -144,16 +149,20 @@ class State:
 
     def fault_for(self, n: int, body: dict[str, Any]) -> str | None:
         prompt = prompt_text(body.get("messages") or [])
-        for kind, cond in self.faults:
-            if "seed" in cond and str(body.get("seed")) != cond["seed"]:
-                continue
-            if "match" in cond and cond["match"] not in prompt:
-                continue
-            if "nth" in cond and n != int(cond["nth"]):
-                continue
-            if "after" in cond and n <= int(cond["after"]):
-                continue
-            return kind
+        with self.lock:
+            for i, (kind, cond) in enumerate(self.faults):
+                if "seed" in cond and str(body.get("seed")) != cond["seed"]:
+                    continue
+                if "match" in cond and cond["match"] not in prompt:
+                    continue
+                if "nth" in cond and n != int(cond["nth"]):
+                    continue
+                if "after" in cond and n <= int(cond["after"]):
+                    continue
+                self.matched[i] += 1
+                if "times" in cond and self.matched[i] > int(cond["times"]):
+                    continue
+                return kind
         return None
 
     def log(self, entry: dict[str, Any]) -> None:
@@ -198,7 +207,7 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
         if self.path == "/_fault":
-            self.state.faults = [parse_fault(f) for f in body.get("faults", [])]
+            self.state.set_faults(body.get("faults", []))
             self.state.delay = float(body.get("delay", self.state.delay))
             self._send(200, {"faults": body.get("faults", []), "delay": self.state.delay})
             return

@@ -52,8 +52,8 @@ def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(
     faults = [
         "500:seed=1,match=What is 1 + 9?",  # task 3, rollout 1: HTTP 500 every time
         "garbage:seed=3,match=What is 2 * 6?",  # task 2, rollout 3: 200 with a body that is not JSON
-        "500:nth=1",
-    ]  # the run's first request (task 0) fails once: Gym's client retries it, it succeeds
+        "500:seed=0,match=What is 6 - 3?,times=1",  # task 0, rollout 0: its first request fails once, by content
+    ]  # (not "the run's first request", which may be one of the faulty rollouts' own): Gym's client retries it
     with faultkit.fake_policy(
         tmp_path, "--delay", "0.2", *[a for f in faults for a in ("--fault", f)], key=policy_key
     ) as fake:
@@ -86,8 +86,9 @@ def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(
     transient = [r for r in requests if r["fault"] == "500" and (r["prompt"], r["seed"]) != prompts[(3, 1)]]
     keys = faultkit.identities(store.rollouts_path(run_dir, 0))
     assert sorted(keys) == sorted(set(gymkit.planned_identities(run_dir)) - {(3, 1), (2, 3)})
-    assert len(transient) == 1 and transient[0]["n"] == 1  # the first request failed once ...
-    assert any(prompts[k] == (transient[0]["prompt"], transient[0]["seed"]) for k in keys)  # ... and finished
+    first_of_0_0 = min(r["n"] for r in requests if (r["prompt"], r["seed"]) == prompts[(0, 0)])
+    assert len(transient) == 1 and transient[0]["n"] == first_of_0_0  # task 0's first request failed once ...
+    assert (transient[0]["prompt"], transient[0]["seed"]) == prompts[(0, 0)] and (0, 0) in keys  # ... and finished
 
     # listed by `shardrun status` (identity and reason) and by the merge summary; no reward 0 anywhere
     st = faultkit.cli("status", run_dir)
@@ -149,8 +150,10 @@ def test_model_that_never_answers_chat_requests_stalls_and_fails_in_bounded_time
 ):
     """/v1/models answers (health checks pass) but every chat request after the first `answered` hangs: Gym would
     wait forever. The fault is in place before the run starts (the stand-in server counts the requests), so the run
-    cannot finish before the model hangs. No rollout lands before the first answered request arrives, nor long after
-    the last one."""
+    cannot finish before the model hangs. The bound is the stall timeout: the shard fails through it (the message
+    names it) and not sooner than stall_timeout_s after a rollout landed; no wall-clock upper bound is asserted (a
+    loaded machine may take any time to tear the Gym stack down; the test's own timeout catches a run that never
+    ends)."""
     stall = 15.0
     answered = 2
     with faultkit.fake_policy(tmp_path, "--delay", "0.3", "--fault", f"hang:after={answered}", key=policy_key) as fake:
@@ -170,11 +173,12 @@ def test_model_that_never_answers_chat_requests_stalls_and_fails_in_bounded_time
     assert f"gym.stall_timeout_s = {stall:g}" in out
     assert [r["fault"] for r in requests[:answered]] == [None] * answered, requests
     assert any(r["fault"] == "hang" for r in requests[answered:]), "no request reached the hanging model"
-    # the stall is counted from the last rollout that landed: after the first answered request arrived, and soon
-    # after the last one did (the server logs each arrival with time.time(), this clock)
+    # the stall is counted from the last rollout that landed, which came after the first answered request arrived
+    # (the server logs each arrival with time.time(), this clock): the shard cannot have failed sooner than that
     since_first, failed_after = ended - requests[0]["t"], ended - requests[answered - 1]["t"]
     assert since_first >= stall, f"failed {since_first:.1f} s after the first answered request, before the stall"
-    assert failed_after < stall + 45, f"failed {failed_after:.0f} s after the last answered request"
+    # only the answered requests' rollouts landed; every request after them hung, none was answered
+    assert all(r["fault"] == "hang" for r in requests[answered:]), requests
     done = store.count_complete_lines(store.rollouts_path(run_dir, 0))
     assert 1 <= done <= answered and not store.done_path(run_dir, 0).exists()
     assert faultkit.leftovers(tag, also=run_dir) == []

@@ -156,9 +156,10 @@ def write_profile(
 ) -> None:
     """The per-task profile rows (and each task's aggregate group row), chunk by chunk in task order. A task in
     `stopped` (adaptive sampling: rollouts skipped because it was decided) says so in its row: `stopped_decided`."""
+    layout = frame_layout(table)  # once: it looks at every row (per chunk, the profile's time would grow as n²)
     with ByteSources(materialized) as samples:
         for bounds in chunks(tasks.sizes):
-            text, by_agent = render_chunk(table, tasks, stats, samples, bounds, stopped)
+            text, by_agent = render_chunk(table, tasks, stats, layout, samples, bounds, stopped)
             out.write(text)
             for agent, rows in by_agent.items():
                 aggregate_out.add(agent, rows)
@@ -168,12 +169,13 @@ def render_chunk(
     table: MergedTable,
     tasks: TaskInfo,
     stats: AgentStats,
+    layout: Layout,
     samples: ByteSources,
     bounds: tuple[int, int],
     stopped: frozenset[int] = frozenset(),
 ) -> tuple[bytes, dict[int, list[bytes]]]:
-    """Profile lines of tasks g0..g1 (task order), and their aggregate group rows by agent."""
-    layout = frame_layout(table)
+    """Profile lines of tasks g0..g1 (task order), and their aggregate group rows by agent; `layout` is the whole
+    frame's (frame_layout)."""
     same = {x: stats.layouts[x] == layout for x in stats.codes}
     g0, g1 = bounds
     a, b = int(tasks.starts[g0]), int(tasks.starts[g1 - 1] + tasks.sizes[g1 - 1])

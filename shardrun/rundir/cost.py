@@ -159,13 +159,19 @@ def throughput(shards: Sequence[ShardCost], bins: int = 60) -> Throughput:
     rel = [span * i / bins for i in range(bins + 1)]
     done = [0.0] * bins
     for s in shards:
-        if s.wall_s <= 0:  # an instant shard: all its rollouts land in the bin of its finish time
+        overlaps = [
+            (i, min(t0 + hi, s.finished_at) - max(t0 + lo, s.started_at))
+            for i, (lo, hi) in enumerate(zip(rel, rel[1:]))
+        ]
+        overlaps = [(i, o) for i, o in overlaps if o > 0]
+        covered = sum(o for _, o in overlaps)
+        if s.wall_s <= 0 or covered <= 0:  # an instant shard: all its rollouts land in the bin of its finish time
             done[min(bins - 1, int((s.finished_at - t0) / span * bins))] += s.num_rollouts
             continue
-        for i, (lo, hi) in enumerate(zip(rel, rel[1:])):
-            overlap = min(t0 + hi, s.finished_at) - max(t0 + lo, s.started_at)
-            if overlap > 0:
-                done[i] += s.num_rollouts * overlap / s.wall_s
+        # shares of the overlaps themselves (not of wall_s): for a shard far shorter than the clock's magnitude the
+        # differences of absolute times lose digits, and the shares must still add up to all of its rollouts
+        for i, o in overlaps:
+            done[i] += s.num_rollouts * o / covered
     rate = [d / ((hi - lo) / 60.0) for d, lo, hi in zip(done, rel, rel[1:])]
     sealed = [sum(s.num_rollouts for s in shards if s.finished_at - t0 <= hi + 1e-9) for hi in rel[1:]]
     return Throughput(tuple(rel), tuple(rate), tuple(sealed))

@@ -354,3 +354,45 @@ def fork_cli(*args: object, log: Path) -> Forked:
         finally:
             os._exit(code)
     return Forked(pid)
+
+
+# ---------------------------------------------------------------- placing a kill by what a process has done
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of `pid` (R, S, D, T, t, Z, ...), None when it is gone."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return data[data.rfind(b")") + 2 :].split()[0].decode()
+
+
+def freeze(pid: int, timeout: float = 60) -> bool:
+    """SIGSTOP `pid` and wait until the kernel shows it stopped, so its files hold all it wrote and nothing more
+    comes; False if it has exited."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout
+    while (state := process_state(pid)) not in ("T", "t"):
+        if state in (None, "Z", "X"):
+            return False
+        if time.monotonic() > deadline:
+            pytest.fail(f"pid {pid} did not stop within {timeout:.0f} s of SIGSTOP (state {state})")
+        time.sleep(0.0002)
+    return True
+
+
+def step_until(pid: int, reached, slice_s: float = 0.002, limit: int = 200_000) -> bool:
+    """With `pid` frozen: until `reached()` holds on the frozen state, let it run one short slice (SIGCONT, sleep,
+    freeze). Returns True with the process frozen where `reached()` held; False if it exited first."""
+    for _ in range(limit):
+        if reached():
+            return True
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(slice_s)
+        if not freeze(pid):
+            return False
+    pytest.fail(f"pid {pid} did not get there in {limit} slices")

@@ -325,8 +325,7 @@ def merge_and_profile_cmd(
         None,
         "--workers",
         min=1,
-        help="Processes that read the shards (default: the CPUs this process may use, at most 8; one for "
-        "small runs).",
+        help="Processes that read the shards (default: the usable CPUs, at most 8; one for small runs).",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the merge summary as JSON."),
     missing: Optional[str] = typer.Option(

@@ -196,7 +196,6 @@ class ClusterConfig(StrictModel):
     merge_cpus_per_task: int = Field(4, ge=1, le=100_000, description="CPUs of the merge job.")
     merge_mem_gb: float = Field(16, gt=0, le=2**30, description="Memory of the merge job.")
     additional_parameters: dict[str, Any] = Field(default_factory=dict, description="Extra sbatch parameters.")
-
     workers: int | None = Field(
         None,
         ge=1,

@@ -268,4 +268,3 @@ def merge_parameters(cluster: ClusterConfig, *, job_name: str, comment: str, aft
     if srun_args:
         params["srun_args"] = srun_args
     return params
-

@@ -671,22 +671,6 @@ def shard_lock(run_dir: Path, index: int, timeout: float = 0) -> FileLock:
     return FileLock(str(shard_dir(run_dir, index) / SHARD_LOCK), timeout=timeout)
 
 
-def launch_settings_path(run_dir: Path) -> Path:
-    """The validated config of the latest launch (env-var names only, never secrets): resume needs no config."""
-    return Path(run_dir) / LAUNCH_SETTINGS
-
-
-def append_jsonl(path: Path, rows: Iterable[dict]) -> None:
-    """Append JSON lines durably (fsync) after cutting a torn tail; for files only this process appends to."""
-    repair_torn_tail(path)
-    data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
-    if not data:
-        return
-    with open(path, "ab") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
 # warm workers: claims on shards and each worker's own directory (docs/workers.md)
 
 CLAIM = ".claim"
@@ -725,6 +709,22 @@ def worker_gym_dir(run_dir: Path, worker_id: str) -> Path:
 def worker_gym_log_path(run_dir: Path, worker_id: str) -> Path:
     return worker_dir(run_dir, worker_id) / LOGS / GYM_LOG
 
+
+def launch_settings_path(run_dir: Path) -> Path:
+    """The validated config of the latest launch (env-var names only, never secrets): resume needs no config."""
+    return Path(run_dir) / LAUNCH_SETTINGS
+
+
+def append_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    """Append JSON lines durably (fsync) after cutting a torn tail; for files only this process appends to."""
+    repair_torn_tail(path)
+    data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
+    if not data:
+        return
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_launch_settings(run_dir: Path, cfg: RunConfig) -> None:

@@ -21,7 +21,7 @@ from shardrun.rundir import seal
 from shardrun.rundir import store
 from tests.faults import faultkit, synthetic
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # fault-injection loops: not in --fast
 SHARDS = 4
 
 

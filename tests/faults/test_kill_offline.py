@@ -32,7 +32,7 @@ from tests.faults import faultkit, synthetic
 KILLS = 20  # per stage, at least
 MID_SHARD = "mid-shard (started, not sealed)"
 SEALED_SOME = "sealed some shards before the kill"
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # fault-injection loops: not in --fast
 SHARDS = 16
 
 

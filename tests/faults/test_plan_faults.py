@@ -76,6 +76,7 @@ def bytes_read(pid: int) -> int:
     return next(int(line.split()[1]) for line in text.splitlines() if line.startswith("rchar:"))
 
 
+@pytest.mark.slow  # a fault-injection loop: not in --fast
 def test_sigkill_anywhere_in_plan_write_then_rerun_gives_identical_run_dir(tmp_path):
     """Each kill is placed by what `plan --write` has done, not by the clock: the process is frozen (SIGSTOP) at a
     seeded target seen in its run directory and in what it has read, then SIGKILLed: early on (the n-th frozen

@@ -143,7 +143,12 @@ def test_a_sigkilled_worker_s_shard_is_taken_over_after_the_lease(tmp_path: Path
             # the shard's third rollout hangs in the model: its worker is in the middle of the shard
             wait_for("the hanging request", lambda: [r for r in fake.requests() if r["fault"] == "hang"])
             claim = wait_for("shard 1's claim", lambda: json.loads(store.claim_path(run_dir, 1).read_text()))
-            done_before = harness.keys_complete(store.rollouts_path(run_dir, 1))
+            # Gym sends the shard's requests at once and writes each rollout when it ends: wait for the two that
+            # do not hang to land (rollout 2 hangs, so there can never be a third)
+            done_before = wait_for(
+                "rollouts 0 and 1 to land",
+                lambda: keys if len(keys := harness.keys_complete(store.rollouts_path(run_dir, 1))) >= 2 else None,
+            )
             assert len(done_before) == 2  # rollouts 0 and 1 landed, rollout 2 hangs
             os.kill(claim["pid"], signal.SIGKILL)
             fake.set_faults([])

@@ -139,6 +139,38 @@ time.sleep(60)
     processes.wait_until(lambda: not _alive(child), timeout=10, what="child to die with its parent")
 
 
+def test_a_group_left_behind_by_its_dead_leader_is_reaped(tmp_path: Path) -> None:
+    """What a SIGKILLed worker leaves: its server leader is gone, the servers it started stay in its group."""
+    pidfile = tmp_path / "members"
+    leader = processes.start(
+        ["sh", "-c", f"sleep 300 & a=$!; sleep 300 & echo $a $! > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; wait"],
+        tmp_path / "leader.log",
+    )
+    group = leader.group
+    assert group is not None and group[0] == leader.pid
+    processes.wait_until(pidfile.exists, watch=[leader], timeout=20, what="the group's members")
+    members = [int(p) for p in pidfile.read_text().split()]
+    os.kill(leader.pid, signal.SIGKILL)
+    leader.popen.wait(5)
+    assert all(_alive(p) for p in members)  # the leader's death does not take its group with it
+
+    assert processes.reap_group(group[0], group[1] + 1_000_000) == 0  # started after these: not their group
+    assert all(_alive(p) for p in members)
+    assert processes.reap_group(*group) == 2
+    assert not any(_alive(p) for p in members)
+    assert processes.reap_group(*group) == 0  # nothing left
+
+
+def test_a_live_leader_with_another_start_time_is_another_group(tmp_path: Path) -> None:
+    proc = processes.start(["sleep", "300"], tmp_path / "s.log")
+    try:
+        assert proc.group is not None
+        assert processes.reap_group(proc.pid, proc.group[1] - 1) == 0  # the id was reused: leave it alone
+        assert _alive(proc.pid)
+    finally:
+        processes.stop(proc, grace=2)
+
+
 def test_free_port_is_bindable() -> None:
     import socket
 

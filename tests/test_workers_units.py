@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -225,3 +226,47 @@ def test_resume_says_it_launched_workers(tmp_path: Path) -> None:
     result = submission.SubmitResult(run.run_dir, run.plan, False, {}, [0], [], None, workers={0: "41", 1: "42"})
     text = resume.render(result)
     assert "launched 2 warm worker(s) (41, 42)" in text and "sealed: 1 of 2" in text
+
+
+def test_a_worker_reaps_the_servers_a_dead_worker_on_its_host_left(tmp_path: Path) -> None:
+    """A SIGKILLed worker's servers outlive it (only their leaders get SIGTERM from the kernel): its worker.json names
+    their process groups, and a worker on the same host kills what is left of them; a live worker's are left alone."""
+    run = builders.make_run(tmp_path, builders.input_rows(4), num_shards=2)
+    cfg = run.cfg.model_copy(
+        update={
+            "gym": config.GymConfig(config_paths=["x.yaml"]),
+            "policy": config.PolicyConfig(base_url="http://127.0.0.1:1/v1", model_name="m"),
+        }
+    )
+    store.write_launch_settings(run.run_dir, cfg)
+    pidfile = tmp_path / "member"
+    leader = processes.start(
+        ["sh", "-c", f"sleep 300 & echo $! > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; wait"], tmp_path / "s.log"
+    )
+    live = processes.start(["sleep", "300"], tmp_path / "live.log")
+    try:
+        processes.wait_until(pidfile.exists, watch=[leader], timeout=20, what="the server's child")
+        member = int(pidfile.read_text())
+        dead_pid = processes.start(["true"], tmp_path / "t.log").popen
+        dead_pid.wait(5)  # a pid that no longer runs
+
+        def record(worker_id: str, pid: int, ticks: int | None, groups: list) -> None:
+            state = worker.WorkerState(worker_id, None, socket.gethostname(), pid, ticks, time.time(), 0)
+            state.server_groups = groups
+            store.worker_dir(run.run_dir, worker_id).mkdir(parents=True)
+            store.atomic_write_json(store.worker_state_path(run.run_dir, worker_id), state.__dict__)
+
+        record("w-dead", dead_pid.pid, 12345, [list(leader.group)])
+        record("w-live", live.pid, live.group[1], [list(live.group)])  # a live worker (its pid runs)
+        os.kill(leader.pid, signal.SIGKILL)
+        leader.popen.wait(5)
+        assert processes.start_ticks(member) is not None
+
+        me = worker.Worker(run.run_dir, "w-me")
+        me.reap_leftovers(worker.read_states(run.run_dir))
+        assert processes.start_ticks(member) is None and live.alive()
+        log = store.worker_log_path(run.run_dir, "w-me").read_text()
+        assert "killed 1 process(es) that worker w-dead" in log and "w-live" not in log
+    finally:
+        processes.stop(live, grace=2)
+        processes.stop(leader, grace=2)

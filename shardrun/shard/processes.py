@@ -33,6 +33,7 @@ class Proc:
     log_path: Path
     started_at: float = field(default_factory=time.time)
     redactor: subprocess.Popen | None = None  # copies the output to the log with secrets masked (start(redact=))
+    leader_ticks: int | None = None  # the leader's start time (start_ticks): names the group for `reap_group`
 
     @property
     def pid(self) -> int:
@@ -44,6 +45,12 @@ class Proc:
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    @property
+    def group(self) -> tuple[int, int] | None:
+        """(process group id, the leader's start ticks), what `reap_group` needs once the starter is gone; None when
+        the leader was gone before it could be read."""
+        return None if self.leader_ticks is None else (self.pgid, self.leader_ticks)
 
     @property
     def returncode(self) -> int | None:
@@ -138,7 +145,7 @@ def start(
         finally:
             if isinstance(out, int):
                 os.close(out)  # the command (and its children) hold the only write ends now
-    return Proc(name=name, popen=popen, log_path=log_path, redactor=redactor)
+    return Proc(name=name, popen=popen, log_path=log_path, redactor=redactor, leader_ticks=start_ticks(popen.pid))
 
 
 _REDACT_ENV = "SHARDRUN_REDACT"
@@ -303,6 +310,29 @@ def kill_tree(proc: Proc, extra: set[tuple[int, int]] | None = None) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.popen.wait(timeout=5)
     _wait_gone(targets, 5.0)
+
+
+def reap_group(pgid: int, leader_ticks: int) -> int:
+    """SIGKILL what is left of a process group whose starter is gone (a SIGKILLed worker: its servers' leader got
+    SIGTERM from the kernel, but the servers it started stay in the group). `leader_ticks` is the leader's start
+    time: a live leader with another start time means the id now names another group, which is left alone.
+    Returns how many processes were killed."""
+    leader = start_ticks(pgid)
+    if leader is not None and leader != leader_ticks:
+        return 0
+    targets = set()
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                f = _stat(int(entry.name))
+                # a member started after the leader; anything older that shows this group id is not ours
+                if f and int(f[2]) == pgid and int(f[19]) >= leader_ticks:
+                    targets.add((int(entry.name), int(f[19])))
+    for pid, _ in targets:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    _wait_gone(targets, 5.0)
+    return len(targets)
 
 
 @contextlib.contextmanager

@@ -208,6 +208,12 @@ class Servers:
     def problem(self) -> str | None:
         return self.endpoint.problem() or self.stack.problem()
 
+    def groups(self) -> list[tuple[int, int]]:
+        """The process groups of the servers started here (processes.Proc.group): a worker records them so that
+        another worker on its host can reap them if it is SIGKILLed."""
+        procs = [self.stack.proc] + ([self.endpoint.server.proc] if self.endpoint.server is not None else [])
+        return [g for g in (p.group for p in procs) if g is not None]
+
     def stop(self) -> None:
         try:
             self.stack.stop()

@@ -20,7 +20,8 @@ the shard, nothing recorded in `.failed`): completed rollouts stay, the claim is
 
 The worker's state is in `RUN_DIR/workers/<id>/worker.json` (read by `shardrun status` and cost accounting):
 its job, host, pid, state, current shard, shards sealed, servers up since, server starts, start-up seconds,
-collecting seconds per shard.
+collecting seconds per shard, and the process groups of its running servers (a worker on the same host kills what
+is left of them once that worker is gone: `reap_leftovers`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,12 @@ class WorkerState:
     ended_at: float | None = None
     exit_reason: str = ""
     updated_at: float = 0.0
+    server_groups: list[list[int]] = field(default_factory=list)  # [pgid, leader start ticks] of running servers
+
+    def gone(self) -> bool:
+        """Its process is no longer running (on its host: only meaningful there)."""
+        ticks = processes.start_ticks(self.pid)
+        return ticks is None or (self.pid_start is not None and ticks != self.pid_start)
 
 
 def read_state(path: Path) -> WorkerState | None:
@@ -181,6 +188,7 @@ class Worker:
             home, store.worker_gym_dir(self.run_dir, worker_id), store.worker_gym_log_path(self.run_dir, worker_id)
         )
         previous = read_state(store.worker_state_path(self.run_dir, worker_id))  # a requeued job keeps its record
+        self.previous = previous
         self.state = WorkerState(
             worker_id=worker_id,
             job_id=job_id,
@@ -196,6 +204,7 @@ class Worker:
         self.servers: runtime.Servers | None = None
         self.warm = False  # the servers have already collected a shard
         self.restarts = 0
+        self.reaped: set[tuple[str, int]] = set()  # (worker id, pid) whose leftovers were reaped
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -223,6 +232,8 @@ class Worker:
             f"start: job {self.job_id or '-'}, host {self.state.host}, pid {self.state.pid}, "
             f"{len(self.plan.shards)} shards in the plan"
         )
+        self.reap_leftovers([self.previous] if self.previous else [])  # before this start overwrites its record
+        self.reap_leftovers(read_states(self.run_dir))
         self.save()
         try:
             with runtime.interruptible():
@@ -235,6 +246,8 @@ class Worker:
             raise
         finally:
             self.stop_servers("tearing down")
+            with contextlib.suppress(Exception):
+                self.reap_leftovers(read_states(self.run_dir))
             self.save(
                 state=self.state.state if self.state.state == FAILED else STOPPED,
                 current_shard=None,
@@ -295,6 +308,7 @@ class Worker:
             server_starts=self.state.server_starts + 1,
             startup_s=self.state.startup_s + (time.monotonic() - t0),
             servers_up_since=self.servers.up_since,
+            server_groups=[list(g) for g in self.servers.groups()],
             state=IDLE,
         )
 
@@ -304,7 +318,26 @@ class Worker:
         self.log(f"stopping servers: {why}")
         servers, self.servers = self.servers, None
         servers.stop()
-        self.save(servers_up_since=None)
+        self.save(servers_up_since=None, server_groups=[])
+
+    def reap_leftovers(self, states: list[WorkerState]) -> None:
+        """Kill the servers that workers gone from this host left running. A SIGKILLed worker's server leaders get
+        SIGTERM from the kernel (processes.start: die_with_parent), but what they started stays in their process
+        groups (Gym's servers, for one); its worker.json names those groups. Slurm's cgroups do this for a job."""
+        for st in states:
+            key = (st.worker_id, st.pid)
+            if (
+                st.host != self.state.host
+                or not st.server_groups
+                or key in self.reaped
+                or (st.pid, st.pid_start) == (self.state.pid, self.state.pid_start)
+                or not st.gone()
+            ):
+                continue
+            self.reaped.add(key)
+            killed = sum(processes.reap_group(pgid, ticks) for pgid, ticks in st.server_groups)
+            if killed:
+                self.log(f"killed {killed} process(es) that worker {st.worker_id} (pid {st.pid}, gone) left running")
 
     # ------------------------------------------------------------ choosing and claiming
 
@@ -357,6 +390,7 @@ class Worker:
                     return claim
             if not dead:
                 return None
+            self.reap_leftovers(read_states(self.run_dir))
             self.save(state=IDLE, current_shard=None)
             wait = min(max(0.0, self.book.lease_s - min(i.age(self.clock()) for i in dead)) + 0.5, WAIT_POLL_S)
             time.sleep(wait)

@@ -81,8 +81,11 @@ def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None
             by = {s["index"]: s for s in st["shards"]}
             assert by[3]["state"] == "running" and by[3]["job_id"] == claim["job_id"]
             assert {w["job_id"] for w in st["workers"]} <= {f"{array}_0", f"{array}_1"}
-            kept = harness.keys_complete(store.rollouts_path(run_dir, 3))
-            assert len(kept) == 1
+            # the rollout that does not hang may be written after the hanging request arrives: wait for it to land
+            kept = wait_for(
+                lambda: harness.keys_complete(store.rollouts_path(run_dir, 3)), 300, "shard 3's first rollout to land"
+            )
+            assert len(kept) == 1  # rollout 1 hangs, so there can never be a second
 
             subprocess.run(["scancel", "--signal=USR2", claim["job_id"]], check=True, timeout=60)
             log = store.job_log_path(run_dir, claim["job_id"])

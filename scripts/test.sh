@@ -4,13 +4,20 @@
 #   ./scripts/test.sh --fast      the tier with no real Gym, Slurm or vLLM, less the fault-injection loops (marked
 #                                 slow); project venv only
 #   ./scripts/test.sh -m slurm    any pytest selection
+#
+# Tests run on $SHARDRUN_TEST_WORKERS pytest-xdist workers (default 2; 0: in this process), tests that share a
+# cluster or a costly fixture on one worker (tests/conftest.py: xdist_group); `-n` among the arguments overrides it.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
+parallel=(-n "${SHARDRUN_TEST_WORKERS:-2}" --dist loadgroup)
+for arg in "$@"; do
+  case "$arg" in -n | -n* | --numprocesses*) parallel=() ;; esac
+done
 if [ "${1:-}" = "--fast" ]; then
   shift
   ./scripts/setup.sh project
-  exec .venv/bin/python -m pytest -m "not gym and not vllm and not slurm and not slow" "$@"
+  exec .venv/bin/python -m pytest "${parallel[@]}" -m "not gym and not vllm and not slurm and not slow" "$@"
 fi
 ./scripts/setup.sh project gyms vllm  # gyms: every supported NeMo Gym version (the vs-Gym tests run against each)
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest "${parallel[@]}" "$@"

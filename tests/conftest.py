@@ -49,6 +49,29 @@ def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectRep
     return report
 
 
+HEAVY_MARKS = ("gym", "vllm", "slurm", "slow")
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """Which heavy tests must share a pytest-xdist worker (scripts/test.sh runs the suite with `-n 2 --dist
+    loadgroup`): every test on the one local Slurm cluster in one group, so their jobs never compete for its CPUs;
+    the fault suite in one, so its session-wide reference run is made once; any other heavy module in its own, so
+    its module-wide fixtures are made once. Light tests go wherever a worker is free."""
+    if not any(item.get_closest_marker(m) for m in HEAVY_MARKS):
+        return None
+    if item.get_closest_marker("slurm"):
+        return "slurm"
+    path = Path(str(item.path)).relative_to(REPO / "tests")
+    return "faults" if path.parts[0] == "faults" else path.stem
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def _need(path: Path, what: str) -> Path:
     if (path / ".shardrun-ok").exists():
         return path

@@ -1,15 +1,13 @@
 """One shard under faults, against real NeMo Gym (ng_run, ng_collect_rollouts) and the stand-in policy server
-(tests/fakes/policy_server.py, a fake at the model seam only): a SIGKILLed shard reruns to every identity once; a
-dead policy server fails the shard fast with a clear message; a row the model always rejects is recorded as
-failed after its attempts while the rest seals."""
+(tests/fakes/policy_server.py, a fake at the model seam only): a row the model always rejects is recorded as
+failed after its attempts (in the way of the Gym version in use) while the rest seals.
+
+SIGKILLed shards (torn last lines included) are tested by tests/faults/test_kill_shard.py, dead and wedged servers
+by tests/faults/test_server_faults.py."""
 
 from __future__ import annotations
 
 import json
-import signal
-import sys
-import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -18,10 +16,8 @@ import pytest
 from shardrun.rundir import ledger
 from shardrun.core import gym_adapter
 from shardrun.shard import gym_stack
-from shardrun.shard import processes
 from shardrun.shard import runtime
 from shardrun.rundir import store
-from shardrun.core.errors import ServerFailure
 from tests.fakes import harness
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -46,96 +42,6 @@ def plan_one_shard(
     cfg = harness.load_config(cfg_path)
     store.write_plan(cfg)
     return cfg.run_dir
-
-
-def wait_lines(path: Path, n: int, proc: processes.Proc | None, timeout: float) -> int:
-    def enough() -> bool:
-        return store.count_complete_lines(path) >= n
-
-    processes.wait_until(
-        enough, watch=[proc] if proc else [], timeout=timeout, interval=0.1, what=f"{n} rollouts in {path}"
-    )
-    return store.count_complete_lines(path)
-
-
-def identity_prompts(run_dir: Path) -> dict[tuple[int, int], tuple[str, int]]:
-    """identity -> (user prompt, seed): what the stand-in server logs for every model call of that identity."""
-    out = {}
-    for line in store.materialized_path(run_dir, 0).read_text().splitlines():
-        row = json.loads(line)
-        users = [m["content"] for m in row["responses_create_params"]["input"] if m["role"] == "user"]
-        seed = json.loads(row["responses_create_params"]["metadata"]["extra_body"])["seed"]
-        out[(row["_ng_task_index"], row["_ng_rollout_index"])] = (users[-1], seed)
-    return out
-
-
-def test_sigkilled_shard_reruns_to_every_identity_exactly_once(tmp_path: Path, gym_venv: Path, shard_env: str):
-    with harness.fake_policy(tmp_path, "--delay", "0.5") as fake:
-        run_dir = plan_one_shard(tmp_path, gym_venv, fake.base_url, repeats=4, gym={"num_samples_in_parallel": 2})
-        rollouts = store.rollouts_path(run_dir, 0)
-        shard = processes.start(
-            [sys.executable, "-m", "shardrun.cli", "run-shard", str(run_dir), "0"], tmp_path / "first-attempt.log"
-        )
-        try:
-            wait_lines(rollouts, 3, shard, timeout=300)
-        finally:
-            processes.kill_tree(shard)  # SIGKILL to the whole tree at once: a node failure mid-collection
-        assert shard.returncode == -signal.SIGKILL
-        time.sleep(1.0)
-        assert harness.tagged_processes(shard_env) == [fake.proc.pid]
-        with open(rollouts, "ab") as f:  # the killed collector was writing a line
-            f.write(b'{"responses_create_params": {"input": [{"content": "Solve')
-        done_before = set(harness.keys_complete(rollouts))
-        assert 3 <= len(done_before) < 16
-        calls_before = len(fake.requests())
-
-        result = runtime.run_shard(run_dir, 0)
-
-        later_calls = {(r["prompt"], r["seed"]) for r in fake.requests()[calls_before:]}
-    assert result.state == "sealed"
-    keys = harness.keys(rollouts)
-    planned = sorted(identity_prompts(run_dir))
-    assert sorted(keys) == planned and len(keys) == len(set(keys)) == 16
-    prompts = identity_prompts(run_dir)
-    assert not later_calls & {prompts[k] for k in done_before}, "the rerun called the model for finished rollouts"
-    assert later_calls == {prompts[k] for k in planned if k not in done_before}
-    assert "cut a torn last line" in store.shard_log_path(run_dir, 0).read_text()
-    assert result.marker["num_rollouts"] == 16 and result.marker["num_failed"] == 0
-    assert harness.tagged_processes(shard_env) == []
-    assert not store.env_yaml_path(run_dir, 0).exists()
-
-
-def test_dead_policy_server_fails_the_shard_within_the_stall_timeout(tmp_path: Path, gym_venv: Path, shard_env: str):
-    stall = 60.0
-    with harness.fake_policy(tmp_path, "--delay", "0.5") as fake:
-        run_dir = plan_one_shard(
-            tmp_path,
-            gym_venv,
-            fake.base_url,
-            repeats=4,
-            gym={"num_samples_in_parallel": 2, "stall_timeout_s": stall, "health_interval_s": 2},
-        )
-        killed_at: list[float] = []
-
-        def kill_policy_after_first_rollout() -> None:
-            wait_lines(store.rollouts_path(run_dir, 0), 1, None, timeout=300)
-            processes.kill_tree(fake.proc)
-            killed_at.append(time.monotonic())
-
-        killer = threading.Thread(target=kill_policy_after_first_rollout, daemon=True)
-        killer.start()
-        with pytest.raises(ServerFailure) as err:
-            runtime.run_shard(run_dir, 0)
-        failed_after = time.monotonic() - killed_at[0]
-    message = str(err.value)
-    assert "policy server" in message and "does not answer" in message and fake.base_url in message
-    assert failed_after < stall, f"took {failed_after:.1f} s, stall timeout {stall} s"
-    assert not store.done_path(run_dir, 0).exists()
-    failure = json.loads(store.shard_failure_path(run_dir, 0).read_text())
-    assert failure["error"].startswith("ServerFailure: policy server")
-    assert "FAILED: ServerFailure: policy server" in store.shard_log_path(run_dir, 0).read_text()
-    assert not store.env_yaml_path(run_dir, 0).exists()
-    assert harness.tagged_processes(shard_env) == []
 
 
 def test_row_the_model_always_rejects_is_recorded_failed_and_the_rest_seals(

@@ -5,11 +5,12 @@ a few seconds, and always refuses one rollout, which must end in the failure sid
 
 A chaos loop on one small shard: start the normal command (`submit` or `resume`, chosen at random), wait until
 the attempt reaches the targeted stage (from its shard.log), sleep a seeded random part of that stage's length
-(measured on the uninterrupted reference run), kill the tree; the next command is the recovery of that kill. The
-last command runs to the end. Then every planned identity is in the merged output exactly once (or, the refused
-one, in the failures), none invented, the merged files are byte-identical to the uninterrupted run (rollouts:
-except the ids and created_at NeMo Gym makes up per call; merge_summary: except timings), no finished rollout was
-asked of the model again, and no process of any attempt is left.
+(measured on the uninterrupted reference run), kill the tree; the next command is the recovery of that kill. After
+a mid-collection kill the test appends half a line to rollouts.jsonl, what a collector killed while writing leaves,
+and the recovery must cut it. The last command runs to the end. Then every planned identity is in the merged output
+exactly once (or, the refused one, in the failures), none invented, the merged files are byte-identical to the
+uninterrupted run (rollouts: except the ids and created_at NeMo Gym makes up per call; merge_summary: except
+timings), no finished rollout was asked of the model again, and no process of any attempt is left.
 
 Kills per stage: SHARDRUN_FAULT_SHARD_KILLS="shard start,server start-up,mid-collection" (default below). Each
 mid-collection kill costs a whole Gym stack start (15-60 s), so the default is what the CI budget allows;
@@ -56,7 +57,7 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
     rng = faultkit.seeded(66)
     landed: Counter = Counter()
     used: Counter = Counter()
-    env_yaml_seen = env_yaml_left = chains = kills = 0
+    env_yaml_seen = env_yaml_left = chains = kills = torn = cuts = 0
     run_dir = tmp_path / "run-0"
     cfg = ref.config(tmp_path / "run-0.yaml", run_dir)
     fresh = True
@@ -116,10 +117,16 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
                 faultkit.identities(store.rollouts_path(run_dir, 0)) if store.rollouts_path(run_dir, 0).exists() else []
             )
             assert len(keys) == len(set(keys)) and set(keys) <= set(ref.planned), "duplicated or invented rollout"
+            path = store.rollouts_path(run_dir, 0)
+            if stage == "mid-collection" and path.exists() and path.read_bytes().endswith(b"\n"):
+                with open(path, "ab") as f:  # the killed collector was writing a line: the recovery must cut it
+                    f.write(b'{"responses_create_params": {"input": [{"content": "Solve')
+                torn += 1
             continue
         # the command finished: this chain of kills is recovered; check it, and start a new run directory
         assert proc.returncode == 0, (tmp_path / "commands.log").read_text()[-3000:] + gymkit.log_text(run_dir)
         verify(run_dir, ref, tag)
+        cuts += gymkit.log_text(run_dir).count("cut a torn last line")
         chains += 1
         run_dir = tmp_path / f"run-{chains}"
         cfg = ref.config(tmp_path / f"run-{chains}.yaml", run_dir)
@@ -151,6 +158,8 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
     assert res.returncode == 0 and "every shard is sealed" in res.stdout, res.stdout + res.stderr
     checked = verify(run_dir, ref, tag)
     assert all(landed[s] >= quota[s] for s in quota), (dict(landed), quota)
+    cuts += gymkit.log_text(run_dir).count("cut a torn last line")
+    assert torn and cuts >= torn, (torn, cuts)  # every torn last line was cut by the attempt after it
     faultkit.counts_line(
         "shard kills",
         kills=kills,
@@ -159,6 +168,8 @@ def test_sigkill_anywhere_in_a_shard_then_resume_or_submit_recovers_identically(
         commands=dict(used),
         env_yaml_0600_checks=env_yaml_seen,
         env_yaml_left_by_kills=env_yaml_left,
+        torn_lines_written=torn,
+        torn_lines_cut=cuts,
         **{s.replace(" ", "_").replace("-", "_").replace("/", "_"): landed[s] for s in landed},
     )
 

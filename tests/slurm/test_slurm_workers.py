@@ -7,6 +7,9 @@ Real `ng_run` and `ng_collect_rollouts`; the stand-in policy server (tests/fakes
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 
 import orjson
@@ -114,3 +117,58 @@ def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None
     for path in run_dir.rglob("*"):
         if path.is_file():
             assert harness.API_KEY.encode() not in path.read_bytes(), f"API key written to {path}"
+
+
+def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, env) -> None:
+    """Every live worker SIGKILLed while shard 3 is in the middle of a rollout, as a node failure does: the array
+    ends (FAILED), the job after it finds unsealed shards, resubmits workers for them and queues itself again
+    (cluster.auto_resume_rounds); the new worker takes shard 3 over after the lease, and round 2 merges every identity
+    exactly once. No watcher process is kept alive by hand."""
+    run_dir = tmp_path / "run"
+    inp = math_input(tmp_path / "input.jsonl", SHARDS)
+    task3 = orjson.loads(inp.read_text().splitlines()[3])["question"]
+    with fake_policy(tmp_path, "--fault", f"hang:match={task3},seed=1") as fake:
+        cfg = write_config(
+            tmp_path / "run.yaml",
+            inp,
+            run_dir,
+            fake.base_url,
+            repeats=2,
+            shards=SHARDS,
+            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 20, "auto_resume_rounds": 2},
+            gym={"num_samples_in_parallel": 1},
+        )
+        shardrun("submit", cfg, cwd=tmp_path)
+        rec = launches(run_dir)[0]
+        tag, first_after = rec["tag"], rec["merge_job_id"]
+        try:
+            wait_for(
+                lambda: [r for r in fake.requests() if r["fault"] == "hang"] and store.claim_path(run_dir, 3).exists(),
+                500,
+                "shard 3's last rollout to hang at the policy",
+            )
+            killed = [s for s in worker.read_states(run_dir) if not s.gone()]
+            assert killed, "no worker is running"
+            for s in killed:
+                os.kill(s.pid, signal.SIGKILL)
+            fake.set_faults([])
+            wait_for(lambda: sacct_state(first_after) in ("FAILED", "COMPLETED", "CANCELLED"), 600, "round 1")
+            first_log = store.job_log_path(run_dir, first_after).read_text()
+            assert sacct_state(first_after) == "COMPLETED", first_log[-3000:]
+            counts = re.search(r"after the workers \(round 1\): (\d+) sealed, (\d+) to resubmit", first_log)
+            assert counts and int(counts[2]) >= 1, first_log[-3000:]  # at least shard 3
+            second_after = re.search(r"next: job (\d+)", first_log)[1]
+            wait_for(lambda: sacct_state(second_after) in ("FAILED", "COMPLETED", "CANCELLED"), 700, "round 2")
+            second_log = store.job_log_path(run_dir, second_after).read_text()
+            assert sacct_state(second_after) == "COMPLETED", second_log[-3000:]
+            assert "after the workers (round 2): 8 sealed, 0 to resubmit" in second_log
+        finally:
+            scancel_names(tag, rec["merge_job_name"])
+
+    records = launches(run_dir)
+    assert len(records) == 2 and records[1]["workers"]  # the workers round 1 resubmitted
+    merged = harness.keys(store.merged_dir(run_dir) / "rollouts.jsonl")
+    assert sorted(merged) == planned_identities(run_dir, SHARDS) and len(set(merged)) == len(merged) == 16
+    ids = harness.keys(store.rollouts_path(run_dir, 3))
+    assert len(ids) == len(set(ids)) == 2  # shard 3 resumed from its kept rollout, nothing twice
+    assert status_json(run_dir, tmp_path)["complete"]

@@ -304,3 +304,30 @@ def test_zero_policy_never_counts_skipped_rollouts(runs) -> None:
     text = store.merged_aggregate_metrics_path(adaptive).read_text()
     imputed = [int(v) for v in __import__("re").findall(r'"coverage/imputed":\s*(\d+)', text)]
     assert imputed and all(v == 0 for v in imputed)
+
+
+def test_a_warm_workers_reader_reads_only_what_was_appended_and_decides_as_a_fresh_one(tmp_path: Path) -> None:
+    """One RunRollouts kept across shard starts (what a warm worker does) reads each byte once, starts over when a
+    file is replaced or rewritten in place, and decides exactly what a fresh read of the run directory decides."""
+    adaptive = plan_run(tmp_path, "adaptive", {"stop_when_decided": RULES, "wave": 2})
+    plan = store.load_plan(adaptive)
+    known = decided.RunRollouts(adaptive, plan, "reward")
+    for i in range(SHARDS):
+        fresh = decided.decide_shard(adaptive, plan, i, max_attempts=3)
+        before = known.bytes_read
+        kept = decided.decide_shard(adaptive, plan, i, max_attempts=3, known=known)
+        assert (kept.skip, kept.verdicts) == (fresh.skip, fresh.verdicts)
+        on_disk = sum(store.rollouts_path(adaptive, s).stat().st_size for s in range(i))
+        assert known.bytes_read - before == on_disk - before  # only the shards written since the last start
+        collect_shard(adaptive, i, fresh.skip)
+
+    # a shard's file rewritten in place with other rows (same inode, same size or more): read again from nothing
+    path = store.rollouts_path(adaptive, 0)
+    rows = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    flipped = [{**r, "reward": 1.0 - r["reward"]} for r in rows]
+    with open(path, "r+b") as f:
+        f.write(b"".join(orjson.dumps(r) + b"\n" for r in flipped))
+    fresh = decided.decide_shard(adaptive, plan, SHARDS - 1, max_attempts=3)
+    kept = decided.decide_shard(adaptive, plan, SHARDS - 1, max_attempts=3, known=known)
+    assert (kept.skip, kept.verdicts) == (fresh.skip, fresh.verdicts)
+    assert known.values[rows[0]["_ng_task_index"]][rows[0]["_ng_rollout_index"]] == flipped[0]["reward"]  # re-read

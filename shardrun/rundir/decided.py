@@ -13,10 +13,16 @@ of that rollout: its task is never decided (all its rollouts are collected) and 
 
 Everything here only reads; the decision is monotone (more rollouts only narrow what a task can end as), so
 reading while other shards write can cost extra rollouts, never a different result.
+
+Reading every shard's files costs time in proportion to the rollouts already in the run. A shard job reads them
+once; a warm worker keeps one `RunRollouts` for its life, so each later shard start reads only the complete lines
+appended since the one before (a file replaced, cut below what was read, or rewritten in place, as the last bytes
+read show, starts the reading over).
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,8 +64,83 @@ class ShardDecisions:
         return sorted({t for t, _ in self.skip})
 
 
-def decide_shard(run_dir: Path, plan: Plan, index: int, max_attempts: int | None = None) -> ShardDecisions:
-    """The decisions for shard `index` from the run directory alone (nothing when the plan does not stop early)."""
+TAIL = 256  # bytes kept from the end of what was read, compared before reading on (a file rewritten in place)
+
+
+class RunRollouts:
+    """What every shard's files say so far: the metric of the first row of each identity in rollouts.jsonl, and
+    the rows of the failures sidecars. `refresh` reads the complete lines appended since the last refresh."""
+
+    def __init__(self, run_dir: Path, plan: Plan, metric: str):
+        self.run_dir, self.plan, self.metric = Path(run_dir), plan, metric
+        self.reset()
+
+    def reset(self) -> None:
+        self.values: dict[int, dict[int, Any]] = defaultdict(dict)  # task -> rollout -> metric (first row)
+        self.failures: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+        self.read: dict[Path, tuple[int, int, bytes]] = {}  # file -> (inode, bytes read, the last of them)
+        self.bytes_read = 0
+
+    def refresh(self) -> None:
+        for _ in range(2):  # a second pass starts from nothing, so it cannot find anything to start over for
+            if self._read_new():
+                return
+            self.reset()
+        raise AssertionError("unreachable: a pass from nothing never starts over")  # pragma: no cover
+
+    def _read_new(self) -> bool:
+        """Read what was appended; False when a file was replaced or cut below what was read (start over)."""
+        for s in range(len(self.plan.shards)):
+            for path, failures in (
+                (store.rollouts_path(self.run_dir, s), False),
+                (store.failures_path(self.run_dir, s), True),
+            ):
+                try:
+                    f = open(path, "rb")
+                except FileNotFoundError:
+                    if path in self.read:
+                        return False
+                    continue
+                with f:
+                    st = os.fstat(f.fileno())
+                    inode, offset, tail = self.read.get(path, (st.st_ino, 0, b""))
+                    if inode != st.st_ino or st.st_size < offset:
+                        return False
+                    f.seek(offset - len(tail))
+                    if f.read(len(tail)) != tail:  # rewritten in place: what was read is gone
+                        return False
+                    lines = store.CompleteLines(f)
+                    for _, block in lines.blocks():
+                        for raw in block:
+                            if raw.strip():
+                                self._add(orjson.loads(raw), failures)
+                    end = f.tell() - lines.torn
+                    if end > offset:
+                        f.seek(max(0, end - TAIL))
+                        tail = f.read(end - max(0, end - TAIL))
+                    self.bytes_read += end - offset
+                    self.read[path] = (st.st_ino, end, tail)
+        return True
+
+    def _add(self, row: dict[str, Any], failures: bool) -> None:
+        task, rollout = row.get(TASK_KEY), row.get(ROLLOUT_KEY)
+        if not isinstance(task, int) or not isinstance(rollout, int):
+            return
+        if failures:
+            self.failures[task][rollout].append(row)
+        elif rollout not in self.values[task]:
+            self.values[task][rollout] = row.get(self.metric)
+
+
+def decide_shard(
+    run_dir: Path,
+    plan: Plan,
+    index: int,
+    max_attempts: int | None = None,
+    known: RunRollouts | None = None,
+) -> ShardDecisions:
+    """The decisions for shard `index` from the run directory alone (nothing when the plan does not stop early).
+    `known`: what an earlier call read (a warm worker's); brought up to date here."""
     sampling = plan.sampling
     if sampling is None or sampling.stop_when_decided is None:
         return ShardDecisions()
@@ -79,24 +160,21 @@ def decide_shard(run_dir: Path, plan: Plan, index: int, max_attempts: int | None
     out = ShardDecisions(tasks=len(agents))
     if not agents:
         return out
+    if known is None or known.metric != rules.metric:
+        known = RunRollouts(run_dir, plan, rules.metric)
+    known.refresh()
     values: dict[Key, Any] = {}
-    failure_rows: dict[Key, list[dict[str, Any]]] = defaultdict(list)
-    for s in range(len(plan.shards)):
-        for row in store.iter_jsonl_objects(store.rollouts_path(run_dir, s)):
-            key = (row.get(TASK_KEY), row.get(ROLLOUT_KEY))
-            if key[0] in agents and key not in values:
-                values[key] = row.get(rules.metric)
-        for row in store.iter_jsonl_objects(store.failures_path(run_dir, s)):
-            key = (row.get(TASK_KEY), row.get(ROLLOUT_KEY))
-            if key[0] in agents:
-                failure_rows[key].append(row)
-    failed = {k for k, rows in failure_rows.items() if k not in values and ledger.failed_for_good(rows, attempts)}
-    by_task: dict[int, list[Any]] = defaultdict(list)
-    for (t, r), v in sorted(values.items()):
-        by_task[t].append((r, v))
+    by_task: dict[int, list[Any]] = {}
+    failed: set[Key] = set()
     failed_per_task: dict[int, int] = defaultdict(int)
-    for t, _ in failed:
-        failed_per_task[t] += 1
+    for t in agents:
+        seen = known.values.get(t, {})
+        by_task[t] = sorted(seen.items())
+        values.update(((t, r), v) for r, v in seen.items())
+        for r, rows in known.failures.get(t, {}).items():
+            if r not in seen and ledger.failed_for_good(rows, attempts):
+                failed.add((t, r))
+                failed_per_task[t] += 1
     for task, agent in agents.items():
         if task in filled:
             continue

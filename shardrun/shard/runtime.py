@@ -79,7 +79,7 @@ def run_shard(
     """Run shard `index` of the plan in `run_dir` to a seal, or raise a ShardrunError (recorded in `.failed`).
 
     A shard job starts and stops its own servers; a warm worker (shard/worker.py) passes its running ones and
-    what it adds (`servers`, `worker`, `checks`: see Shard), so both run exactly this per-shard work."""
+    what it adds (`servers`, `worker`, `checks`, `known`: see Shard), so both run exactly this per-shard work."""
     run_dir = Path(run_dir)
     plan = plan or store.load_plan(run_dir)
     if not 0 <= index < len(plan.shards):
@@ -246,7 +246,8 @@ def start_servers(
 class Shard:
     """One attempt at one shard (holds the shard lock while it runs). A warm worker passes its running `servers`
     (started before this shard and stopped after it), `worker` (recorded in the seal: its id, whether its servers
-    were already warm) and extra watchdog `checks` (its claim, its time limit)."""
+    were already warm), extra watchdog `checks` (its claim, its time limit) and, with adaptive sampling, `known`:
+    the run's rollouts it has read so far (rundir/decided.py), so that this start reads only what is new."""
 
     def __init__(
         self,
@@ -261,10 +262,12 @@ class Shard:
         servers: Servers | None = None,
         worker: dict[str, Any] | None = None,
         checks: Sequence[watchdog.Check] = (),
+        known: decided.RunRollouts | None = None,
     ):
         self.run_dir, self.index, self.plan, self.cfg, self.log = run_dir, index, plan, cfg, log
         self.job_id, self.attempt = job_id, attempt
         self.servers, self.worker, self.checks = servers, worker, list(checks)
+        self.known = known
         if cfg.gym is None or cfg.policy is None:  # submit and resume refuse such a config before launching
             raise BadInput(f"shard {index}: the run config has no {'gym' if cfg.gym is None else 'policy'} section")
         self.gym: GymConfig = cfg.gym
@@ -345,7 +348,7 @@ class Shard:
         Each start decides afresh; a decision is monotone, so a row skipped once is skipped by every later start."""
         if self.plan.sampling is None or self.plan.sampling.stop_when_decided is None:
             return
-        found = decided.decide_shard(self.run_dir, self.plan, self.index, self.gym.max_rollout_attempts)
+        found = decided.decide_shard(self.run_dir, self.plan, self.index, self.gym.max_rollout_attempts, self.known)
         for e in found.errors[:10]:
             self.log(
                 f"error: rollout {e.task}:{e.rollout} has {self.plan.sampling.stop_when_decided.metric} {e.value!r}, "

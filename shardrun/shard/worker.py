@@ -40,7 +40,7 @@ import orjson
 from shardrun.core.config import RunConfig
 from shardrun.core.errors import ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
-from shardrun.rundir import claims, seal, store
+from shardrun.rundir import claims, decided, seal, store
 from shardrun.shard import gym_stack, processes, runtime, watchdog
 
 STARTING, IDLE, COLLECTING, DRAINING, STOPPED, FAILED = (
@@ -205,6 +205,9 @@ class Worker:
         self.warm = False  # the servers have already collected a shard
         self.restarts = 0
         self.reaped: set[tuple[str, int]] = set()  # (worker id, pid) whose leftovers were reaped
+        rules = self.plan.sampling.stop_when_decided if self.plan.sampling is not None else None
+        # adaptive sampling: the run's rollouts read so far, so each shard start reads only what was appended since
+        self.known = decided.RunRollouts(self.run_dir, self.plan, rules.metric) if rules is not None else None
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -442,6 +445,7 @@ class Worker:
                 servers=self.servers,
                 worker=worker,
                 checks=[watchdog.Check("claim and time limit", claim_check)],
+                known=self.known,
             )
             if result.state == "sealed":
                 self.warm = True

@@ -70,7 +70,7 @@ def shardrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return done
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
 def world(tmp_path_factory: pytest.TempPathFactory, gym_venv: Path):
     """The stand-in policy with the per-task pass rates, the input, and the full run of the plan (one shard)."""
     tmp = tmp_path_factory.mktemp("adaptive")
@@ -115,7 +115,7 @@ def check_against_full(tmp: Path, run_dir: Path, shards: int) -> list[dict]:
 
 def test_one_job_per_shard(world) -> None:
     """Shard 0 holds every task's first wave, shard 1 the second: shard 1 starts after shard 0 sealed (one job at
-    a time) and skips the rows of the tasks shard 0 decided."""
+    a time) and skips the rows of the tasks shard 0 decided. Then `resume --fill` collects exactly those rows."""
     tmp, input_jsonl, fake = world
     cfg = config_for(tmp, input_jsonl, "per_shard", fake.base_url, 2, {"stop_when_decided": RULES})
     shardrun("submit", str(cfg), cwd=tmp)
@@ -123,6 +123,21 @@ def test_one_job_per_shard(world) -> None:
     markers = check_against_full(tmp, tmp / "per_shard", 2)
     assert markers[1].get("num_skipped_decided", 0) > 0
     assert "adaptive sampling:" in store.shard_log_path(tmp / "per_shard", 1).read_text()
+
+    # `resume --fill`: the shard that skipped rows is unsealed and collects exactly those, with the real Gym stack;
+    # then the run holds every rollout of the full run, each once, and nothing counts as skipped
+    run_dir = tmp / "per_shard"
+    asked_before = len(fake.requests())
+    filled = shardrun("resume", str(run_dir), "--fill", cwd=tmp)
+    assert "fill: every stopped task; 1 shard(s) unsealed" in filled.stdout, filled.stdout
+    shardrun("merge-and-profile", str(run_dir), cwd=tmp)
+    got = essentials(rows(store.merged_rollouts_path(run_dir)))
+    assert got == essentials(rows(store.merged_rollouts_path(tmp / "full")))
+    assert len(fake.requests()) - asked_before == markers[1]["num_skipped_decided"]  # only the skipped rows ran
+    refilled = json.loads(store.done_path(run_dir, 1).read_text())
+    assert refilled.get("num_skipped_decided", 0) == 0
+    status = json.loads(shardrun("status", str(run_dir), "--json", cwd=tmp).stdout)
+    assert status["skipped_decided"] == 0 and status["done"] == status["planned"]
 
 
 def test_one_warm_worker_claims_by_wave(world) -> None:

@@ -33,7 +33,7 @@ def planned_rows(run: builders.Run) -> list[dict]:
     return [m for i in range(run.num_shards) for m in run.materialized(i)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
 def merged_run(tmp_path_factory) -> builders.Run:
     """12 tasks of two agents (4 and 2 repeats), 3 shards, one with rollouts written twice (a resumed attempt)."""
     run = builders.make_run(

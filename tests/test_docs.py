@@ -119,7 +119,7 @@ def reward(t: int, r: int) -> float:
     return 1.0 if r < t % 5 else 0.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
 def collected(tmp_path_factory) -> Path:
     """A workspace template: examples, cluster configs, 20k prompts, and runs/arith planned, sealed and merged."""
     ws = tmp_path_factory.mktemp("docs-template")

@@ -160,10 +160,7 @@ def test_a_sigkilled_worker_s_shard_is_taken_over_after_the_lease(tmp_path: Path
         log = store.worker_log_path(
             run_dir, [s for s in worker.read_states(run_dir) if s.pid != claim["pid"]][0].worker_id
         )
-        text = log.read_text()
-        assert f"shard 1: took over the stale claim of worker {claim['worker_id']}" in text
-        # the killed worker's ng_run got SIGTERM from the kernel; the Gym servers it started were reaped by the other
-        assert f"process(es) that worker {claim['worker_id']} (pid {claim['pid']}, gone) left running" in text
+        assert f"shard 1: took over the stale claim of worker {claim['worker_id']}" in log.read_text()
         requests = fake.requests()
 
     got = all_rollouts(run_dir)
@@ -174,6 +171,8 @@ def test_a_sigkilled_worker_s_shard_is_taken_over_after_the_lease(tmp_path: Path
     assert len(answered) == len(set(answered)) == SHARDS * REPEATS  # the model answered each rollout once
     sealer = markers(run_dir)[1]["worker"]
     assert sealer["id"] != claim["worker_id"]
+    # the killed worker's ng_run got SIGTERM from the kernel; whatever of its servers outlived it (ng_run may or may
+    # not stop them in time) the other worker reaped (worker.reap_leftovers; tests/test_workers_units.py)
     assert harness.tagged_processes(env) == []
 
 

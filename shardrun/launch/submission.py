@@ -641,7 +641,6 @@ def submit_slurm(
 ) -> None:
     """Submit the shards as job arrays (one sbatch per array) and the merge job after them (one more sbatch),
     filling `launch` as each sbatch succeeds."""
-    from submitit.helpers import CommandFunction
 
     cluster = cfg.cluster_or_default
     missing = slurm.missing_pass_through(cluster.env_vars, pass_through_env(cfg), os.environ)
@@ -661,20 +660,27 @@ def submit_slurm(
             launch.jobs[i] = str(j.job_id)
         launch.arrays.append(str(jobs[0].job_id).split("_", 1)[0])
     if merge_job:
-        # the run's merge jobs still waiting would run before the new shards end: replace them by one merge job
-        # after every array of the run that is still queued or running
-        names = status.fold_launches(store.read_launches(run_dir)).names | {sp.tag, sp.merge_name}
-        live = scheduler.query_live_jobs(names)
-        merges = {j.job_id for j in live.values() if j.name.endswith(slurm.MERGE_SUFFIX)}
-        scheduler.cancel(merges)
-        after = sorted(
-            {j.array_id for j in live.values() if j.job_id not in merges} | set(launch.arrays),
-            key=lambda s: (len(s), s),
+        launch.merge_job_id = queue_after_the_run(
+            run_dir, cluster, {sp.tag, sp.merge_name}, launch.arrays, sp.merge_name, merge_command(run_dir)
         )
-        merge_params = slurm.merge_parameters(
-            cluster, job_name=sp.merge_name, comment=f"shardrun {run_dir}", after=after
-        )
-        merge = slurm_executor(run_dir, cluster, merge_params).submit(
-            CommandFunction(merge_command(run_dir), verbose=True)
-        )
-        launch.merge_job_id = str(merge.job_id)
+
+
+def queue_after_the_run(
+    run_dir: Path, cluster: ClusterConfig, names: set[str], arrays: Sequence[str], job_name: str, command: list[str]
+) -> str:
+    """Queue the job that runs `command` after the run (merge-and-profile, or the job after the workers) and return
+    its id. The run's merge jobs still waiting would run before the new `arrays` end: they are replaced by this one,
+    which waits (afterany) for every array of the run still queued or running and for `arrays`. The job this runs
+    in, when the job after the workers resubmits them, is neither cancelled nor waited for."""
+    from submitit.helpers import CommandFunction
+
+    me = os.environ.get("SLURM_JOB_ID")
+    live = scheduler.query_live_jobs(status.fold_launches(store.read_launches(run_dir)).names | names)
+    live = {k: j for k, j in live.items() if me is None or me not in (j.job_id, j.array_id)}
+    merges = {j.job_id for j in live.values() if j.name.endswith(slurm.MERGE_SUFFIX)}
+    scheduler.cancel(merges)
+    after = sorted(
+        {j.array_id for j in live.values() if j.job_id not in merges} | set(arrays), key=lambda s: (len(s), s)
+    )
+    params = slurm.merge_parameters(cluster, job_name=job_name, comment=f"shardrun {run_dir}", after=after)
+    return str(slurm_executor(run_dir, cluster, params).submit(CommandFunction(command, verbose=True)).job_id)

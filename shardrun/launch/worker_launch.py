@@ -26,7 +26,7 @@ from submitit.helpers import Checkpointable
 
 from shardrun.core.config import ClusterConfig, RunConfig
 from shardrun.core.errors import BadInput
-from shardrun.launch import scheduler, slurm, status, submission
+from shardrun.launch import slurm, submission
 from shardrun.plan.planner import Plan
 from shardrun.rundir import seal, store
 
@@ -147,20 +147,9 @@ def submit_workers(
     array = str(jobs[0].job_id).split("_", 1)[0]
     launch.arrays.append(array)
     if merge_job:
-        names = status.fold_launches(store.read_launches(run_dir)).names | {sp.tag, sp.merge_name}
-        live = scheduler.query_live_jobs(names)
-        merges = {j.job_id for j in live.values() if j.name.endswith(slurm.MERGE_SUFFIX)}
-        scheduler.cancel(merges)
-        after = sorted(
-            {j.array_id for j in live.values() if j.job_id not in merges} | {array}, key=lambda s: (len(s), s)
+        launch.merge_job_id = submission.queue_after_the_run(
+            run_dir, cluster, {sp.tag, sp.merge_name}, [array], sp.merge_name, after_command(run_dir, round_no)
         )
-        params = slurm.merge_parameters(cluster, job_name=sp.merge_name, comment=f"shardrun {run_dir}", after=after)
-        from submitit.helpers import CommandFunction
-
-        job = submission.slurm_executor(run_dir, cluster, params).submit(
-            CommandFunction(after_command(run_dir, round_no), verbose=True)
-        )
-        launch.merge_job_id = str(job.job_id)
 
 
 def worker_slurm_plan(cfg: RunConfig, run_dir: Path, plan: Plan, n: int) -> submission.SlurmPlan:

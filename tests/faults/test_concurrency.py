@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # fault-injection loo
 SHARDS = 6
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
 def reference(tmp_path_factory) -> dict:
     run = faultkit.sealed_and_merged(tmp_path_factory.mktemp("race-reference"), tasks=600, shards=SHARDS)
     return {

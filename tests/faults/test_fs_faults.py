@@ -39,7 +39,7 @@ def clear_error(res: subprocess.CompletedProcess, code: int, *needles: str) -> s
     return text
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
 def reference(tmp_path_factory) -> dict:
     """The same run, never faulted: sealed by `resume`, merged."""
     run = faultkit.sealed_and_merged(tmp_path_factory.mktemp("fs-reference"), tasks=300, shards=SHARDS)

@@ -61,7 +61,7 @@ def run_cmd(*cmd: str, cwd: Path, env: dict, timeout: float = 300) -> None:
     assert proc.returncode == 0, f"{cmd[:4]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-def unsharded_reference(tmp: Path, cfg_path: Path, input_jsonl: Path, gym_venv: Path) -> Path:
+def unsharded_reference(tmp: Path, cfg_path: Path, input_jsonl: Path, gym_venv: Path, repeats: int = REPEATS) -> Path:
     """One plain Gym run over the input (own stack), then the release's own profiler. Returns its output dir."""
     release = gym_adapter.for_venv(gym_venv)
     cfg = harness.load_config(cfg_path)
@@ -78,7 +78,7 @@ def unsharded_reference(tmp: Path, cfg_path: Path, input_jsonl: Path, gym_venv: 
             f"+head_server.port={stack.port}",
             f"+input_jsonl_fpath={input_jsonl}",
             f"+output_jsonl_fpath={out / 'rollouts.jsonl'}",
-            f"+num_repeats={REPEATS}",
+            f"+num_repeats={repeats}",
             "+num_repeats_add_seed=true",
             "+num_samples_in_parallel=4",
             "+disable_aggregation=true",

@@ -30,6 +30,7 @@ from slurm_helpers import (
     write_config,
 )
 from tests.fakes import harness
+from tests.test_e2e_local import profile_rows, unsharded_reference
 
 pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1200)]
 SHARDS = 8
@@ -41,7 +42,7 @@ def env(slurm_cluster, gym_venv, monkeypatch):
 
     monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
     monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
-    return slurm_cluster
+    return dict(slurm_cluster, gym_venv=gym_venv)
 
 
 def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None:
@@ -123,7 +124,7 @@ def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, 
     """Every live worker SIGKILLed while shard 3 is in the middle of a rollout, as a node failure does: the array
     ends (FAILED), the job after it finds unsealed shards, resubmits workers for them and queues itself again
     (cluster.auto_resume_rounds); the new worker takes shard 3 over after the lease, and round 2 merges every identity
-    exactly once. No watcher process is kept alive by hand."""
+    exactly once, and the merged profile equals one unsharded Gym run's. No watcher process is kept alive by hand."""
     run_dir = tmp_path / "run"
     inp = math_input(tmp_path / "input.jsonl", SHARDS)
     task3 = orjson.loads(inp.read_text().splitlines()[3])["question"]
@@ -164,6 +165,12 @@ def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, 
             assert "after the workers (round 2): 8 sealed, 0 to resubmit" in second_log
         finally:
             scancel_names(tag, rec["merge_job_name"])
+        # the merged reward profile equals one unsharded Gym run's, made with the release's own profiler
+        reference = unsharded_reference(tmp_path, cfg, inp, env["gym_venv"], repeats=2)
+
+    assert profile_rows(store.merged_reward_profiling_path(run_dir)) == profile_rows(
+        reference / "rollouts_reward_profiling.jsonl"
+    )
 
     records = launches(run_dir)
     assert len(records) == 2 and records[1]["workers"]  # the workers round 1 resubmitted

@@ -538,12 +538,7 @@ def iter_jsonl_objects(path: Path) -> Iterable[dict]:
 
 def append_launch(run_dir: Path, record: dict) -> None:
     """Append one launch record (one JSON line, fsynced). Callers hold run_lock; readers skip a torn tail."""
-    path = launches_path(run_dir)
-    repair_torn_tail(path)
-    with open(path, "ab") as f:
-        f.write(orjson.dumps(record) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
+    append_jsonl(launches_path(run_dir), [record])
 
 
 def read_launches(run_dir: Path) -> list[dict]:

@@ -175,3 +175,11 @@ def planned_identities(run_dir: Path, shards: int) -> list[tuple[int, int]]:
 def job_names(run_dir: Path) -> tuple[str, str]:
     rec = launches(run_dir)[-1]
     return rec["tag"], rec["merge_job_name"]
+
+
+ENDED = ("FAILED", "COMPLETED", "CANCELLED")
+
+
+def ended_state(job_id: str, timeout: float, what: str) -> str:
+    """Wait until sacct shows the job ended; its state (FAILED, COMPLETED or CANCELLED)."""
+    return wait_for(lambda: (state := sacct_state(job_id)) in ENDED and state, timeout, what)

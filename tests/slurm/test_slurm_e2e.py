@@ -21,6 +21,7 @@ import pytest
 from shardrun.rundir import seal
 from shardrun.rundir import store
 from slurm_helpers import (
+    ended_state,
     fake_policy,
     launches,
     math_input,
@@ -135,8 +136,7 @@ def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: 
             subprocess.run(["scancel", f"{a0}_1", a1], check=True, timeout=60)
             fake.set_faults([])  # the requeued shard 0 gets its last answer
             merge1 = rec["merge_job_id"]
-            wait_for(lambda: sacct_state(merge1) in ("FAILED", "COMPLETED", "CANCELLED"), 500, "first merge job")
-            assert sacct_state(merge1) == "FAILED"
+            assert ended_state(merge1, 500, "first merge job") == "FAILED"
             merge_log = store.job_log_path(run_dir, merge1).read_text()
             # shard 2 runs beside shard 0 and may seal before the scancel reaches it: the run then has 1 hole
             plan = store.load_plan(run_dir)
@@ -179,8 +179,8 @@ def test_arrays_status_preempt_cancel_concurrent_resume_and_merge_job(tmp_path: 
 
             # the resumed shards complete; the new merge job merges and profiles the run
             merge2 = recs[1]["merge_job_id"]
-            wait_for(lambda: sacct_state(merge2) in ("FAILED", "COMPLETED", "CANCELLED"), 500, "second merge job")
-            assert sacct_state(merge2) == "COMPLETED", store.job_log_path(run_dir, merge2).read_text()[-3000:]
+            state = ended_state(merge2, 500, "second merge job")
+            assert state == "COMPLETED", store.job_log_path(run_dir, merge2).read_text()[-3000:]
         finally:
             sampler.stop()
             scancel_names(tag, merge_name)

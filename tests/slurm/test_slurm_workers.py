@@ -11,6 +11,9 @@ import os
 import re
 import signal
 import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import orjson
 import pytest
@@ -18,11 +21,11 @@ import pytest
 from shardrun.rundir import store
 from shardrun.shard import worker
 from slurm_helpers import (
+    ended_state,
     fake_policy,
     launches,
     math_input,
     planned_identities,
-    sacct_state,
     scancel_names,
     shardrun,
     status_json,
@@ -45,11 +48,12 @@ def env(slurm_cluster, gym_venv, monkeypatch):
     return dict(slurm_cluster, gym_venv=gym_venv)
 
 
-def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None:
-    run_dir = tmp_path / "run"
+@contextmanager
+def shard3_hanging(tmp_path: Path, run_dir: Path, auto_resume_rounds: int) -> Iterator[tuple[Path, Path, object]]:
+    """The input, a config for 2 workers over SHARDS shards (2 repeats, one rollout at a time) and the stand-in
+    policy, on which shard 3's last rollout hangs until the test lifts the fault: the worker holding shard 3 is in
+    the middle of it when the test strikes, however loaded the machine."""
     inp = math_input(tmp_path / "input.jsonl", SHARDS)
-    # shard 3's last rollout hangs in the model until the test lifts the fault: the worker holding shard 3 is in
-    # the middle of it when USR2 comes, however loaded the machine
     task3 = orjson.loads(inp.read_text().splitlines()[3])["question"]
     with fake_policy(tmp_path, "--fault", f"hang:match={task3},seed=1") as fake:
         cfg = write_config(
@@ -59,9 +63,20 @@ def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None
             fake.base_url,
             repeats=2,
             shards=SHARDS,
-            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 20, "auto_resume_rounds": 1},
+            cluster={
+                "workers": 2,
+                "claim_heartbeat_s": 1,
+                "claim_lease_s": 20,
+                "auto_resume_rounds": auto_resume_rounds,
+            },
             gym={"num_samples_in_parallel": 1},
         )
+        yield inp, cfg, fake
+
+
+def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None:
+    run_dir = tmp_path / "run"
+    with shard3_hanging(tmp_path, run_dir, auto_resume_rounds=1) as (inp, cfg, fake):
         out = shardrun("submit", cfg, cwd=tmp_path)
         rec = launches(run_dir)[0]
         tag, after_job = rec["tag"], rec["merge_job_id"]
@@ -95,9 +110,9 @@ def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None
             log = store.job_log_path(run_dir, claim["job_id"])
             wait_for(lambda: log.exists() and "Requeued job" in log.read_text(), 300, "the worker to be requeued")
             fake.set_faults([])
-            wait_for(lambda: sacct_state(after_job) in ("FAILED", "COMPLETED", "CANCELLED"), 700, "the after job")
+            state = ended_state(after_job, 700, "the after job")
             after_log = store.job_log_path(run_dir, after_job).read_text()
-            assert sacct_state(after_job) == "COMPLETED", after_log[-3000:]
+            assert state == "COMPLETED", after_log[-3000:]
             assert "after the workers (round 1): 8 sealed, 0 to resubmit" in after_log
         finally:
             scancel_names(tag, rec["merge_job_name"])
@@ -126,19 +141,7 @@ def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, 
     (cluster.auto_resume_rounds); the new worker takes shard 3 over after the lease, and round 2 merges every identity
     exactly once, and the merged profile equals one unsharded Gym run's. No watcher process is kept alive by hand."""
     run_dir = tmp_path / "run"
-    inp = math_input(tmp_path / "input.jsonl", SHARDS)
-    task3 = orjson.loads(inp.read_text().splitlines()[3])["question"]
-    with fake_policy(tmp_path, "--fault", f"hang:match={task3},seed=1") as fake:
-        cfg = write_config(
-            tmp_path / "run.yaml",
-            inp,
-            run_dir,
-            fake.base_url,
-            repeats=2,
-            shards=SHARDS,
-            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 20, "auto_resume_rounds": 2},
-            gym={"num_samples_in_parallel": 1},
-        )
+    with shard3_hanging(tmp_path, run_dir, auto_resume_rounds=2) as (inp, cfg, fake):
         shardrun("submit", cfg, cwd=tmp_path)
         rec = launches(run_dir)[0]
         tag, first_after = rec["tag"], rec["merge_job_id"]
@@ -153,15 +156,15 @@ def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, 
             for s in killed:
                 os.kill(s.pid, signal.SIGKILL)
             fake.set_faults([])
-            wait_for(lambda: sacct_state(first_after) in ("FAILED", "COMPLETED", "CANCELLED"), 600, "round 1")
+            state = ended_state(first_after, 600, "round 1")
             first_log = store.job_log_path(run_dir, first_after).read_text()
-            assert sacct_state(first_after) == "COMPLETED", first_log[-3000:]
+            assert state == "COMPLETED", first_log[-3000:]
             counts = re.search(r"after the workers \(round 1\): (\d+) sealed, (\d+) to resubmit", first_log)
             assert counts and int(counts[2]) >= 1, first_log[-3000:]  # at least shard 3
             second_after = re.search(r"next: job (\d+)", first_log)[1]
-            wait_for(lambda: sacct_state(second_after) in ("FAILED", "COMPLETED", "CANCELLED"), 700, "round 2")
+            state = ended_state(second_after, 700, "round 2")
             second_log = store.job_log_path(run_dir, second_after).read_text()
-            assert sacct_state(second_after) == "COMPLETED", second_log[-3000:]
+            assert state == "COMPLETED", second_log[-3000:]
             assert "after the workers (round 2): 8 sealed, 0 to resubmit" in second_log
         finally:
             scancel_names(tag, rec["merge_job_name"])

@@ -50,9 +50,11 @@ def env(slurm_cluster, gym_venv, monkeypatch):
 
 @contextmanager
 def shard3_hanging(tmp_path: Path, run_dir: Path, auto_resume_rounds: int) -> Iterator[tuple[Path, Path, object]]:
-    """The input, a config for 2 workers over SHARDS shards (2 repeats, one rollout at a time) and the stand-in
+    """The input, a config for 2 workers over SHARDS shards (2 repeats, both in flight at once) and the stand-in
     policy, on which shard 3's last rollout hangs until the test lifts the fault: the worker holding shard 3 is in
-    the middle of it when the test strikes, however loaded the machine."""
+    the middle of it when the test strikes, however loaded the machine. Both rollouts must be in flight: Gym's
+    collector starts a shard's rollouts in no fixed order (asyncio.as_completed over a set), so with one at a time
+    the hanging one may go first and hold back the other."""
     inp = math_input(tmp_path / "input.jsonl", SHARDS)
     task3 = orjson.loads(inp.read_text().splitlines()[3])["question"]
     with fake_policy(tmp_path, "--fault", f"hang:match={task3},seed=1") as fake:
@@ -69,7 +71,7 @@ def shard3_hanging(tmp_path: Path, run_dir: Path, auto_resume_rounds: int) -> It
                 "claim_lease_s": 20,
                 "auto_resume_rounds": auto_resume_rounds,
             },
-            gym={"num_samples_in_parallel": 1},
+            gym={"num_samples_in_parallel": 2},
         )
         yield inp, cfg, fake
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from shardrun import cli
-from shardrun.merge import outcome, row_copier, shard_reader
+from shardrun.merge import outcome, row_copier, shard_merge, shard_reader
 from shardrun.profile import writers
 from shardrun.profile.merge_and_profile import merge_and_profile
 from shardrun.rundir import store
@@ -630,3 +630,41 @@ def test_rows_come_out_in_identity_order_whatever_the_slicing(tmp_path: Path, sl
         x for i in range(3) for x in store.materialized_path(run.run_dir, i).read_bytes().splitlines()
     )
     assert [KEY(orjson.loads(x)) for x in planned] == [KEY(r) for r in rollouts]
+
+
+def test_the_measured_table_leaves_out_masked_rollouts_their_planned_rows_and_their_columns(tmp_path: Path) -> None:
+    """MergedTable.measured (Gym 0.7's select_measured): masked rollouts (a truthy mask_sample) and their planned
+    rows leave; columns only they had leave too; the flag is never a column. Without a mask field: the table."""
+    run = make_run(tmp_path, input_rows(3), num_repeats=2, num_shards=1)
+
+    def row(m: dict[str, Any]) -> dict[str, Any]:
+        if m["_ng_task_index"] == 0 or m["_ng_rollout_index"] == 1:
+            return rollout_row(m) | {"mask_sample": True, "only_masked": 1}
+        return rollout_row(m) | {"mask_sample": False}
+
+    write_shard(run, 0, make_row=row)
+    states = shard_merge.check_seals(run.run_dir, run.plan, False)
+
+    def merged(mask_field: str | None) -> Any:
+        with open(tmp_path / "r", "wb") as r, open(tmp_path / "m", "wb") as m, open(tmp_path / "f", "wb") as f:
+            files = shard_merge.RowFiles(r, m, f)
+            return shard_merge.merge_shards(
+                run.run_dir,
+                run.plan,
+                states,
+                files,
+                allow_partial=False,
+                answer_field=None,
+                workers=1,
+                mask_field=mask_field,
+            )[0]
+
+    table = merged("mask_sample")
+    assert table.r_masked.tolist() == [True, True, False, True, False, True]
+    assert "only_masked" in table.columns and "mask_sample" not in table.columns
+    measured = table.measured()
+    assert measured.r_key.tolist() == table.r_key[[2, 4]].tolist() and measured.p_key.tolist() == [2, 4]
+    assert "only_masked" not in measured.columns and measured.column("reward").shape == (2,)
+    assert measured.planned_per_task().tolist() == [0, 1, 1] and measured.agent_of_task().tolist() == [-1, 0, 0]
+    plain = merged(None)
+    assert not plain.r_masked.any() and plain.measured() is plain and "mask_sample" in plain.columns

@@ -61,3 +61,20 @@ def test_a_sealed_shard_is_read_up_to_its_sealed_size_and_hashed(tmp_path: Path)
     path.write_bytes(sealed + b'{"_ng_task_index": 7, "_ng_rollout_index": 0}\n')  # appended after sealing
     got = shard_reader.scan_rollouts(path, limit=len(sealed), snapshot=None, answer_key=None)
     assert got.task.tolist() == [0, 1, 2] and got.sha256 == hashlib.sha256(sealed).hexdigest()
+
+
+def test_the_mask_flag_is_read_by_its_truthiness_and_is_never_a_stats_column(tmp_path: Path) -> None:
+    """Gym 0.7's `mask_sample` test is Python truthiness: true, 1, 2.5, "no", [0] mask; false, 0, 0.0, null, "",
+    [] and a missing field do not. Without a mask key (0.4) nothing is masked and the flag is a number."""
+    flags: list = [True, 1, 2.5, "no", [0], False, 0, 0.0, None, "", []]
+    rows = [{"_ng_task_index": i, "_ng_rollout_index": 0, "reward": 1.0, "mask_sample": f} for i, f in enumerate(flags)]
+    rows.append({"_ng_task_index": len(flags), "_ng_rollout_index": 0, "reward": 0.0})
+    rows.append({"_ng_task_index": 99, "_ng_rollout_index": 0, "mask_sample": True})  # an irregular row (reward)
+    rows[-1]["reward"] = "bad"
+    path = tmp_path / "rollouts.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    got = shard_reader.scan_rollouts(path, limit=None, snapshot=None, answer_key=None, mask_key="mask_sample")
+    assert got.table.masked_array().tolist() == [True] * 5 + [False] * 7 + [True]
+    assert not any("mask_sample" in s.names for s in got.table.schemas)
+    plain = shard_reader.scan_rollouts(path, limit=None, snapshot=None, answer_key=None)
+    assert not plain.table.masked_array().any() and any("mask_sample" in s.names for s in plain.table.schemas)

@@ -30,7 +30,10 @@ class GymAdapter(abc.ABC):
     server_kinds: ClassVar[tuple[str, ...]]  # the server packages ng_run may start, each with its own venv dir
     repeat_level_metrics: ClassVar[bool]  # the profiler writes *_repeat_level_metrics.json and across-repeat stats
     missing_policy: ClassVar[str]  # how the release's profile and aggregate metrics count missing/failed rollouts
-    profile_ignored_fields: ClassVar[tuple[str, ...]]  # rollout fields its profiler leaves out of the stats
+    # the rollout flag of a sample that is not a measurement (Gym 0.7's `mask_sample`), or None: a rollout whose
+    # flag is truthy is left out of the profile's quality statistics (not of completion), and the flag itself is
+    # never a stats column; None: no such flag (a field of that name is an ordinary field)
+    mask_field: ClassVar[str | None]
     agent_name_overrides: ClassVar[bool]  # `+agent_name` routes every row (else only rows without an agent_ref)
 
     def __init__(self, version: str):

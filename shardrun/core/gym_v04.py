@@ -34,7 +34,7 @@ class GymV04(GymAdapter):
     server_kinds = ("resources_servers", "responses_api_agents", "responses_api_models")
     repeat_level_metrics = False
     missing_policy = "omit"
-    profile_ignored_fields = ()
+    mask_field = None  # `mask_sample` is an ordinary field: profiled like any other number
     agent_name_overrides = False  # +agent_name fills in rows without an agent_ref
 
     def stack_command(self, venv: Path) -> list[str]:

@@ -11,8 +11,14 @@
 - Resume (`+resume_from_cache=true`) on a pre-materialized file dispatches exactly the identities that are
   neither done nor gated, keeps the file unchanged, and repairs a torn last line of the rollouts and the sidecar
   itself. The output directory is created if missing.
-- The profiler leaves the `mask_sample` flag out of the stats (and leaves rollouts flagged true out of quality
-  metrics; shardrun does not model that yet: docs/gym-versions.md).
+- `mask_sample` marks a collected rollout whose reward is not a measurement (Python truthiness of the value: true,
+  1, a non-empty string are masked; false, 0, null, a missing field are not). `gym eval profile` judges
+  completeness on every row, then (`select_measured`) leaves masked rollouts and their materialized rows out of
+  the quality statistics (per-task rows, agent metrics, repeat-level metrics), strips the flag from the rest,
+  and adds `coverage/measured_rollouts`, `coverage/masked_rollouts`, `coverage/measured_tasks`,
+  `coverage/fully_masked_tasks` to the agent metrics of each agent that had a masked rollout (an agent with
+  nothing measured keeps a coverage-only entry). The aggregate metrics (`compute_aggregate_metrics`) make the
+  same selection and add the same coverage.
 - The profiler also writes `_repeat_level_metrics.json` (one row per agent and rollout index) and adds
   across-repeat statistics (`mean_across_repeats/...`) to `_agent_metrics.json`; a missing or failed rollout is
   left out of the profile (the collector's `count_missing_rollouts_as_zero` is off by default).
@@ -32,7 +38,7 @@ class GymV07(GymAdapter):
     server_kinds = ("resources_servers", "responses_api_agents", "responses_api_models", "environment_servers")
     repeat_level_metrics = True
     missing_policy = "omit"
-    profile_ignored_fields = ("mask_sample",)  # a flag, not a measurement: the profiler strips it
+    mask_field = "mask_sample"  # a truthy flag leaves the rollout out of the quality stats; never a stats column
     agent_name_overrides = True  # agent_name is agent_map._default: every row goes to it, with a new agent_ref
 
     def stack_command(self, venv: Path) -> list[str]:

@@ -2,10 +2,11 @@
 
 Identities become one sortable int64 key: the task's rank among the planned task indices times a stride
 (> every planned rollout index) plus the rollout index, so (task, rollout) order is key order. The table holds
-per planned row: key, shard, byte range, agent; per kept rollout row: key, shard, byte range, and where its
-numbers are (block = one schema of one shard's RowTable, and the row's position in it). Row text stays in the
-files. Shards are added one at a time into arrays sized from the plan, so a shard's own arrays can be dropped
-as soon as it is added.
+per planned row: key, shard, byte range, agent; per kept rollout row: key, shard, byte range, whether it is
+masked (the Gym release's mask flag), and where its numbers are (block = one schema of one shard's RowTable, and
+the row's position in it). Row text stays in the files. Shards are added one at a time into arrays sized from the
+plan, so a shard's own arrays can be dropped as soon as it is added. `measured` is the table without the masked
+rollouts and their planned rows: what Gym 0.7 computes quality statistics from.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class TableBuilder:
         self.r_length, self.r_block = np.empty(n, np.int32), np.empty(n, np.int32)
         self.r_pos, self.r_renumbered = np.empty(n, np.int32), np.empty(n, bool)
         self.r_answers = np.empty(n, np.int64) if answers else None
+        self.r_masked = np.empty(n, bool)
         self.np = self.nr = 0
         self.blocks: list[Block] = []
         self.columns: dict[str, int] = {}
@@ -72,6 +74,7 @@ class TableBuilder:
         self.r_block[a:b] = table.schema_array()[keep] + len(self.blocks)
         self.r_pos[a:b] = table.pos_array()[keep]
         self.r_renumbered[a:b] = resolution.rollout != rollouts.rollout[keep]
+        self.r_masked[a:b] = table.masked_array()[keep]
         answers = table.answer_array()
         if self.r_answers is not None and answers is not None:
             self.r_answers[a:b] = answers[keep]
@@ -105,8 +108,8 @@ class TableBuilder:
         r_key = np.searchsorted(tasks, self.r_task[:n]) * stride + self.r_rollout[:n]
         self.r_task = self.r_rollout = None  # type: ignore[assignment]
         order = np.argsort(r_key, kind="stable")
-        fields = ("r_shard", "r_offset", "r_length", "r_block", "r_pos", "r_renumbered")
-        r_shard, r_offset, r_length, r_block, r_pos, r_renumbered = (self._take(f, order, n) for f in fields)
+        fields = ("r_shard", "r_offset", "r_length", "r_block", "r_pos", "r_renumbered", "r_masked")
+        r_shard, r_offset, r_length, r_block, r_pos, r_renumbered, r_masked = (self._take(f, order, n) for f in fields)
         answers = self._take("r_answers", order, n) if self.r_answers is not None else None
         table = MergedTable(
             tasks,
@@ -125,6 +128,7 @@ class TableBuilder:
             r_pos,
             r_renumbered,
             answers,
+            r_masked,
             self.blocks,
             list(self.columns),
         )
@@ -168,6 +172,7 @@ class MergedTable:
     r_pos: np.ndarray
     r_renumbered: np.ndarray  # the row's own _ng_rollout_index differs from its planned one
     r_answers: np.ndarray | None
+    r_masked: np.ndarray  # the row's mask flag is truthy (never, without a mask field)
     blocks: list[Block]
     columns: list[str]  # every stats column, in Gym's order (first appearance in sorted rows)
     _whole: list[tuple[Block, np.ndarray, np.ndarray]] | None = None  # _by_block of all rows, computed once
@@ -187,8 +192,12 @@ class MergedTable:
         return np.bincount(self.r_key // self.stride, minlength=len(self.tasks))
 
     def agent_of_task(self) -> np.ndarray:
-        first = np.searchsorted(self.p_key // self.stride, np.arange(len(self.tasks)))
-        return self.p_agent[first]
+        """The agent code of each task's first planned row (-1 for a task without planned rows: measured)."""
+        rank = self.p_key // self.stride
+        starts, _ = segments(rank)
+        agent = np.full(len(self.tasks), -1, np.int32)
+        agent[rank[starts]] = self.p_agent[starts]
+        return agent
 
     def planned_rows_of(self, key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(shard, offset, length) of the materialized rows of these identities."""
@@ -202,6 +211,44 @@ class MergedTable:
     def release_locations(self) -> None:
         """Drop where the rollout rows' bytes are (after the merged rollouts file is written)."""
         self.r_shard = self.r_offset = self.r_length = self.r_renumbered = None  # type: ignore
+
+    def measured(self) -> "MergedTable":
+        """The table without its masked rollouts and without their planned rows (Gym 0.7's `select_measured`):
+        what quality statistics are computed from. Columns no measured row has are dropped, the rest keep their
+        order of first appearance. The table itself when nothing is masked. Call before release_planned."""
+        if not self.r_masked.any():
+            return self
+        keep = ~self.r_masked
+        masked_keys = self.r_key[self.r_masked]
+        p_keep = np.ones(len(self.p_key), bool)
+        p_keep[np.searchsorted(self.p_key, masked_keys)] = False  # every kept rollout's key is planned
+
+        def rows(a: np.ndarray | None, which: np.ndarray) -> np.ndarray | None:
+            return None if a is None else a[which]
+
+        table = MergedTable(
+            self.tasks,
+            self.stride,
+            self.agents,
+            self.p_key[p_keep],
+            self.p_shard[p_keep],
+            self.p_offset[p_keep],
+            self.p_length[p_keep],
+            self.p_agent[p_keep],
+            self.r_key[keep],
+            rows(self.r_shard, keep),  # type: ignore[arg-type]
+            rows(self.r_offset, keep),  # type: ignore[arg-type]
+            rows(self.r_length, keep),  # type: ignore[arg-type]
+            self.r_block[keep],
+            self.r_pos[keep],
+            rows(self.r_renumbered, keep),  # type: ignore[arg-type]
+            rows(self.r_answers, keep),
+            np.zeros(int(keep.sum()), bool),
+            self.blocks,
+            self.columns,
+        )
+        table.columns, table.blocks = _reorder_columns(table)
+        return table
 
     def has_rollout(self, key: np.ndarray) -> np.ndarray:
         if not len(self.r_key):

@@ -59,6 +59,7 @@ class AgentResult:
     expected_rollouts: int = 0
     mean_reward: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # pass@k etc., Gym's names, percent
+    masked: int = 0  # completed rollouts left out of the quality metrics (Gym 0.7's mask_sample)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class MergeSummary:
     tasks_missing: int = 0
     rollouts: int = 0
     expected_rollouts: int = 0
+    masked_rollouts: int = 0  # completed, left out of the quality metrics (Gym 0.7's mask_sample)
     failed: list[FailedRollout] = field(default_factory=list)  # failed for good (rundir.ledger's definition)
     failed_total: int = 0
     failure_rows: int = 0
@@ -164,6 +166,10 @@ def render(s: MergeSummary) -> str:
             ),
         ),
         ("rollouts", f"{s.rollouts:,} of {s.expected_rollouts:,} planned"),
+    ]
+    if s.masked_rollouts:
+        rows.append(("masked rollouts", f"{s.masked_rollouts:,} (completed, left out of the quality metrics)"))
+    rows += [
         (
             "tasks",
             f"{s.tasks:,}: {s.tasks_complete:,} complete, {s.tasks_partial:,} partial, {s.tasks_missing:,} missing",
@@ -186,7 +192,7 @@ def render(s: MergeSummary) -> str:
             f"agent {a.name} ({a.repeats} repeats): mean reward "
             f"{'—' if a.mean_reward is None else format(a.mean_reward, '.4f')}; tasks {a.complete:,} "
             f"complete, {a.partial:,} partial, {a.missing:,} missing; {a.rollouts:,}/"
-            f"{a.expected_rollouts:,} rollouts"
+            f"{a.expected_rollouts:,} rollouts" + (f" ({a.masked:,} masked)" if a.masked else "")
         )
         out.append(pass_table(a))
     if s.failed:

@@ -11,6 +11,9 @@ bytes per numeric field plus 8 bytes of bookkeeping.
 Rows where the two orders cannot be derived from the schema (a usage key that also exists at top level, a
 non-numeric `reward`, integers beyond 2**53) are "irregular": their stats go through the same buffers, and
 their exact `rollout_infos` tail is kept as a dict beside them (rare by construction).
+
+With a `mask_key` (the Gym release's mask flag, `mask_sample` under 0.7) that top-level field is never a stats
+column, and the rows whose flag is truthy are recorded (`masked_array`), so the profile can leave them out.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ class RowTable:
 
     answer_key: str | None = None
     exact_ints: bool = False  # check every row for integers beyond 2**53 (see needs_exact_ints)
-    ignored: frozenset[str] = frozenset()  # top-level fields the Gym release's profiler leaves out (mask_sample)
+    mask_key: str | None = None  # the release's mask flag (mask_sample): not a stats column; truthy rows recorded
     schemas: list[Schema] = field(default_factory=list)
     values: list[array] = field(default_factory=list)
     irregular_infos: list[list[dict] | None] = field(default_factory=list)
@@ -123,6 +126,7 @@ class RowTable:
     rollout: array = field(default_factory=lambda: array("q"))
     schema_of: array = field(default_factory=lambda: array("i"))
     answers: array = field(default_factory=lambda: array("q"))
+    masked: array = field(default_factory=lambda: array("q"))  # row numbers whose mask flag is truthy
     columns: list[list[np.ndarray]] = field(default_factory=list)  # per schema, per field (after finish)
     _index: dict[tuple, int] = field(default_factory=dict)
     _shapes: dict[tuple, RowShape] = field(default_factory=dict)
@@ -136,6 +140,7 @@ class RowTable:
         shapes, buffers, schema_of = self._shapes, self.values, self.schema_of
         task, rollout, answers, answer_key = self.task.append, self.rollout.append, self.answers, self.answer_key
         new_shape, irregular, exact = self._new_shape, self._add_irregular, self.exact_ints
+        mask_key, masked, rows = self.mask_key, self.masked.append, self.task
 
         def add(row: dict[str, Any]) -> bool:
             values = list(row.values())
@@ -163,6 +168,8 @@ class RowTable:
             rollout(r)
             if answer_key is not None:
                 answers.append(answer_code(row.get(answer_key)))
+            if mask_key is not None and row.get(mask_key):  # Gym's test: the value's truthiness
+                masked(len(rows) - 1)
             return True
 
         return add
@@ -172,7 +179,7 @@ class RowTable:
         ident = [keys.index(k) if type(row.get(k)) is int else None for k in (TASK_KEY, ROLLOUT_KEY)]
         if None in ident:
             ident = [None, None]
-        top = [i for i, k in enumerate(keys) if type(row[k]) in KIND and k not in IDENTITY and k not in self.ignored]
+        top = [i for i, k in enumerate(keys) if type(row[k]) in KIND and k not in IDENTITY and k != self.mask_key]
         ukeys = list(usage or {})
         low = [i for i, k in enumerate(ukeys) if type(usage[k]) in KIND]  # type: ignore[index]
         regular = not any(k in row for k in ukeys) and ("reward" not in row or type(row["reward"]) in KIND)
@@ -191,7 +198,7 @@ class RowTable:
         return shape
 
     def _add_irregular(self, row: dict[str, Any], usage: dict[str, Any]) -> None:
-        row = {k: v for k, v in row.items() if k not in self.ignored}
+        row = {k: v for k, v in row.items() if k != self.mask_key}
         merged = row | usage  # Gym's `result | response.usage`
         stats = [(k, KIND[type(v)], v) for k, v in merged.items() if type(v) in KIND and k not in IDENTITY]
         key = ("irregular", tuple(k for k, _, _ in stats), "".join(c for _, c, _ in stats))
@@ -271,6 +278,13 @@ class RowTable:
 
     def rollout_array(self) -> np.ndarray:
         return np.frombuffer(self.rollout, dtype=np.int64) if len(self) else np.zeros(0, np.int64)
+
+    def masked_array(self) -> np.ndarray:
+        """Per row: whether its mask flag is truthy (all False without a mask_key)."""
+        out = np.zeros(len(self), bool)
+        if len(self.masked):
+            out[np.frombuffer(self.masked, dtype=np.int64)] = True
+        return out
 
     def answer_array(self) -> np.ndarray | None:
         if self.answer_key is None:

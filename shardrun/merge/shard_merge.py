@@ -57,13 +57,14 @@ def merge_shards(
     allow_partial: bool,
     answer_field: str | None,
     workers: int,
-    ignored_fields: tuple[str, ...] = (),
+    mask_field: str | None = None,
 ) -> tuple[MergedTable, MergeSummary]:
     """Read the shards, write the merged row files; the table (planned rows and row locations still held, for
-    the caller to take what it needs and release) and the summary of what the merge saw."""
+    the caller to take what it needs and release) and the summary of what the merge saw. `mask_field`: the Gym
+    release's mask flag (its truthy rows are marked in the table; merged/rollouts.jsonl keeps them)."""
     tick = time.monotonic()
     jobs = [
-        ShardReadJob(run_dir, spec.index, spec.num_rollouts, state, allow_partial, answer_field, ignored_fields)
+        ShardReadJob(run_dir, spec.index, spec.num_rollouts, state, allow_partial, answer_field, mask_field)
         for spec, state in zip(plan.shards, states)
     ]
     builder = TableBuilder(plan.num_rollouts, answers=answer_field is not None)

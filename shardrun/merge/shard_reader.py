@@ -93,7 +93,7 @@ class ShardReadJob:
     state: seal.SealState
     allow_partial: bool
     answer_field: str | None
-    ignored_fields: tuple[str, ...] = ()  # rollout fields the Gym release's profiler leaves out
+    mask_field: str | None = None  # the Gym release's mask flag (GymAdapter.mask_field)
 
 
 @dataclass
@@ -156,7 +156,7 @@ def read_rollouts(job: ShardReadJob) -> tuple[Rollouts, seal.SealState]:
             limit=marker.get("rollouts_bytes"),
             snapshot=None,
             answer_key=job.answer_field,
-            ignored=frozenset(job.ignored_fields),
+            mask_key=job.mask_field,
         )
         if rollouts.sha256 == marker.get("rollouts_sha256"):
             return rollouts, state
@@ -168,7 +168,7 @@ def read_rollouts(job: ShardReadJob) -> tuple[Rollouts, seal.SealState]:
             )
     snapshot = store.merge_scratch(job.run_dir, f"snapshot-{job.index:05d}.jsonl")
     return scan_rollouts(
-        path, limit=None, snapshot=snapshot, answer_key=job.answer_field, ignored=frozenset(job.ignored_fields)
+        path, limit=None, snapshot=snapshot, answer_key=job.answer_field, mask_key=job.mask_field
     ), state
 
 
@@ -225,11 +225,11 @@ def scan_rollouts(
     snapshot: Path | None,
     answer_key: str | None,
     exact_ints: bool = False,
-    ignored: frozenset[str] = frozenset(),
+    mask_key: str | None = None,
 ) -> Rollouts:
     """Parse a shard's rollouts.jsonl. With `snapshot`, complete lines are copied there (offsets stay equal)."""
     offset, length = array("q"), array("q")
-    table = RowTable(answer_key=answer_key, exact_ints=exact_ints, ignored=ignored)
+    table = RowTable(answer_key=answer_key, exact_ints=exact_ints, mask_key=mask_key)
     add = table.adder()
     empty = np.zeros(0, np.int64)
     out = Rollouts(snapshot or path, empty, empty, empty, empty, table)
@@ -261,7 +261,7 @@ def scan_rollouts(
             out.torn_bytes = reader.torn
     if table.needs_exact_ints():  # rare: integers beyond 2**53; read again (from the snapshot if any)
         again = scan_rollouts(
-            snapshot or path, limit=limit, snapshot=None, answer_key=answer_key, exact_ints=True, ignored=ignored
+            snapshot or path, limit=limit, snapshot=None, answer_key=answer_key, exact_ints=True, mask_key=mask_key
         )
         again.torn_bytes = out.torn_bytes
         return again

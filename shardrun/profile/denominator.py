@@ -12,6 +12,10 @@ The per-task reward profile is left as each Gym version's profiler writes it (on
 rows report their coverage themselves (`num_rollouts` of `expected_num_rollouts`). Every agent's aggregate entry
 reports its coverage in Gym 0.7's names: `coverage/expected` (planned), `coverage/scored` (counted),
 `coverage/missing` (planned without a result) and, with `zero`, `coverage/imputed`.
+
+A masked rollout (Gym 0.7's `mask_sample`: GymAdapter.mask_field) has a result, so it is never missing and never
+imputed, and counts in `coverage/scored`; it is left out of the quality statistics, and `masked_coverage` says
+how much of the agent's scored rollouts those statistics come from, as Gym 0.7 names it.
 """
 
 from __future__ import annotations
@@ -66,3 +70,20 @@ def coverage(expected: int, completed: int, imputed: int | None) -> dict[str, in
     if imputed is not None:
         out["coverage/imputed"] = imputed
     return out
+
+
+def masked_coverage(measured_task: np.ndarray, masked_task: np.ndarray) -> dict[str, int]:
+    """Gym 0.7's coverage of one agent's quality metrics when some of its rollouts are masked, from the task of
+    each measured rollout and of each masked one: `coverage/measured_rollouts`, `coverage/masked_rollouts`,
+    `coverage/measured_tasks` (tasks with a measured rollout) and `coverage/fully_masked_tasks` (tasks with
+    rollouts, none of them measured). Empty when nothing is masked (the keys appear only then)."""
+    if not len(masked_task):
+        return {}
+    measured = np.unique(measured_task)
+    tasks = np.union1d(measured, masked_task)
+    return {
+        "coverage/measured_rollouts": len(measured_task),
+        "coverage/masked_rollouts": len(masked_task),
+        "coverage/measured_tasks": len(measured),
+        "coverage/fully_masked_tasks": len(tasks) - len(measured),
+    }

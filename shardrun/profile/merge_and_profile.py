@@ -12,6 +12,11 @@
 The merge stage (merge.shard_merge) reads the shards and writes the three row files; this module then profiles
 the merged table (writers). Every output is written through a temp file, all renamed into place together at
 the end, so a killed merge leaves the previous outputs untouched and a re-run gives the same bytes.
+
+Under a Gym release with a mask flag (0.7's `mask_sample`: GymAdapter.mask_field) a masked rollout stays in
+merged/rollouts.jsonl and counts as completed (it ran), but every statistic comes from the measured table
+(MergedTable.measured), as the release's profiler and its aggregate metrics compute them, and the agents'
+coverage says how many rollouts and tasks were masked.
 """
 
 from __future__ import annotations
@@ -81,15 +86,19 @@ def merge_and_profile(
                     allow_partial=allow_partial,
                     answer_field=answer_field,
                     workers=workers,
-                    ignored_fields=release.profile_ignored_fields,
+                    mask_field=release.mask_field,
                 )
                 summary.outputs = {k: str(p) for k, p in outputs.items()}
-                tasks = TaskInfo(table)
+                tasks = TaskInfo(table)  # completion: every collected rollout, masked or not
                 imputed = _without_result(table, tasks, _skipped(run_dir, table, states)) if policy == "zero" else None
-                table.release_planned()
+                masked = _masked(table, tasks)
+                _count_tasks(summary, table, tasks, plan, masked)
                 table.release_locations()
+                table = table.measured()  # the statistics: measured rollouts only (itself when none is masked)
+                tasks = TaskInfo(table) if masked else tasks
+                table.release_planned()
                 tick = time.monotonic()
-                _profile(run_dir, plan, table, tasks, summary, out, release, imputed, stopped_tasks(states))
+                _profile(run_dir, plan, table, tasks, summary, out, release, imputed, stopped_tasks(states), masked)
                 summary.timings["profile_s"] = time.monotonic() - tick
                 summary.timings["total_s"] = time.monotonic() - started
                 out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
@@ -144,6 +153,13 @@ def _without_result(table: MergedTable, tasks: TaskInfo, skipped: np.ndarray | N
     return {int(a): keys[agent == a] for a in np.unique(agent).tolist()}
 
 
+def _masked(table: MergedTable, tasks: TaskInfo) -> dict[int, np.ndarray]:
+    """Per agent code, the keys of its masked rollouts (none without a mask field)."""
+    keys = table.r_key[table.r_masked]
+    agent = tasks.agent[keys // table.stride]
+    return {int(a): keys[agent == a] for a in np.unique(agent).tolist()}
+
+
 def output_paths(run_dir: Path, release: gym_adapter.GymAdapter) -> dict[str, Path]:
     """The merged files, the profile's as the release's own profiler names them."""
     repeats = {"repeat_level_metrics": store.merged_dir(run_dir) / REPEAT_LEVEL_METRICS}
@@ -168,8 +184,10 @@ def _profile(
     release: gym_adapter.GymAdapter,
     imputed: dict[int, np.ndarray] | None = None,
     stopped: frozenset[int] = frozenset(),
+    masked: dict[int, np.ndarray] | None = None,
 ) -> None:
-    _count_tasks(summary, table, tasks, plan)
+    """The profile files from the measured table and its tasks; `masked`: per agent code, its masked keys."""
+    masked = masked or {}
     agents = writers.AgentStats(table, tasks)
     agent_rows = writers.agent_metric_rows(table, agents)
     if release.repeat_level_metrics:  # Gym 0.7: per-repeat rows, and their spread appended to each agent's row
@@ -177,11 +195,16 @@ def _profile(
         across = repeat_metrics.across_repeats(repeats)
         agent_rows = [row | across.get(row["agent_ref"]["name"], {}) for row in agent_rows]
         out["repeat_level_metrics"].write(orjson.dumps(repeats))
+    if masked:
+        agent_rows = writers.masked_agent_rows(agent_rows, table, agents, masked)
     out["agent_metrics"].write(orjson.dumps(agent_rows))
-    entries = writers.aggregate_entries(table, agents, plan, imputed)
+    entries = writers.aggregate_entries(table, agents, plan, imputed, masked)
     _summarize_agents(summary, entries)
     groups = writers.AggregateWriter(
-        out["aggregate_metrics"], entries, agents.codes, lambda a: store.merge_scratch(run_dir, f"groups-{a}.json")
+        out["aggregate_metrics"],
+        entries,
+        writers.entry_codes(table, agents, masked),
+        lambda a: store.merge_scratch(run_dir, f"groups-{a}.json"),
     )
     materialized = [store.materialized_path(run_dir, s.index) for s in plan.shards]
     writers.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized, stopped)
@@ -197,7 +220,10 @@ def _summarize_agents(summary: MergeSummary, entries: list[dict[str, Any]]) -> N
                 result.metrics = {k: v for k, v in metrics.items() if "@" in k}
 
 
-def _count_tasks(summary: MergeSummary, table: MergedTable, tasks: TaskInfo, plan: Plan) -> None:
+def _count_tasks(
+    summary: MergeSummary, table: MergedTable, tasks: TaskInfo, plan: Plan, masked: dict[int, np.ndarray]
+) -> None:
+    """Completion (of the whole table: a masked rollout is completed) and the masked rollouts, per agent."""
     done, expected = tasks.done, tasks.expected
     complete, partial = done == expected, (done > 0) & (done < expected)
     missing = done == 0
@@ -217,6 +243,8 @@ def _count_tasks(summary: MergeSummary, table: MergedTable, tasks: TaskInfo, pla
                 int((missing & mine).sum()),
                 int(done[mine].sum()),
                 int(expected[mine].sum()),
+                masked=len(masked.get(code, ())),
             )
         )
+    summary.masked_rollouts = sum(len(keys) for keys in masked.values())
     summary.agents.sort(key=lambda a: a.name)

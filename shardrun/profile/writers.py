@@ -6,6 +6,10 @@ run. The aggregate-metrics file is Gym's list, one entry per agent, each ending 
 `group_level_metrics` (one row per task, as Gym's `compute_aggregate_metrics` builds them: the task's stats, a
 stub `sample` and completion counted over the rollouts it has). The first agent's rows go straight into the file
 as the chunks are written; other agents' rows wait in scratch files until their entry comes.
+
+Under a Gym release with a mask flag (0.7's `mask_sample`) the table given here is the measured one
+(MergedTable.measured), and `masked` holds, per agent code, the keys of its masked rollouts: they add the agents'
+coverage (denominator.masked_coverage), and an agent with nothing measured keeps a coverage-only entry.
 """
 
 from __future__ import annotations
@@ -76,30 +80,82 @@ def agent_metric_rows(table: MergedTable, stats: AgentStats) -> list[dict[str, A
     ]
 
 
-def aggregate_entries(
-    table: MergedTable, stats: AgentStats, plan: Plan, imputed: dict[int, np.ndarray] | None = None
+def masked_agent_rows(
+    rows: list[dict[str, Any]], table: MergedTable, stats: AgentStats, masked: dict[int, np.ndarray]
 ) -> list[dict[str, Any]]:
-    """Gym's aggregate-metrics entries without their group rows: agent_metrics (stats over the agent's own frame
-    and pass@k / majority@k, then its coverage) and key_metrics. `imputed` (the zero policy, profile/denominator.py):
-    per agent code, the planned keys without a result, counted as reward 0 in the reward stats and pass@k."""
+    """`_agent_metrics.json` rows (one per agent of `stats.codes`, in that order) as Gym 0.7 completes them when
+    rollouts were masked: each agent with a masked rollout gets its coverage at the end of its row, and each agent
+    none of whose rollouts was measured a row `{"agent_ref", coverage}` after the others, in the order of its
+    first rollout."""
+    out = list(rows)
+    for j, a in enumerate(stats.codes):
+        if len(masked.get(a, ())):
+            out[j] = out[j] | _masked_coverage(table, table.r_key[stats.rows[a]], masked[a])
+    only = sorted((a for a, keys in masked.items() if len(keys) and a not in stats.rows), key=lambda a: masked[a][0])
+    empty = np.zeros(0, np.int64)
+    return out + [{"agent_ref": {"name": table.agents[a]}} | _masked_coverage(table, empty, masked[a]) for a in only]
+
+
+def _masked_coverage(table: MergedTable, measured_keys: np.ndarray, masked_keys: np.ndarray) -> dict[str, int]:
+    return denominator.masked_coverage(measured_keys // table.stride, masked_keys // table.stride)
+
+
+def entry_codes(table: MergedTable, stats: AgentStats, masked: dict[int, np.ndarray] | None = None) -> list[int]:
+    """The agents of the aggregate-metrics list, by name: those with measured rollouts and those with masked ones."""
+    codes = set(stats.codes) | {a for a, keys in (masked or {}).items() if len(keys)}
+    return sorted(codes, key=lambda a: table.agents[a])
+
+
+def aggregate_entries(
+    table: MergedTable,
+    stats: AgentStats,
+    plan: Plan,
+    imputed: dict[int, np.ndarray] | None = None,
+    masked: dict[int, np.ndarray] | None = None,
+) -> list[dict[str, Any]]:
+    """Gym's aggregate-metrics entries without their group rows, one per agent of entry_codes: agent_metrics (stats
+    over the agent's own frame and pass@k / majority@k, then its coverage) and key_metrics. `imputed` (the zero
+    policy, profile/denominator.py): per agent code, the planned keys without a result, counted as reward 0 in the
+    reward stats and pass@k. `masked` (Gym 0.7): per agent code, the keys of its masked rollouts, which are left
+    out of every statistic (`table` is the measured one) and reported as Gym 0.7's compute_aggregate_metrics
+    reports them: its masked coverage after the stats and in key_metrics; an agent with nothing measured (and
+    nothing imputed) gets its coverage only."""
     reward = table.column("reward")
     answers = table.r_answers
+    column = {a: j for j, a in enumerate(stats.codes)}
     entries = []
-    for j, a in enumerate(stats.codes):
-        rows, name = stats.rows[a], table.agents[a]
+    for a in entry_codes(table, stats, masked):
+        rows, name = stats.rows.get(a, np.zeros(0, np.int64)), table.agents[a]
         keys, rew, ans = table.r_key[rows], reward[rows], answers[rows] if answers is not None else None
         zeros = imputed.get(a, np.zeros(0, np.int64)) if imputed is not None else None
         if zeros is not None:
             keys, rew, ans = denominator.with_zeros(keys, rew, ans, zeros, NO_ANSWER)
+        masked_keys = (masked or {}).get(a, np.zeros(0, np.int64))
+        masked_coverage = _masked_coverage(table, keys, masked_keys)
+        planned = int(plan.agents.get(name, {}).get("rollouts", len(rows) + len(masked_keys)))
+        coverage = denominator.coverage(planned, len(rows) + len(masked_keys), None if zeros is None else len(zeros))
+        if not len(keys):  # every rollout masked: no quality metric, only what happened
+            entries.append(
+                {
+                    "agent_ref": {"name": name},
+                    "agent_metrics": masked_coverage | coverage,
+                    "key_metrics": masked_coverage,
+                }
+            )
+            continue
         scores = aggregate.score_table(keys // table.stride, rew, ans)
-        metrics = reward_profile.stat_items(stats.layouts[a], stats.stats, j)
+        metrics = reward_profile.stat_items(stats.layouts[a], stats.stats, column[a]) if a in column else {}
         if zeros is not None:
             metrics.update(denominator.reward_stats(rew))
+        metrics.update(masked_coverage)
         metrics.update(aggregate.agent_pass_metrics(scores, plan.agents.get(name, {}).get("repeats", 1)))
-        planned = int(plan.agents.get(name, {}).get("rollouts", len(rows)))
-        metrics.update(denominator.coverage(planned, len(rows), None if zeros is None else len(zeros)))
+        metrics.update(coverage)
         entries.append(
-            {"agent_ref": {"name": name}, "agent_metrics": metrics, "key_metrics": aggregate.key_metrics(metrics)}
+            {
+                "agent_ref": {"name": name},
+                "agent_metrics": metrics,
+                "key_metrics": aggregate.key_metrics(metrics) | masked_coverage,
+            }
         )
     return entries
 

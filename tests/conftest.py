@@ -72,6 +72,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.fixture(autouse=True)
+def _no_machine_gym_venv(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that runs no real Gym never sees this machine's Gym venvs: a run planned without gym.venv takes its
+    Gym version (0.4 or 0.7 behaviour) from $SHARDRUN_GYM_VENV or the venv scripts/setup.sh linked as the default,
+    which must not decide what such a test sees. Its own stand-in venvs and settings still apply."""
+    if any(request.node.get_closest_marker(m) for m in ("gym", "vllm", "slurm")):
+        return
+    monkeypatch.delenv("SHARDRUN_GYM_VENV", raising=False)
+    monkeypatch.setenv("SHARDRUN_CACHE", str(REPO / ".no-cache-in-unit-tests"))  # never created
+
+
 def _need(path: Path, what: str) -> Path:
     if (path / ".shardrun-ok").exists():
         return path

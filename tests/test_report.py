@@ -193,8 +193,10 @@ def test_cli_report(run, tmp_path):
 
 
 @pytest.mark.gym
-def test_profile_and_pass_at_k_equal_gyms(tmp_path, gym_venv):
-    """Gym's own RewardProfiler and pass@k on the same rollouts give the statistics the report and select read."""
+def test_profile_and_pass_at_k_equal_gyms(tmp_path, gym_venv_each):
+    """Gym's own RewardProfiler and pass@k on the same rollouts (each supported Gym version) give the statistics the
+    report and select read."""
+    gym_venv = gym_venv_each
     import subprocess
     from pathlib import Path
 

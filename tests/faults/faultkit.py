@@ -196,12 +196,27 @@ def without_gym_randomness(data: bytes) -> bytes:
     return GYM_RANDOM.sub(rb'"\1":"*"', data)
 
 
+GYM_SERVER_PORT = re.compile(rb"(https?://(?:127\.0\.0\.1|localhost)):\d+")
+REPEAT_LEVEL = "rollouts_repeat_level_metrics.json"  # written for runs on Gym 0.7
+
+
+def without_server_ports(data: bytes) -> bytes:
+    """Failure rows with the ports of Gym's servers blanked: Gym 0.7's sidecar names the failed /run's URL, and
+    every start of its servers picks new ports."""
+    return GYM_SERVER_PORT.sub(rb"\1:*", data)
+
+
 def merged_outputs(run_dir: Path, *, gym: bool = False) -> dict[str, bytes]:
     """The merged files that must be byte-identical to an uninterrupted run (merge_summary.json has timings)."""
     out = {}
-    for name in MERGED_FILES:
+    extra = (REPEAT_LEVEL,) if (store.merged_dir(run_dir) / REPEAT_LEVEL).exists() else ()
+    for name in MERGED_FILES + extra:
         data = (store.merged_dir(run_dir) / name).read_bytes()
-        out[name] = without_gym_randomness(data) if gym and name == "rollouts.jsonl" else data
+        if gym and name == "rollouts.jsonl":
+            data = without_gym_randomness(data)
+        elif gym and name == "rollouts_failures.jsonl":
+            data = without_server_ports(data)
+        out[name] = data
     out["merge_summary (without timings)"] = summary_essentials(run_dir)
     return out
 

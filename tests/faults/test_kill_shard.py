@@ -185,7 +185,9 @@ def verify(run_dir: Path, ref, tag: str) -> int:
     got = faultkit.merged_outputs(run_dir, gym=True)
     for name in ref.merged:
         assert got[name] == ref.merged[name], f"merged {name} differs from the uninterrupted run"
-    assert store.failures_path(run_dir, 0).read_bytes() == store.failures_path(ref.run_dir, 0).read_bytes()
+    assert faultkit.without_server_ports(store.failures_path(run_dir, 0).read_bytes()) == faultkit.without_server_ports(
+        store.failures_path(ref.run_dir, 0).read_bytes()
+    )
     assert not store.env_yaml_path(run_dir, 0).exists()
     assert faultkit.leftovers(tag, also=run_dir) == []
     return faultkit.assert_exactly_once(run_dir, ref.planned, ref.failed)

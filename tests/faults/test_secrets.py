@@ -54,8 +54,9 @@ def test_the_key_is_in_no_file_of_a_real_gym_run(gym_reference):
     assert kinds(ref.tmp) >= {"plan.json", ".done", "launch records", "submitit pickles", "logs", "merged outputs"}
     assert {p.name for p in store.logs_dir(ref.run_dir, 0).iterdir()} >= {"shard.log", "ng_run.log", "collector.log"}
     assert files_holding(ref.tmp, ref.key) == []
-    # the refused rollout made Gym's model adapter print its request headers: the key was there, masked
-    assert "'Authorization': 'Bearer ***'" in store.gym_log_path(ref.run_dir, 0).read_text()
+    if (store.load_plan(ref.run_dir).gym_version or "").startswith("0.4."):
+        # Gym 0.4's model adapter prints a refused request's headers: the key was there, masked (0.7 prints none)
+        assert "'Authorization': 'Bearer ***'" in store.gym_log_path(ref.run_dir, 0).read_text()
     assert not store.env_yaml_path(ref.run_dir, 0).exists()  # deleted at the seal
     # the fake policy did get it, from Gym's model adapter (so the key really travelled, through env.yaml)
     assert all(r["auth_ok"] for r in ref.fake.requests())

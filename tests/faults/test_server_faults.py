@@ -66,23 +66,32 @@ def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(
     assert rc == 0, out + gymkit.log_text(run_dir)
     assert "shard 00000: sealed (14 rollouts, 2 failed)" in out
     prompts = gymkit.prompt_and_seed(run_dir)
-    failures = {
-        (r["_ng_task_index"], r["_ng_rollout_index"]): r
-        for r in store.iter_jsonl_objects(store.failures_path(run_dir, 0))
-    }
-    assert set(failures) == {(3, 1), (2, 3)}
+    rows_of: dict[tuple[int, int], list[dict]] = {}
+    for r in store.iter_jsonl_objects(store.failures_path(run_dir, 0)):
+        rows_of.setdefault((r["_ng_task_index"], r["_ng_rollout_index"]), []).append(r)
+    assert set(rows_of) == {(3, 1), (2, 3)}
+    v04 = (store.load_plan(run_dir).gym_version or "").startswith("0.4.")
+    reasons = {}
     # Gym's model client itself tries a 500 three times (openai_utils MAX_NUM_TRIES) and garbage once, per attempt
     for key, calls_per_attempt in (((3, 1), 3), ((2, 3), 1)):
-        row = failures[key]
-        assert row["_ng_failure_terminal"] is True and row["attempts"] == 2 and "reward" not in row
-        assert "HTTP 500" in row["reason"], row["reason"]
+        rows = rows_of[key]
+        assert all("reward" not in r for r in rows)
+        if v04:  # shardrun's retry ledger: one terminal row after the two attempts (gym.max_rollout_attempts)
+            assert rows[-1]["_ng_failure_terminal"] is True and rows[-1]["attempts"] == 2
+            reasons[key] = rows[-1]["reason"]
+        else:  # Gym 0.7's failure sidecar: one row per attempt, the agent's /run answered HTTP 500
+            assert [r.get("_ng_attempt_index", 0) for r in rows] == [0, 1], rows
+            assert all(r["_ng_failure_http_status"] == 500 for r in rows)
+            reasons[key] = rows[-1]["_ng_failure_response_body"]
         asked = [r for r in requests if (r["prompt"], r["seed"]) == prompts[key]]
         # (a call in flight when Gym's collector aborted on another rollout's failure is not an attempt)
         assert 2 * calls_per_attempt <= len(asked) <= 4 * calls_per_attempt, (key, len(asked))
-    assert "VLLMModel___policy_model" in failures[(3, 1)]["reason"]  # where: the adapter of the policy model
-    assert "JSONDecodeError" in failures[(2, 3)]["reason"]  # what: the model's answer was not JSON
-    attempts = faultkit.identities(store.rollout_attempts_path(run_dir, 0))
-    assert sorted(attempts) == [(2, 3), (2, 3), (3, 1), (3, 1)]
+    assert "VLLMModel___policy_model" in reasons[(3, 1)]  # where: the adapter of the policy model
+    assert "JSONDecodeError" in reasons[(2, 3)], reasons[(2, 3)]  # what: the model's answer was not JSON
+    if v04:
+        assert "HTTP 500" in reasons[(3, 1)] and "HTTP 500" in reasons[(2, 3)]
+        attempts = faultkit.identities(store.rollout_attempts_path(run_dir, 0))
+        assert sorted(attempts) == [(2, 3), (2, 3), (3, 1), (3, 1)]
     transient = [r for r in requests if r["fault"] == "500" and (r["prompt"], r["seed"]) != prompts[(3, 1)]]
     keys = faultkit.identities(store.rollouts_path(run_dir, 0))
     assert sorted(keys) == sorted(set(gymkit.planned_identities(run_dir)) - {(3, 1), (2, 3)})

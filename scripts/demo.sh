@@ -29,7 +29,7 @@ done
 say() { printf '\n=== %s\n' "$*"; }
 
 if [ -n "$policy_url" ]; then
-  say "set-up: shardrun, NeMo Gym 0.4.0 (policy: $policy_url)"
+  say "set-up: shardrun, NeMo Gym ${SHARDRUN_GYM_VERSION:-(the default version)} (policy: $policy_url)"
   ./scripts/setup.sh project gym
   policy_url=${policy_url%/}
   if [ -z "$model" ]; then
@@ -44,7 +44,7 @@ PY
   overrides=("~policy.vllm" "policy.base_url=$policy_url" "policy.model_name=$model"
              ${key_env:+"policy.api_key_env=$key_env"} "${overrides[@]}")
 else
-  say "set-up: shardrun, NeMo Gym 0.4.0, vLLM CPU build, SmolLM2-135M-Instruct (cached after the first run)"
+  say "set-up: shardrun, NeMo Gym ${SHARDRUN_GYM_VERSION:-(the default version)}, vLLM CPU build, SmolLM2-135M-Instruct (cached after the first run)"
   ./scripts/setup.sh project gym vllm models
 fi
 

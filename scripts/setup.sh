@@ -11,12 +11,11 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export SHARDRUN_CACHE=${SHARDRUN_CACHE:-$HOME/.cache/shardrun}
-# Gym versions shardrun supports, oldest first. The default stays 0.4.0 until the whole real-Gym test tier passes on
-# 0.7.0 (its shard route and profile equivalence tests do: docs/gym-versions.md). Each needs its own Python: 0.7.0
-# declares Python >= 3.13.14, which no interpreter here offers, and installs and runs on 3.13.0 with
-# --ignore-requires-python.
+# Gym versions shardrun supports, oldest first; the default is the newest (the whole real-Gym test tier passes on
+# it: docs/gym-versions.md). Each needs its own Python: 0.7.0 declares Python >= 3.13.14, which no interpreter here
+# offers, and installs and runs on 3.13.0 with --ignore-requires-python.
 GYM_VERSIONS="0.4.0 0.7.0"
-GYM_DEFAULT_VERSION=0.4.0
+GYM_DEFAULT_VERSION=0.7.0
 export SHARDRUN_GYM_VERSION=${SHARDRUN_GYM_VERSION:-$GYM_DEFAULT_VERSION}
 export SHARDRUN_VLLM_VENV=${SHARDRUN_VLLM_VENV:-$SHARDRUN_CACHE/vllm-venv}
 mkdir -p "$SHARDRUN_CACHE"
@@ -77,12 +76,20 @@ gym_venv_version() {  # gym_venv_version VENV -> the nemo-gym version installed 
   return 0
 }
 
+venv_scripts_here() {  # venv_scripts_here VENV: its entry points run its own Python (a venv moved by
+  # link_default_gym_venv keeps naming $SHARDRUN_CACHE/gym-venv/bin/python, which breaks once the link moves on)
+  local shebang
+  [ -f "$1/bin/ng_run" ] || return 0
+  shebang=$(head -1 "$1/bin/ng_run")
+  [ "$(dirname "${shebang#\#!}")" = "$(cd "$1/bin" && pwd)" ]
+}
+
 link_default_gym_venv() {  # $SHARDRUN_CACHE/gym-venv -> gym-venv-<default version> (a venv built there before moves)
   local link="$SHARDRUN_CACHE/gym-venv" old
   if [ -d "$link" ] && [ ! -L "$link" ]; then
     old=$(gym_venv_version "$link")
     if [ -n "$old" ] && [ ! -e "$link-$old" ]; then
-      # its scripts name .../gym-venv/bin/python, which the link keeps valid
+      # its scripts still name .../gym-venv/bin/python: setup_gym rebuilds it (venv_scripts_here)
       mv "$link" "$link-$old"
     else
       log "$link is a directory that is not a Gym venv of a known version; leaving it alone"; return 0
@@ -98,6 +105,9 @@ setup_gym() {  # setup_gym VERSION [VENV]
   flags=$(gym_pip_flags "$version")
   if [ -f "$venv/.shardrun-ok" ] && [ "$(gym_venv_version "$venv")" != "$version" ]; then
     log "$venv holds nemo-gym $(gym_venv_version "$venv"), not $version: rebuilding it"; rm -rf "$venv"
+  fi
+  if [ -f "$venv/.shardrun-ok" ] && ! venv_scripts_here "$venv"; then
+    log "$venv was built at another path (its scripts run another venv's Python): rebuilding it"; rm -rf "$venv"
   fi
   if [ ! -f "$venv/.shardrun-ok" ]; then
     log "NeMo Gym venv ($venv): Python $py, nemo-gym $version + uv, about 3 minutes"

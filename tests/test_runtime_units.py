@@ -439,6 +439,23 @@ def test_bundled_example_config_is_a_full_run_config(gym_venv: Path) -> None:
     assert all((site / p).is_file() for p in cfg.gym.config_paths)
 
 
+def test_a_stack_start_is_retried_only_for_transient_failures() -> None:
+    """The lines a failed start leaves at the end of ng_run's log, as Ray and uvicorn print them: a port taken under
+    us and Ray's fixed 30 s wait for its node on a loaded machine are worth another start; anything else is not."""
+    ray_node = (
+        "Exception: The current node timed out during startup. This could happen because some of the raylet failed "
+        "to startup or the GCS has become overloaded."
+    )
+    ray_socket = "TimeoutError: Timed out after 30 seconds while waiting for node to startup. Did not find socket name"
+    port = "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 11000): Address already in use"
+    for tail in (ray_node, ray_socket, port):
+        assert gym_stack.transient_start_failure(
+            f"Gym servers (ng_run, head server x): exited 1 before it was ready\n{tail}"
+        )
+    for tail in ("ModuleNotFoundError: No module named 'nemo_gym'", "not ready after 300 s", ""):
+        assert not gym_stack.transient_start_failure(tail)
+
+
 def test_ray_tmp_dir_is_short_per_shard_and_emptied(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile

@@ -40,7 +40,11 @@ VENV_ENV = gym_version.VENV_ENV
 HEAD_HOST = "127.0.0.1"
 STOP_GRACE_S = 5.0  # ng_run exits about 3 s after SIGTERM; results are on disk by then
 STRAGGLER_GRACE_S = 0.5
-PORT_TRIES = 3
+START_TRIES = 3
+# what a start of the stack can fail with that the next start gets past: a head port taken between choosing and
+# binding it, and Ray giving up after its fixed 30 s wait for its own node on a loaded machine (0.7's `gym env start`
+# and 0.4's ng_run both start Ray)
+TRANSIENT_START = ("address already in use", "node timed out during startup", "while waiting for node to startup")
 RAY_TMP_BASE_MAX = 40
 
 
@@ -295,6 +299,11 @@ def wait_ready(stack: GymStack, timeout: float) -> float:
     )
 
 
+def transient_start_failure(message: str) -> bool:
+    """Did a start of the stack fail for a reason the next start gets past (TRANSIENT_START)?"""
+    return any(reason in message.lower() for reason in TRANSIENT_START)
+
+
 def start_ready(
     run_dir: Path,
     index: int,
@@ -305,16 +314,17 @@ def start_ready(
     env: Mapping[str, str] | None = None,
     place: StackPlace | None = None,
 ) -> tuple[GymStack, float]:
-    """start + wait_ready; a head port taken between choosing and binding it is retried with another port."""
+    """start + wait_ready, all within gym.ready_timeout_s; a start that failed for a TRANSIENT_START reason is
+    started again (another head port, a fresh Ray), up to START_TRIES starts."""
     t0 = time.monotonic()
-    for attempt in range(PORT_TRIES):
+    for attempt in range(START_TRIES):
         stack = start(run_dir, index, gym, base_urls, api_key, model_name, env, place)
         try:
             wait_ready(stack, max(1.0, gym.ready_timeout_s - (time.monotonic() - t0)))
             return stack, time.monotonic() - t0
         except ServerFailure as e:
             stack.stop()
-            if attempt + 1 < PORT_TRIES and "address already in use" in str(e).lower():
+            if attempt + 1 < START_TRIES and transient_start_failure(str(e)):
                 continue
             raise
         except BaseException:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
+
+from tests.machine_env import without_machine_gym_venv
 
 CACHE = Path(os.environ.get("SHARDRUN_CACHE", Path.home() / ".cache" / "shardrun"))
 GYM_VENV = Path(os.environ.get("SHARDRUN_GYM_VENV", CACHE / "gym-venv"))
@@ -73,14 +76,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _no_machine_gym_venv(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test that runs no real Gym never sees this machine's Gym venvs: a run planned without gym.venv takes its
-    Gym version (0.4 or 0.7 behaviour) from $SHARDRUN_GYM_VENV or the venv scripts/setup.sh linked as the default,
-    which must not decide what such a test sees. Its own stand-in venvs and settings still apply."""
+def _no_machine_gym_venv(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that runs no real Gym never sees this machine's Gym venvs (tests/machine_env.py)."""
     if any(request.node.get_closest_marker(m) for m in ("gym", "vllm", "slurm")):
+        yield
         return
-    monkeypatch.delenv("SHARDRUN_GYM_VENV", raising=False)
-    monkeypatch.setenv("SHARDRUN_CACHE", str(REPO / ".no-cache-in-unit-tests"))  # never created
+    with without_machine_gym_venv():
+        yield
 
 
 def _need(path: Path, what: str) -> Path:

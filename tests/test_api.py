@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 import builders
+from tests.machine_env import without_machine_gym_venv
 from shardrun import api
 from shardrun.cli import app
 from shardrun.core.errors import BadInput, RunDirError
@@ -36,16 +37,17 @@ def planned_rows(run: builders.Run) -> list[dict]:
 @pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
 def merged_run(tmp_path_factory) -> builders.Run:
     """12 tasks of two agents (4 and 2 repeats), 3 shards, one with rollouts written twice (a resumed attempt)."""
-    run = builders.make_run(
-        tmp_path_factory.mktemp("api"),
-        builders.input_rows(TASKS, agents=("math", "tool")),
-        num_repeats=REPEATS,
-        num_shards=3,
-        slicing="round_robin",
-    )
-    for i in range(run.num_shards):
-        builders.write_shard(run, i, duplicates=3 if i == 1 else 0)
-    merge(run.run_dir)
+    with without_machine_gym_venv():  # as the tests that read it (tests/machine_env.py)
+        run = builders.make_run(
+            tmp_path_factory.mktemp("api"),
+            builders.input_rows(TASKS, agents=("math", "tool")),
+            num_repeats=REPEATS,
+            num_shards=3,
+            slicing="round_robin",
+        )
+        for i in range(run.num_shards):
+            builders.write_shard(run, i, duplicates=3 if i == 1 else 0)
+        merge(run.run_dir)
     return run
 
 

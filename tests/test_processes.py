@@ -177,3 +177,28 @@ def test_free_port_is_bindable() -> None:
     port = processes.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_http_get_counts_a_port_that_speaks_another_protocol_as_not_answering() -> None:
+    """A port taken by a process that does not speak HTTP (one of Ray's took the Gym head server's port once):
+    binary bytes back instead of a status line are 'nothing answers HTTP here', never an exception."""
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def answer_in_binary() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(b"\x00\x00\x18\x04\x00\x00\x00\x00\x00\x00\x04\x00@\x00\x00\xfe\r\n\r\n")
+
+    t = threading.Thread(target=answer_in_binary, daemon=True)
+    t.start()
+    try:
+        assert processes.http_get(f"http://127.0.0.1:{server.getsockname()[1]}/server_instances", timeout=10) is None
+    finally:
+        t.join(timeout=10)
+        server.close()

@@ -456,6 +456,28 @@ def test_a_stack_start_is_retried_only_for_transient_failures() -> None:
         assert not gym_stack.transient_start_failure(tail)
 
 
+def test_a_head_server_that_lost_its_port_fails_the_start_as_transient(tmp_path: Path) -> None:
+    """ng_run whose head server could not bind its port waits for it forever: readiness sees the bind error for
+    the head port in ng_run's log and fails the start with a reason start_ready starts the stack again for; the
+    same error for another port (another server's) is not the head's."""
+    from shardrun.core.errors import ServerFailure
+    from shardrun.shard import processes
+
+    line = "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {}): address already in use"
+    proc = processes.start(["sh", "-c", f"echo \"{line.format(32967)}\"; sleep 30"], tmp_path / "ng_run.log")
+    try:
+        processes.wait_until(lambda: "32967" in proc.tail(), timeout=60, what="the log line")
+        other = gym_stack.GymStack(proc, 40001, tmp_path / "env.yaml", tmp_path / "ray")
+        assert not other.head_port_lost() and not other.ready()  # nothing listens on 40001, nothing lost either
+        stack = gym_stack.GymStack(proc, 32967, tmp_path / "env.yaml", tmp_path / "ray")
+        assert stack.head_port_lost()
+        with pytest.raises(ServerFailure) as failed:
+            stack.ready()
+        assert gym_stack.transient_start_failure(str(failed.value))
+    finally:
+        processes.stop(proc)
+
+
 def test_ray_tmp_dir_is_short_per_shard_and_emptied(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile

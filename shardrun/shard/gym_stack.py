@@ -196,7 +196,15 @@ class GymStack:
             if not i.get("url") or processes.http_get(str(i["url"]), timeout=3.0) is None
         ]
 
+    def head_port_lost(self) -> bool:
+        """Did the head server fail to bind its port (taken since it was chosen, often by one of Ray's own
+        processes)? ng_run then waits for its head server forever, so the stack has to be started again."""
+        return f"attempting to bind on address ('{HEAD_HOST}', {self.port})" in self.proc.tail()
+
     def ready(self) -> bool:
+        """Every server listed and answering; ServerFailure when the head server lost its port."""
+        if self.head_port_lost():
+            raise ServerFailure(f"Gym head server port {self.port}: address already in use (log {self.proc.log_path})")
         instances = self.server_instances()
         if not instances or self.unanswered(instances):
             return False

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import http.client
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,14 +215,15 @@ def _show(cmd: Sequence[str]) -> str:
 
 
 def http_get(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None) -> tuple[int, bytes] | None:
-    """GET `url`: (status, body), or None when nothing answers (refused, reset, timeout)."""
+    """GET `url`: (status, body), or None when nothing answers HTTP (refused, reset, timeout, or a process that
+    speaks another protocol on the port, such as one of Ray's that took it)."""
     req = urllib.request.Request(url, headers=dict(headers or {}))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read() if e.fp else b""
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return None
 
 

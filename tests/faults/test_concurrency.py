@@ -19,6 +19,7 @@ import pytest
 from shardrun.shard import runtime
 from shardrun.rundir import store
 from tests.faults import faultkit, synthetic
+from tests.machine_env import without_machine_gym_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # fault-injection loops: not in --fast
 SHARDS = 6
@@ -26,7 +27,8 @@ SHARDS = 6
 
 @pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
 def reference(tmp_path_factory) -> dict:
-    run = faultkit.sealed_and_merged(tmp_path_factory.mktemp("race-reference"), tasks=600, shards=SHARDS)
+    with without_machine_gym_venv():  # as the tests that compare with it (tests/machine_env.py)
+        run = faultkit.sealed_and_merged(tmp_path_factory.mktemp("race-reference"), tasks=600, shards=SHARDS)
     return {
         "shards": synthetic.shard_files(run.run_dir, SHARDS),
         "merged": faultkit.merged_outputs(run.run_dir),

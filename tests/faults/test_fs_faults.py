@@ -20,6 +20,7 @@ import pytest
 from shardrun.rundir import seal
 from shardrun.rundir import store
 from tests.faults import faultkit, synthetic
+from tests.machine_env import without_machine_gym_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # fault-injection loops: not in --fast
 SHARDS = 4
@@ -42,7 +43,8 @@ def clear_error(res: subprocess.CompletedProcess, code: int, *needles: str) -> s
 @pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
 def reference(tmp_path_factory) -> dict:
     """The same run, never faulted: sealed by `resume`, merged."""
-    run = faultkit.sealed_and_merged(tmp_path_factory.mktemp("fs-reference"), tasks=300, shards=SHARDS)
+    with without_machine_gym_venv():  # as the tests that compare with it (tests/machine_env.py)
+        run = faultkit.sealed_and_merged(tmp_path_factory.mktemp("fs-reference"), tasks=300, shards=SHARDS)
     return {"shards": synthetic.shard_files(run.run_dir, SHARDS), "merged": faultkit.merged_outputs(run.run_dir)}
 
 

@@ -151,24 +151,27 @@ def test_long_shard_paths_move_ipc_sockets_to_a_short_directory(tmp_path: Path) 
     assert vllm.ipc_dir_fits(Path("/tmp/shardrun-vllm-ab"))
 
 
-def test_config_refuses_an_api_key_in_extra_args() -> None:
+@pytest.mark.parametrize("field", ["extra_args", "command"])
+def test_config_refuses_an_api_key_on_the_vllm_command_line(field: str) -> None:
     data = {
         "input_jsonl": "in.jsonl",
         "run_dir": "r",
-        "policy": {"vllm": {"model": "m", "extra_args": ["--enforce-eager", "--api-key=abc"]}},
+        "policy": {"vllm": {"model": "m", field: ["--enforce-eager", "--api-key=abc"]}},
     }
     with pytest.raises(BadInput, match="api_key_env"):
         config.validate(data)
 
 
-def test_yaml_numbers_in_env_and_extra_args_become_strings(tmp_path: Path) -> None:
+def test_yaml_numbers_in_env_command_and_extra_args_become_strings(tmp_path: Path) -> None:
     (tmp_path / "run.yaml").write_text(
         "input_jsonl: in.jsonl\nrun_dir: r\npolicy:\n  vllm:\n    model: m\n"
         "    env: {VLLM_CPU_KVCACHE_SPACE: 1, HF_HUB_OFFLINE: '1', SOME_FLAG: true}\n"
+        "    command: [taskset, -c, 0, python, -m, vllm.entrypoints.openai.api_server]\n"
         "    extra_args: [--max-num-seqs, 64]\n"
     )
-    v = config.load(tmp_path / "run.yaml").policy.vllm
+    v = config.load(tmp_path / "run.yaml", ["policy.vllm.command.2=1"]).policy.vllm
     assert v.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "SOME_FLAG": "true"}
+    assert v.command == ["taskset", "-c", "1", "python", "-m", "vllm.entrypoints.openai.api_server"]
     assert v.extra_args == ["--max-num-seqs", "64"]
 
 

@@ -110,19 +110,20 @@ class VllmConfig(StrictModel):
             }
         return v
 
-    @field_validator("extra_args", mode="before")
+    @field_validator("command", "extra_args", mode="before")
     @classmethod
     def _args_as_strings(cls, v: Any) -> Any:
+        """YAML (and override parsing) turn `8000` into a number; command-line words are strings."""
         return (
             [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in v]
             if isinstance(v, list)
             else v
         )
 
-    @field_validator("extra_args")
+    @field_validator("command", "extra_args")
     @classmethod
-    def _no_key_on_command_line(cls, v: list[str]) -> list[str]:
-        if any(a == "--api-key" or a.startswith("--api-key=") for a in v):
+    def _no_key_on_command_line(cls, v: list[str] | None) -> list[str] | None:
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in v or ()):
             raise ValueError(
                 "secrets are not allowed in config files or on the logged command line; set "
                 "policy.api_key_env to the NAME of the environment variable holding the key"

@@ -20,7 +20,8 @@ warm worker on the local executor (one Gym stack per run); the adaptive run adds
                        long per answer, as a GPU would generating), in hours
     wall               submit + merge-and-profile
 
-and whether the two selections are byte-identical. Target: at least 40% fewer rollouts, identical selections.
+and whether the two selections are byte-identical. Target (default distribution): at least 40% fewer rollouts,
+identical selections; for the other distributions the issue's simulated share is printed beside the measured one.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from shardrun.rundir import store
 from tests.fakes import harness
 
 RULES = {"drop_solved": True, "drop_unsolved": True}
+SIMULATED = {"beta": "48%", "mixed": "25%", "uniform": "62%"}  # the issue's table: 20,000 tasks, k 16, waves of 2
 FLAGS = ["--drop-solved", "--drop-unsolved"]
 
 
@@ -169,9 +171,12 @@ def main() -> int:
     print(f"{'':<10}{'rollouts':>10}{'GPU-hours':>12}{'wall':>9}{'selected':>10}")
     for r in (full, adaptive):
         print(f"{r['run']:<10}{r['rollouts']:>10}{r['gpu_hours']:>12.4f}{r['wall_s']:>8.0f}s{r['selected']:>10}")
-    ok = saved >= 0.40 and identical
+    # the 40% target is the issue's, for the default distribution; for the others the issue's simulation over
+    # 20,000 tasks (waves of 2) says what to expect
+    target = f"target >= 40%: {'met' if saved >= 0.4 else 'NOT met'}" if args.dist == "beta" else None
+    ok = identical and (target is None or saved >= 0.40)
     print(
-        f"\nrollouts saved: {100 * saved:.0f}% (target >= 40%: {'met' if saved >= 0.4 else 'NOT met'}); "
+        f"\nrollouts saved: {100 * saved:.0f}% ({target or f'the simulation: {SIMULATED[args.dist]}'}); "
         f"selections identical: {'yes' if identical else 'NO'}"
     )
     if args.json:

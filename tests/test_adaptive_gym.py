@@ -16,7 +16,9 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -70,10 +72,10 @@ def shardrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return done
 
 
-@pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
-def world(tmp_path_factory: pytest.TempPathFactory, gym_venv: Path):
-    """The stand-in policy with the per-task pass rates, the input, and the full run of the plan (one shard)."""
-    tmp = tmp_path_factory.mktemp("adaptive")
+@contextmanager
+def full_run(tmp: Path, gym_venv: Path) -> Iterator[tuple[Path, harness.FakePolicy]]:
+    """In `tmp`: the input, the per-task pass rates (shares.json), the stand-in policy that follows them (up while
+    in the context), and the full run of the plan (one shard, `full/`) merged and selected (`full.jsonl`)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(harness.TAG_ENV, uuid.uuid4().hex)
         mp.setenv(harness.API_KEY_ENV, harness.API_KEY)
@@ -86,7 +88,15 @@ def world(tmp_path_factory: pytest.TempPathFactory, gym_venv: Path):
             shardrun("submit", str(full_cfg), cwd=tmp)
             shardrun("merge-and-profile", str(tmp / "full"), cwd=tmp)
             shardrun("select", str(tmp / "full"), "-o", str(tmp / "full.jsonl"), *FLAGS, cwd=tmp)
-            yield tmp, input_jsonl, fake
+            yield input_jsonl, fake
+
+
+@pytest.fixture(scope="session")  # once per xdist worker, however its tests interleave with others
+def world(tmp_path_factory: pytest.TempPathFactory, gym_venv: Path):
+    """The stand-in policy with the per-task pass rates, the input, and the full run of the plan (one shard)."""
+    tmp = tmp_path_factory.mktemp("adaptive")
+    with full_run(tmp, gym_venv) as (input_jsonl, fake):
+        yield tmp, input_jsonl, fake
 
 
 FLAGS = ["--drop-solved", "--drop-unsolved"]

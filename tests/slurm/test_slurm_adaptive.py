@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from shardrun.rundir import store
 from shardrun.shard import gym_stack
 from slurm_helpers import fake_policy, scancel_names, launches, shardrun, status_json, wait_for, write_config
 from tests.fakes import harness
-from tests.test_adaptive_gym import FLAGS, REPEATS, RULES, SHARES, write_input
+from tests.test_adaptive_gym import FLAGS, REPEATS, RULES, full_run
 from tests.test_e2e_local import essentials, rows
 
 pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -36,17 +35,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.
 def full(tmp_path_factory: pytest.TempPathFactory, gym_venv: Path) -> Path:
     """The input, the per-task pass rates and the full run of the plan (local executor), selected."""
     tmp = tmp_path_factory.mktemp("adaptive-full")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(harness.TAG_ENV, uuid.uuid4().hex)
-        mp.setenv(harness.API_KEY_ENV, harness.API_KEY)
-        mp.setenv(gym_stack.VENV_ENV, str(gym_venv))
-        inp = write_input(tmp / "input.jsonl")
-        (tmp / "shares.json").write_text(json.dumps({f"What is {i + 2} + 3?": s for i, s in enumerate(SHARES)}))
-        with fake_policy(tmp, "--shares", str(tmp / "shares.json")) as fake:
-            cfg = harness.write_config(tmp / "full.yaml", inp, tmp / "full", fake.base_url, repeats=REPEATS)
-            shardrun("submit", cfg, cwd=tmp, timeout=900)
-        shardrun("merge-and-profile", tmp / "full", cwd=tmp)
-        shardrun("select", tmp / "full", "-o", tmp / "full.jsonl", *FLAGS, cwd=tmp)
+    with full_run(tmp, gym_venv):
+        pass
     return tmp
 
 

@@ -158,7 +158,9 @@ def status(
     from shardrun.launch import status as status_mod
 
     if watch:
-        run(status_mod.watch, run_dir, interval, typer.echo)
+        from shardrun.launch import progress
+
+        run(progress.watch, run_dir, interval, typer.echo)
         return
     st = run(status_mod.collect, run_dir)
     typer.echo(status_mod.render_json(st) if json_out else status_mod.render(st, show_all=show_all))

@@ -17,7 +17,7 @@ import pytest
 from shardrun.shard import collector
 from shardrun.core import gym_adapter
 from shardrun.shard import gym_stack
-from shardrun.launch import submission
+from shardrun.launch import local_jobs
 from shardrun.rundir import ledger
 from shardrun.shard import policy
 from shardrun.shard import processes
@@ -314,9 +314,9 @@ def test_prehosted_policy_checks(tmp_path: Path) -> None:
 
 
 def test_local_groups_cap_concurrency() -> None:
-    assert submission.local_groups([0, 1, 2, 3, 4], 2) == [[0, 2, 4], [1, 3]]
-    assert submission.local_groups([5, 6], 64) == [[5], [6]]
-    assert submission.local_groups([3], 1) == [[3]]
+    assert local_jobs.local_groups([0, 1, 2, 3, 4], 2) == [[0, 2, 4], [1, 3]]
+    assert local_jobs.local_groups([5, 6], 64) == [[5], [6]]
+    assert local_jobs.local_groups([3], 1) == [[3]]
 
 
 def plan_run(tmp_path: Path, with_gym: bool = True, shards: int = 2) -> RunConfig:
@@ -340,19 +340,21 @@ def plan_run(tmp_path: Path, with_gym: bool = True, shards: int = 2) -> RunConfi
     return cfg
 
 
-def test_executor_is_local_and_slurm_is_refused(tmp_path: Path) -> None:
+def test_local_jobs_use_the_local_executor_and_slurm_configs_another_backend(tmp_path: Path) -> None:
+    from shardrun.launch import backends, executors
+
     cfg = plan_run(tmp_path)
-    ex = submission.make_executor(cfg, cfg.run_dir)
+    assert backends.for_config(cfg).mode == "local jobs"
+    ex = executors.local_executor(cfg, cfg.run_dir)
     assert type(ex).__name__ == "LocalExecutor" and Path(ex.folder) == store.jobs_dir(cfg.run_dir).resolve()
     slurm_cfg = cfg.model_copy(update={"cluster": cfg.cluster_or_default.model_copy(update={"executor": "slurm"})})
-    with pytest.raises(BadInput, match="local executor"):
-        submission.make_executor(slurm_cfg, cfg.run_dir)
+    assert backends.for_config(slurm_cfg).mode == "Slurm job arrays"
 
 
 def test_shard_worker_runs_every_shard_and_reports_each_failure(tmp_path: Path) -> None:
     cfg = plan_run(tmp_path, with_gym=False)
     with pytest.raises(ShardFailed, match="2 of 2 shard\\(s\\) failed: shard 0: BadInput.*shard 1: BadInput"):
-        submission.shard_worker(str(cfg.run_dir), [0, 1])
+        local_jobs.shard_worker(str(cfg.run_dir), [0, 1])
 
 
 # ---------------------------------------------------------------- run_shard without servers

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from shardrun.core import config
-from shardrun.launch import submission
+from shardrun.launch import slurm
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "sbatch_slurm_example.txt"
 RUN_DIR = Path("/lustre/runs/example")
@@ -39,7 +39,7 @@ def render(tmp_path: Path, monkeypatch) -> str:
         )
     )
     cfg = config.load(tmp_path / "run.yaml")
-    sp = submission.slurm_plan(
+    sp = slurm.slurm_plan(
         cfg,
         RUN_DIR,
         FINGERPRINT,
@@ -48,9 +48,7 @@ def render(tmp_path: Path, monkeypatch) -> str:
         merge_job=True,
         after=["<array 0 job id>", "<array 1 job id>", "<array 2 job id>"],
     )
-    return "".join(
-        f"# ==== {title}\n{script}" for title, script in submission.slurm_scripts(sp, RUN_DIR, python=PYTHON)
-    )
+    return "".join(f"# ==== {title}\n{script}" for title, script in slurm.slurm_scripts(sp, RUN_DIR, python=PYTHON))
 
 
 def test_sbatch_scripts_for_the_example_cluster_config(tmp_path, monkeypatch):
@@ -103,12 +101,10 @@ def render_config(tmp_path: Path, monkeypatch, cluster: dict, run_dir: Path) -> 
         )
     )
     cfg = config.load(tmp_path / "run.yaml")
-    sp = submission.slurm_plan(
+    sp = slurm.slurm_plan(
         cfg, run_dir, FINGERPRINT, range(3), max_array_size=1001, merge_job=True, after=["<array 0 job id>"]
     )
-    return "".join(
-        f"# ==== {title}\n{script}" for title, script in submission.slurm_scripts(sp, run_dir, python=PYTHON)
-    )
+    return "".join(f"# ==== {title}\n{script}" for title, script in slurm.slurm_scripts(sp, run_dir, python=PYTHON))
 
 
 def test_a_hostile_cluster_config_is_refused_before_anything_is_rendered(tmp_path, monkeypatch):

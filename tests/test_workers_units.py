@@ -14,7 +14,7 @@ import pytest
 
 from shardrun.core import config
 from shardrun.core.errors import BadInput
-from shardrun.launch import status, submission, worker_launch
+from shardrun.launch import after_workers, status, submission, warm_workers
 from shardrun.rundir import claims, store
 from shardrun.shard import processes, worker
 from tests import builders
@@ -43,10 +43,10 @@ def test_rate_and_whether_a_shard_fits_before_the_limit() -> None:
 
 def test_deadline_from_slurm_or_the_configured_limit() -> None:
     slurm_cluster = config.ClusterConfig(executor="slurm", time_limit="01:00:00")
-    assert worker_launch.deadline(slurm_cluster, {"SLURM_JOB_END_TIME": "1800000000"}) == 1800000000.0
-    assert worker_launch.deadline(slurm_cluster, {}) == pytest.approx(time.time() + 3600, abs=5)
-    assert worker_launch.deadline(config.ClusterConfig(), {}) is None
-    assert worker_launch.deadline(config.ClusterConfig(time_limit="00:10:00"), {}) == pytest.approx(
+    assert warm_workers.deadline(slurm_cluster, {"SLURM_JOB_END_TIME": "1800000000"}) == 1800000000.0
+    assert warm_workers.deadline(slurm_cluster, {}) == pytest.approx(time.time() + 3600, abs=5)
+    assert warm_workers.deadline(config.ClusterConfig(), {}) is None
+    assert warm_workers.deadline(config.ClusterConfig(time_limit="00:10:00"), {}) == pytest.approx(
         time.time() + 600, abs=5
     )
 
@@ -214,9 +214,9 @@ def test_the_job_after_the_workers_resubmits_only_what_may_still_run(tmp_path: P
             store.shard_failure_path(run.run_dir, i),
             {"job_id": "5_0", "error": "ShardFailed: boom", "attempt": attempt, "at": time.time(), "host": "x"},
         )
-    todo, gave_up = worker_launch.unfinished(run.run_dir, run.plan, max_attempts=3)
+    todo, gave_up = after_workers.unfinished(run.run_dir, run.plan, max_attempts=3)
     assert (todo, gave_up) == ([1, 2], [3])
-    assert worker_launch.after_command(run.run_dir, 2)[-3:] == [str(run.run_dir), "--round", "2"]
+    assert warm_workers.after_command(run.run_dir, 2)[-3:] == [str(run.run_dir), "--round", "2"]
 
 
 def test_resume_says_it_launched_workers(tmp_path: Path) -> None:

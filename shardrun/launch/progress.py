@@ -1,4 +1,4 @@
-"""The live progress view of a run: `shardrun status --watch` and a waiting local `shardrun submit`.
+"""The live progress view of a run: `shardrun status --watch` (`watch`) and a waiting local `shardrun submit`.
 
 One line of facts from `status.collect`: rollouts done of planned, rate, ETA, shards sealed / running / failed /
 pending, and the warm workers. On a terminal it is drawn with `rich` (a progress bar and a small table of the
@@ -80,6 +80,18 @@ def view(st: status.RunStatus) -> Any:
 
 def finished(st: status.RunStatus) -> bool:
     return st.complete or not (st.counts[status.RUNNING] + st.counts[status.PENDING])
+
+
+def watch(
+    run_dir: Path,
+    interval_s: float = 5.0,
+    echo: Callable[[str], None] = print,
+    clear: bool | None = None,
+    max_updates: int | None = None,
+) -> status.RunStatus:
+    """`shardrun status --watch`: the progress until every shard is sealed or nothing is live any more: rich on a
+    terminal (`clear`), plain lines otherwise."""
+    return follow(run_dir, interval_s, echo, tty=clear, max_updates=max_updates)
 
 
 def follow(

@@ -6,14 +6,12 @@ shards are sealed or still queued/running, and resubmits the rest. Each resubmit
 from its last complete rollout (runtime.py). A shard submitted `cluster.max_attempts` times is not submitted again;
 it is reported with its last error.
 
-Cancel: cancels the run's live jobs (Slurm: the jobs squeue lists under the run's job names; local: the recorded
-pids that are still the same processes).
+Cancel: each backend (backends.py) cancels the run's jobs it launched that are live (Slurm: the jobs squeue lists
+under the run's job names; local: the recorded pids that are still the same processes).
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,7 @@ from filelock import Timeout
 from shardrun.core import config as config_mod
 from shardrun.core import slurm_values
 from shardrun.plan import planner
-from shardrun.launch import preflight, scheduler, slurm
+from shardrun.launch import backends, preflight, scheduler, slurm
 from shardrun.launch import status
 from shardrun.rundir import store
 from shardrun.core.config import RunConfig
@@ -103,7 +101,7 @@ def resume(
     if not dry_run:
         preflight.check(cfg, run_dir, plan)  # everything a shard needs, before anything is launched
     if wait_for_jobs is None:
-        wait_for_jobs = cfg.cluster_or_default.executor == "local"
+        wait_for_jobs = submission.waits_by_default(cfg)
     try:
         return submission.launch_unsealed(
             cfg,
@@ -169,27 +167,16 @@ class CancelResult:
 
 
 def cancel(run_dir: Path, lock_timeout: float = LOCK_TIMEOUT_S) -> CancelResult:
-    """Cancel every live job of the run (shards and merge jobs)."""
+    """Cancel every live job of the run (shards and merge jobs): each backend stops the jobs it launched."""
     run_dir = Path(run_dir)
     store.load_plan(run_dir)
     try:
         with store.run_lock(run_dir, timeout=lock_timeout):
             launches = status.fold_launches(store.read_launches(run_dir))
-            ids: list[str] = []
-            if launches.names:
-                live = scheduler.query_live_jobs(launches.names)
-                ids = scheduler.cancel({j.array_id for j in live.values()})
-            pids = []
-            live_local, _ = status.local_live(launches)
-            for pid in live_local:
-                try:
-                    os.kill(int(pid), signal.SIGINT)  # submitit's own cancel: the shard tears down its servers
-                    pids.append(int(pid))
-                except ProcessLookupError:
-                    pass
+            done = backends.cancel(launches, scheduler.query_live_jobs)
     except Timeout:
         raise RunBusy(f"{run_dir} is locked by another shardrun command for over {lock_timeout:.0f} s") from None
-    return CancelResult(ids, pids)
+    return CancelResult(done.slurm_jobs, done.local_pids)
 
 
 def render_cancel(result: CancelResult) -> str:

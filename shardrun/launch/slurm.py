@@ -1,8 +1,12 @@
-"""Slurm specifics, pure: job naming, array layout, sbatch parameters, time limits. What asks or tells the
-scheduler after submission (squeue, sacct, scancel, scontrol) is scheduler.py.
+"""Slurm specifics, pure: job naming, array layout, sbatch parameters, time limits, what a Slurm submission
+consists of (`SlurmPlan`) and the sbatch scripts it renders to. What asks or tells the scheduler after submission
+(squeue, sacct, scancel, scontrol) is scheduler.py; what submits is the backends' (slurm_arrays.py,
+warm_workers.py), through submitit.
 
 The sbatch parameters use submitit's SlurmExecutor names (`time` in minutes, `mem` as "64GB", `setup`,
-`srun_args`, `additional_parameters`, ...); launch.py hands them to submitit, which renders the script.
+`srun_args`, `additional_parameters`, ...); the backends hand them to submitit, which renders the script.
+`submitit_sbatch` is the one place that calls submitit's private renderer (tests/test_sbatch_golden.py pins its
+output), so what `submit --dry-run` prints is exactly what sbatch receives.
 
 Containers (pyxis) go to `srun_args`, not to `#SBATCH` lines: submitit runs the shard through `srun` inside the
 batch script, and pyxis's `sbatch --container-image` would put the batch script itself in the container, where
@@ -15,13 +19,15 @@ import hashlib
 import math
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from shardrun.core.config import ClusterConfig
+from shardrun.core.config import ClusterConfig, RunConfig
 from shardrun.core.slurm_values import TIME_LIMIT
 from shardrun.core.errors import BadInput
+from shardrun.rundir import store
 
 DEFAULT_TIME_LIMIT = "04:00:00"
 MERGE_SUFFIX = "-merge"
@@ -268,3 +274,96 @@ def merge_parameters(cluster: ClusterConfig, *, job_name: str, comment: str, aft
     if srun_args:
         params["srun_args"] = srun_args
     return params
+
+
+# ---------------------------------------------------------------- a submission, rendered
+
+
+def pass_through_env(cfg: RunConfig) -> list[str]:
+    """Environment variables a shard job needs from the submitting shell besides cluster.env_vars: the API key."""
+    return [cfg.policy.api_key_env] if cfg.policy and cfg.policy.api_key_env else []
+
+
+def merge_command(run_dir: Path) -> list[str]:
+    """What the merge job runs: `shardrun merge-and-profile RUN_DIR` (it re-verifies every shard's seal itself,
+    since Slurm counts a dependency on a purged job id as met; missing shards: non-zero exit, 'shardrun resume')."""
+    return [sys.executable, "-m", "shardrun.cli", "merge-and-profile", str(run_dir)]
+
+
+@dataclass(frozen=True)
+class SlurmPlan:
+    """What a Slurm submission consists of (pure): the job name, the arrays and the parameters."""
+
+    tag: str
+    merge_name: str
+    layout: list[ArrayChunk]
+    shard_params: dict[str, Any]
+    merge_params: dict[str, Any] | None
+
+    def array_params(self, chunk: ArrayChunk) -> dict[str, Any]:
+        return {**self.shard_params, "array_parallelism": chunk.parallelism}
+
+
+def slurm_plan(
+    cfg: RunConfig,
+    run_dir: Path,
+    fingerprint: str,
+    indices: Sequence[int],
+    *,
+    max_array_size: int,
+    merge_job: bool,
+    after: Sequence[str] = (),
+) -> SlurmPlan:
+    cluster = cfg.cluster_or_default
+    tag = job_tag(cluster.job_name_prefix, run_dir, fingerprint)
+    comment = f"shardrun {run_dir}"
+    shard_params = shard_parameters(cluster, job_name=tag, comment=comment, pass_through_env=pass_through_env(cfg))
+    merge_name = merge_job_name(tag)
+    merge_params = merge_parameters(cluster, job_name=merge_name, comment=comment, after=after) if merge_job else None
+    return SlurmPlan(
+        tag,
+        merge_name,
+        array_layout(list(indices), max_array_size, cluster.array_parallelism),
+        shard_params,
+        merge_params,
+    )
+
+
+def submitit_sbatch(command: str, folder: Path, map_count: int | None, params: Mapping[str, Any]) -> str:
+    """submitit's own sbatch renderer, the script its SlurmExecutor hands to sbatch for these parameters. The one
+    call of a private submitit function in shardrun; tests/test_sbatch_golden.py pins what it returns, so a
+    submitit release that changes it fails there, not on a cluster."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return _make_sbatch_string(command=command, folder=folder, map_count=map_count, **params)
+
+
+def render_sbatch(params: dict[str, Any], folder: Path, *, map_count: int | None, python: str | None = None) -> str:
+    """The sbatch script submitit writes for these parameters (pure: nothing is submitted). A job array when
+    `map_count` is given (submitit submits a single shard as a plain job)."""
+    folder = Path(folder).absolute()
+    command = " ".join([shlex.quote(python or sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    return submitit_sbatch(command, folder, map_count, params)
+
+
+def slurm_scripts(sp: SlurmPlan, run_dir: Path, *, python: str | None = None) -> list[tuple[str, str]]:
+    """(title, sbatch script) for every sbatch call of the submission, in order (pure)."""
+    jobs_dir = store.jobs_dir(run_dir)
+    out = []
+    for k, chunk in enumerate(sp.layout):
+        out.append(
+            (
+                f"array {k}: shards {format_ranges(chunk.shards)}",
+                render_sbatch(
+                    sp.array_params(chunk), jobs_dir, map_count=chunk.size if chunk.size > 1 else None, python=python
+                ),
+            )
+        )
+    if sp.merge_params is not None:
+        out.append(
+            (
+                f"merge job: shardrun merge-and-profile {shlex.quote(str(run_dir))}",
+                render_sbatch(sp.merge_params, jobs_dir, map_count=None, python=python),
+            )
+        )
+    return out

@@ -23,7 +23,8 @@ import orjson
 
 from shardrun.rundir import cost, ledger
 from shardrun.rundir import seal
-from shardrun.launch import scheduler, slurm
+from shardrun.launch import backends, scheduler, slurm
+from shardrun.launch.launcher import Live
 from shardrun.rundir import store
 from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
 from shardrun.plan.planner import Plan
@@ -140,14 +141,7 @@ def fold_launches(records: Iterable[Mapping]) -> Launches:
     return out
 
 
-# ---------------------------------------------------------------- live jobs
-
-
-@dataclass(frozen=True)
-class Live:
-    state: str  # RUNNING or PENDING
-    reason: str
-    started_at: float | None
+# ---------------------------------------------------------------- live jobs (each backend says which of its jobs are: backends.live)
 
 
 def pid_start_ticks(pid: int) -> int | None:
@@ -160,47 +154,6 @@ def pid_start_ticks(pid: int) -> int | None:
     if fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])
-
-
-def local_live(launches: Launches) -> tuple[dict[str, Live], list[str]]:
-    """Local-executor jobs whose recorded pid is still the same process (pid reuse is ruled out by start time)."""
-    live: dict[str, Live] = {}
-    warnings: list[str] = []
-    host = socket.gethostname()
-    foreign = sorted({h for h in launches.local_hosts.values() if h and h != host})
-    if foreign:
-        warnings.append(f"local jobs ran on {', '.join(foreign)}; run status there to see if they still run")
-    for pid, start in launches.local_pids.items():
-        if launches.local_hosts.get(pid, host) != host:
-            continue
-        ticks = pid_start_ticks(int(pid))
-        if ticks is not None and (start is None or ticks == start):
-            live[pid] = Live("RUNNING", "", None)
-    return live, warnings
-
-
-def slurm_live(
-    launches: Launches, query: Callable[[Iterable[str]], dict[str, scheduler.LiveJob]]
-) -> tuple[dict[str, Live], str | None]:
-    if not launches.names:
-        return {}, None
-    try:
-        jobs = query(launches.names)
-    except scheduler.SlurmError as e:
-        return {}, f"cannot ask Slurm which jobs are live ({e}); launched shards that are not sealed show as failed"
-    live = {}
-    for job_id, j in jobs.items():
-        live[job_id] = Live(
-            "RUNNING" if j.running else "PENDING", j.reason, _parse_start(j.start) if j.running else None
-        )
-    return live, None
-
-
-def _parse_start(text: str) -> float | None:
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return None
 
 
 # ---------------------------------------------------------------- one shard (pure)
@@ -327,15 +280,13 @@ def collect(
     max_attempts = int(latest.get("max_attempts") or 3)
     gpus_per_shard = int(latest.get("gpus_per_shard") or 0)
 
-    # Slurm answers in tens of milliseconds; ask it while the run directory is read (threads wait on the commands)
+    # every backend says which of its jobs are live; Slurm answers in tens of milliseconds: ask while the run
+    # directory is read (threads wait on the commands)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        asking = pool.submit(slurm_live, launches, query_live)
+        asking = pool.submit(backends.live, launches, query_live)
         seals = {spec.index: seal.check(run_dir, plan, spec.index) for spec in plan.shards}
-        live, warnings = local_live(launches)
-        slurm_jobs, problem = asking.result()
-        live.update(slurm_jobs)
-        if problem:
-            warnings.append(problem)
+        answer = asking.result()
+        live, warnings = answer.jobs, list(answer.warnings)
         gone = [
             i for i, s in seals.items() if not s.sealed and i in launches.last_job and launches.last_job[i] not in live
         ]
@@ -370,7 +321,8 @@ def collect(
     ]
     sources = []
     if launches.names:
-        sources.append(f"squeue --name={','.join(sorted(launches.names))}: {len(slurm_jobs)} live")
+        slurm_live = sum(1 for j in live.values() if j.on_slurm)
+        sources.append(f"squeue --name={','.join(sorted(launches.names))}: {slurm_live} live")
     if launches.local_pids:
         sources.append(f"local pids: {sum(1 for p in launches.local_pids if p in live)} live")
 
@@ -703,20 +655,3 @@ def render_json(st: RunStatus) -> str:
     for s in data["shards"]:
         s["done"] = s["rollouts"] + s["failed_rollouts"]
     return orjson.dumps(data, option=orjson.OPT_INDENT_2).decode()
-
-
-# ---------------------------------------------------------------- watch
-
-
-def watch(
-    run_dir: Path,
-    interval_s: float = 5.0,
-    echo: Callable[[str], None] = print,
-    clear: bool | None = None,
-    max_updates: int | None = None,
-) -> RunStatus:
-    """The live progress view (launch/progress.py) until every shard is sealed or nothing is live any more: rich on
-    a terminal (`clear`), plain lines otherwise."""
-    from shardrun.launch import progress
-
-    return progress.follow(run_dir, interval_s, echo, tty=clear, max_updates=max_updates)

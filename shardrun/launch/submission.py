@@ -1,32 +1,17 @@
-"""Launching shards through submitit (the only module that knows submitit).
+"""`shardrun submit`, and what submit and resume share: launch every unsealed shard through the backend the config
+selects (backends.py), record the launch, and wait for local jobs with the progress view.
 
-The seam:
-- `make_executor(cfg, run_dir)` builds the local submitit executor; Slurm executors are made per job array by
-  `slurm_executor` (parameters from slurm.py, which is pure).
 - `submit_shards(cfg, run_dir, indices)` submits shards and returns which job runs which shard; it appends one
   launch record to RUN_DIR/launches.jsonl (read by status / resume / cancel).
-- The job functions `shard_job(run_dir, index)` and `shard_worker(run_dir, indices)` are small and importable;
-  their arguments are a path and integers, so submitit's pickles hold no state and no secrets: everything a shard
-  needs is in the run directory (plan.json, launch.json, the shard's files) and in the environment (API keys).
-
-`submit` is `shardrun submit`: plan (refusing a different existing plan), save the launch settings, launch every
-unsealed shard, and for the local executor wait for them by default.
-
-Local executor: submitit's LocalExecutor starts every job at once, so the cap on concurrent shards
-(cluster.array_parallelism) is kept by submitting at most that many worker jobs, each running its share of the
-shards one after another (shards i, i+cap, i+2cap, ...).
-
-Slurm executor: one job array per MaxArraySize shards (one sbatch each, throttled with %N so that together they
-run at most array_parallelism shards), each task a `ShardJob` (submitit Checkpointable: on the checkpoint signal
-the shard stops cleanly and submitit requeues it), then one CPU merge job after all arrays (afterany).
+- `launch_unsealed` holds the run lock from the check of what is sealed or live to the launch record.
+- `submit` is `shardrun submit`: plan (refusing a different existing plan), save the launch settings, launch every
+  unsealed shard, and for local jobs wait for them by default.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shlex
-import signal
 import socket
 import sys
 import time
@@ -34,136 +19,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from submitit.helpers import Checkpointable
-
 from shardrun.shard import processes
 from shardrun.core import gym_version
 from shardrun.rundir import env_manifest
 from shardrun.rundir import seal
 from shardrun.core import gym_adapter
-from shardrun.launch import preflight, scheduler, slurm
+from shardrun.launch import backends, preflight, slurm
 from shardrun.launch import status
+from shardrun.launch.launcher import Launch, Request
 from shardrun.rundir import store
-from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig, RunConfig
-from shardrun.core.errors import BadInput, PlanMismatch, ShardFailed, ShardrunError
+from shardrun.core.config import RunConfig
+from shardrun.core.errors import PlanMismatch
 from shardrun.plan.planner import Plan
 
-LOCAL_DEFAULT_TIMEOUT_MIN = 7 * 24 * 60
 POLL_S = 1.0
 
 
-# ---------------------------------------------------------------- job functions (run inside the job)
-
-
-def current_job_id() -> str | None:
-    try:
-        import submitit
-
-        return str(submitit.JobEnvironment().job_id)
-    except Exception:  # not inside a submitit job (run by hand)
-        return None
-
-
-def shard_job(run_dir: str, index: int) -> dict[str, Any]:
-    """Run one shard (a Slurm array task runs exactly this)."""
-    from shardrun.shard import runtime
-
-    result = runtime.run_shard(Path(run_dir), int(index), job_id=current_job_id())
-    return {"index": result.index, "state": result.state}
-
-
-def shard_worker(run_dir: str, indices: Sequence[int]) -> list[dict[str, Any]]:
-    """Run several shards one after another (a local worker job); fails at the end if any shard failed."""
-    from shardrun.shard.runtime import ShardInterrupted
-
-    outcomes = []
-    for i in indices:
-        try:
-            outcomes.append(shard_job(run_dir, i))
-        except ShardInterrupted:
-            raise
-        except ShardrunError as e:
-            outcomes.append({"index": int(i), "state": "failed", "error": f"{type(e).__name__}: {e}"})
-    failed = [o for o in outcomes if o["state"] == "failed"]
-    if failed:
-        raise ShardFailed(
-            f"{len(failed)} of {len(outcomes)} shard(s) failed: "
-            + "; ".join(f"shard {o['index']}: {o['error'].splitlines()[0]}" for o in failed)
-        )
-    return outcomes
-
-
-# ---------------------------------------------------------------- executor and submission
-
-
-def make_executor(cfg: RunConfig, run_dir: Path):
-    """The local submitit executor, with its folder in the run directory (Slurm: `slurm_executor`)."""
-    import submitit
-
-    cluster = cfg.cluster_or_default
-    folder = store.jobs_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    if cluster.executor == "local":
-        executor = submitit.LocalExecutor(folder=folder)
-        params: dict[str, Any] = {"timeout_min": local_timeout_min(cluster)}
-        if cluster.gpus_per_node:
-            params["gpus_per_node"] = cluster.gpus_per_node
-        if cluster.setup:
-            params["setup"] = list(cluster.setup)
-        executor.update_parameters(**params)
-        return executor
-    raise BadInput(f"cluster.executor={cluster.executor!r}: make_executor builds the local executor only")
-
-
-def local_timeout_min(cluster: ClusterConfig) -> int:
-    if cluster.time_limit:
-        from shardrun.launch.slurm import parse_time_limit
-
-        return parse_time_limit(cluster.time_limit)
-    return LOCAL_DEFAULT_TIMEOUT_MIN
-
-
-def local_groups(indices: Sequence[int], parallelism: int) -> list[list[int]]:
-    """Deal shards to at most `parallelism` workers: worker w runs indices[w], indices[w + n], ..."""
-    n = max(1, min(parallelism, len(indices)))
-    return [list(indices[w::n]) for w in range(n)]
-
-
-@dataclass
-class Launch:
-    jobs: dict[int, str]  # shard index -> job id
-    handles: list[Any] = field(default_factory=list)  # submitit jobs (only to wait on them here)
-    arrays: list[str] = field(default_factory=list)  # Slurm: the job array ids, in submission order
-    tag: str | None = None  # Slurm: the job name of the shard jobs
-    merge_name: str | None = None  # Slurm: the job name of the merge job
-    merge_job_id: str | None = None
-    workers: dict[int, str] = field(default_factory=dict)  # warm workers (cluster.workers): worker -> job id
-    worker_shards: list[int] = field(default_factory=list)  # the shards the workers were launched for
+def run_job_names(run_dir: Path) -> frozenset[str]:
+    """The Slurm job names the run's launches used (the merge job queued next replaces their waiting merge jobs)."""
+    return frozenset(status.fold_launches(store.read_launches(run_dir)).names)
 
 
 def submit_shards(
     cfg: RunConfig, run_dir: Path, indices: Sequence[int], *, merge_job: bool = True, locked: bool = False
 ) -> Launch:
-    """Submit the shards `indices` (Slurm: and, with `merge_job`, the merge job after them); records the launch in
-    RUN_DIR/launches.jsonl, even when a later sbatch of the launch failed. Holds the run lock unless the caller
-    does (`locked`). Returns shard -> job id."""
-    cluster = cfg.cluster_or_default
+    """Submit the shards `indices` through the config's backend (Slurm: and, with `merge_job`, the merge job after
+    them); records the launch in RUN_DIR/launches.jsonl, even when a later sbatch of the launch failed. Holds the
+    run lock unless the caller does (`locked`). Returns shard -> job id."""
+    backend = backends.for_config(cfg)
     launch = Launch(jobs={})
     with contextlib.nullcontext() if locked else store.run_lock(run_dir):
+        request = Request(cfg, run_dir, list(indices), merge_job=merge_job, run_job_names=run_job_names(run_dir))
         try:
-            if cluster.workers is not None:
-                from shardrun.launch import worker_launch
-
-                worker_launch.submit_workers(cfg, run_dir, indices, launch, merge_job=merge_job)
-            elif cluster.executor == "slurm":
-                submit_slurm(cfg, run_dir, store.load_plan(run_dir), indices, launch, merge_job=merge_job)
-            else:
-                executor = make_executor(cfg, run_dir)
-                for group in local_groups(list(indices), cluster.array_parallelism):
-                    job = executor.submit(shard_worker, str(run_dir), group)
-                    launch.handles.append(job)
-                    for i in group:
-                        launch.jobs[i] = str(job.job_id)
+            backend.submit(request, launch)
         finally:
             if launch.jobs or launch.workers:
                 store.append_launch(run_dir, launch_record(cfg, run_dir, launch))
@@ -362,7 +250,9 @@ def launch_unsealed(
         todo = [i for i in todo if i not in live and i not in {s.index for s in result.gave_up}]
         if dry_run:
             result.dry_run = (
-                describe_submission(cfg, run_dir, todo, merge_job=merge_job) if todo else "nothing to submit"
+                describe_submission(cfg, run_dir, todo, merge_job=merge_job, fingerprint=plan.fingerprint)
+                if todo
+                else "nothing to submit"
             )
             return result
         store.write_launch_settings(run_dir, cfg)
@@ -409,7 +299,7 @@ def submit(
     preflight.check(cfg, cfg.run_dir, plan)  # everything a shard needs, before anything is written or launched
     plan, written = store.write_plan(cfg, plan)
     if wait_for_jobs is None:
-        wait_for_jobs = cfg.cluster_or_default.executor == "local"
+        wait_for_jobs = waits_by_default(cfg)
     result = launch_unsealed(cfg, cfg.run_dir, plan, wait_for_jobs=wait_for_jobs, echo=echo, merge_job=merge_job)
     result.planned_now = written
     return result
@@ -435,252 +325,17 @@ def dry_run_submit(cfg: RunConfig, *, merge_job: bool) -> SubmitResult:
     return result
 
 
-# ---------------------------------------------------------------- Slurm: job arrays, the merge job, checkpoints
-
-
-class CheckpointRequested(BaseException):
-    """Raised inside a Slurm shard job by the checkpoint signal (USR2: the time limit is near, or a preemption).
-
-    A BaseException, so the runtime's `except Exception` neither records it as the shard's failure nor as failed
-    rollouts: it unwinds the shard, whose teardown stops the collector (watchdog) and the servers in order; every
-    completed rollout stays in rollouts.jsonl and rollouts in flight are simply run again by the requeued job."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"checkpoint signal {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-def checkpoint_signal() -> int:
-    """submitit's checkpoint signal (USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise)."""
-    return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
-
-
-class ShardJob(Checkpointable):
-    """One shard as a Slurm array task. On the checkpoint signal it stops the shard cleanly, then hands over to
-    submitit, which calls `checkpoint` (the same shard again: it resumes from its files), requeues the job and
-    exits. Pickled by submitit: it holds the run directory only."""
-
-    def __init__(self, run_dir: str):
-        self.run_dir = str(run_dir)
-
-    def __call__(self, index: int) -> dict[str, Any]:
-        sig = checkpoint_signal()
-        submitit_handler = signal.getsignal(sig)  # submitit's checkpoint_and_try_requeue inside a job
-
-        def on_signal(signum: int, _frame: Any) -> None:
-            signal.signal(signum, signal.SIG_IGN)  # one stop is enough; Slurm may signal again
-            raise CheckpointRequested(signum)
-
-        signal.signal(sig, on_signal)
-        try:
-            return shard_job(self.run_dir, index)
-        except CheckpointRequested as e:
-            print(
-                f"[shardrun] shard {index}: {e}: collector and servers stopped, completed rollouts kept; "
-                f"handing over to submitit to requeue",
-                flush=True,
-            )
-            signal.signal(sig, submitit_handler)
-            if callable(submitit_handler):
-                submitit_handler(e.signum, None)  # checkpoint -> scontrol requeue -> exit
-            raise
-        finally:
-            signal.signal(sig, submitit_handler)
-
-
-def slurm_executor(run_dir: Path, cluster: ClusterConfig, params: dict[str, Any]):
-    import submitit
-
-    folder = store.jobs_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
-    except RuntimeError as e:  # no srun on PATH
-        raise scheduler.SlurmError(f"cannot submit to Slurm from here: {e}") from None
-    executor.update_parameters(**params)
-    return executor
-
-
-def render_sbatch(params: dict[str, Any], folder: Path, *, map_count: int | None, python: str | None = None) -> str:
-    """The sbatch script submitit writes for these parameters (pure: submitit's own renderer, nothing submitted).
-    A job array when `map_count` is given (submitit submits a single shard as a plain job)."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    folder = Path(folder).absolute()
-    command = " ".join([shlex.quote(python or sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
-    return _make_sbatch_string(command=command, folder=folder, map_count=map_count, **params)
-
-
-@dataclass(frozen=True)
-class SlurmPlan:
-    """What a Slurm submission consists of (pure): the job name, the arrays and the parameters."""
-
-    tag: str
-    merge_name: str
-    layout: list[slurm.ArrayChunk]
-    shard_params: dict[str, Any]
-    merge_params: dict[str, Any] | None
-
-    def array_params(self, chunk: slurm.ArrayChunk) -> dict[str, Any]:
-        return {**self.shard_params, "array_parallelism": chunk.parallelism}
-
-
-def slurm_plan(
-    cfg: RunConfig,
-    run_dir: Path,
-    fingerprint: str,
-    indices: Sequence[int],
-    *,
-    max_array_size: int,
-    merge_job: bool,
-    after: Sequence[str] = (),
-) -> SlurmPlan:
-    cluster = cfg.cluster_or_default
-    tag = slurm.job_tag(cluster.job_name_prefix, run_dir, fingerprint)
-    comment = f"shardrun {run_dir}"
-    shard_params = slurm.shard_parameters(
-        cluster, job_name=tag, comment=comment, pass_through_env=pass_through_env(cfg)
-    )
-    merge_name = slurm.merge_job_name(tag)
-    merge_params = (
-        slurm.merge_parameters(cluster, job_name=merge_name, comment=comment, after=after) if merge_job else None
-    )
-    return SlurmPlan(
-        tag,
-        merge_name,
-        slurm.array_layout(list(indices), max_array_size, cluster.array_parallelism),
-        shard_params,
-        merge_params,
-    )
-
-
-def pass_through_env(cfg: RunConfig) -> list[str]:
-    """Environment variables a shard job needs from the submitting shell besides cluster.env_vars: the API key."""
-    return [cfg.policy.api_key_env] if cfg.policy and cfg.policy.api_key_env else []
-
-
-def merge_command(run_dir: Path) -> list[str]:
-    """What the merge job runs: `shardrun merge-and-profile RUN_DIR` (it re-verifies every shard's seal itself,
-    since Slurm counts a dependency on a purged job id as met; missing shards: non-zero exit, 'shardrun resume')."""
-    return [sys.executable, "-m", "shardrun.cli", "merge-and-profile", str(run_dir)]
-
-
-def slurm_scripts(sp: SlurmPlan, run_dir: Path, *, python: str | None = None) -> list[tuple[str, str]]:
-    """(title, sbatch script) for every sbatch call of the submission, in order (pure)."""
-    folder = store.jobs_dir(run_dir)
-    out = []
-    for k, chunk in enumerate(sp.layout):
-        out.append(
-            (
-                f"array {k}: shards {slurm.format_ranges(chunk.shards)}",
-                render_sbatch(
-                    sp.array_params(chunk), folder, map_count=chunk.size if chunk.size > 1 else None, python=python
-                ),
-            )
-        )
-    if sp.merge_params is not None:
-        out.append(
-            (
-                f"merge job: shardrun merge-and-profile {shlex.quote(str(run_dir))}",
-                render_sbatch(sp.merge_params, folder, map_count=None, python=python),
-            )
-        )
-    return out
-
-
-def max_array_size_for_dry_run(cluster: ClusterConfig) -> tuple[int, str]:
-    if cluster.max_array_size:
-        return cluster.max_array_size, "cluster.max_array_size"
-    try:
-        return scheduler.query_max_array_size(), "scontrol show config"
-    except scheduler.SlurmError:
-        return DEFAULT_MAX_ARRAY_SIZE, "Slurm's default; scontrol is not available here"
+def waits_by_default(cfg: RunConfig) -> bool:
+    """Does submit (or resume) wait for the jobs unless told otherwise? The backend's say (local jobs: yes)."""
+    return backends.for_config(cfg).waits_by_default(cfg.cluster_or_default)
 
 
 def describe_submission(
     cfg: RunConfig, run_dir: Path, indices: Sequence[int], *, merge_job: bool = True, fingerprint: str | None = None
 ) -> str:
-    """`--dry-run`: the array layout and every sbatch script that would be submitted (Slurm), or the worker
-    groups (local). Nothing is submitted or written."""
-    cluster = cfg.cluster_or_default
-    if cluster.workers is not None:
-        from shardrun.launch import worker_launch
-
-        return worker_launch.describe(cfg, run_dir, indices, merge_job)
-    if cluster.executor == "local":
-        groups = local_groups(list(indices), cluster.array_parallelism)
-        return "\n".join(
-            [f"local executor: {len(indices)} shard(s) in {len(groups)} worker job(s) at once"]
-            + [f"  worker {w}: shards {slurm.format_ranges(g)}" for w, g in enumerate(groups)]
-        )
-    fingerprint = fingerprint or store.load_plan(run_dir).fingerprint
-    size, source = max_array_size_for_dry_run(cluster)
-    sp = slurm_plan(
-        cfg,
-        run_dir,
-        fingerprint,
-        indices,
-        max_array_size=size,
-        merge_job=merge_job,
-        after=[f"<array {k} job id>" for k in range(-(-len(indices) // size))],
-    )
-    lines = [
-        f"job name: {sp.tag} (status, resume and cancel find the run's jobs by it)",
-        f"MaxArraySize: {size} ({source})",
-        slurm.describe_layout(sp.layout),
-    ]
-    if merge_job:
-        lines.append(f"merge job: {sp.merge_name}, after every array ends (afterany, --kill-on-invalid-dep=yes)")
-    for title, script in slurm_scripts(sp, run_dir):
-        lines += ["", f"# ---- sbatch script for {title}", script.rstrip("\n")]
-    return "\n".join(lines)
-
-
-def submit_slurm(
-    cfg: RunConfig, run_dir: Path, plan: Plan, indices: Sequence[int], launch: Launch, *, merge_job: bool
-) -> None:
-    """Submit the shards as job arrays (one sbatch per array) and the merge job after them (one more sbatch),
-    filling `launch` as each sbatch succeeds."""
-
-    cluster = cfg.cluster_or_default
-    missing = slurm.missing_pass_through(cluster.env_vars, pass_through_env(cfg), os.environ)
-    if missing:
-        raise BadInput(
-            f"{', '.join(missing)} not set in this shell: Slurm jobs get these from the environment "
-            f"they are submitted from (sbatch --export=ALL); export them and submit again"
-        )
-    sp = slurm_plan(
-        cfg, run_dir, plan.fingerprint, indices, max_array_size=scheduler.max_array_size(cluster), merge_job=False
-    )
-    launch.tag, launch.merge_name = sp.tag, sp.merge_name
-    job = ShardJob(str(run_dir))
-    for chunk in sp.layout:
-        jobs = slurm_executor(run_dir, cluster, sp.array_params(chunk)).map_array(job, list(chunk.shards))
-        for i, j in zip(chunk.shards, jobs):
-            launch.jobs[i] = str(j.job_id)
-        launch.arrays.append(str(jobs[0].job_id).split("_", 1)[0])
-    if merge_job:
-        launch.merge_job_id = queue_after_the_run(
-            run_dir, cluster, {sp.tag, sp.merge_name}, launch.arrays, sp.merge_name, merge_command(run_dir)
-        )
-
-
-def queue_after_the_run(
-    run_dir: Path, cluster: ClusterConfig, names: set[str], arrays: Sequence[str], job_name: str, command: list[str]
-) -> str:
-    """Queue the job that runs `command` after the run (merge-and-profile, or the job after the workers) and return
-    its id. The run's merge jobs still waiting would run before the new `arrays` end: they are replaced by this one,
-    which waits (afterany) for every array of the run still queued or running and for `arrays`. The job this runs
-    in, when the job after the workers resubmits them, is neither cancelled nor waited for."""
-    from submitit.helpers import CommandFunction
-
-    me = os.environ.get("SLURM_JOB_ID")
-    live = scheduler.query_live_jobs(status.fold_launches(store.read_launches(run_dir)).names | names)
-    live = {k: j for k, j in live.items() if me is None or me not in (j.job_id, j.array_id)}
-    merges = {j.job_id for j in live.values() if j.name.endswith(slurm.MERGE_SUFFIX)}
-    scheduler.cancel(merges)
-    after = sorted(
-        {j.array_id for j in live.values() if j.job_id not in merges} | set(arrays), key=lambda s: (len(s), s)
-    )
-    params = slurm.merge_parameters(cluster, job_name=job_name, comment=f"shardrun {run_dir}", after=after)
-    return str(slurm_executor(run_dir, cluster, params).submit(CommandFunction(command, verbose=True)).job_id)
+    """`--dry-run`: what the config's backend would launch (Slurm: the array layout and every sbatch script; local:
+    the worker jobs). Nothing is submitted or written."""
+    backend = backends.for_config(cfg)
+    request = Request(cfg, run_dir, list(indices), merge_job=merge_job)
+    text = backend.describe(request, fingerprint or store.load_plan(run_dir).fingerprint)
+    return f"launch mode: {backend.mode}\n{text}"

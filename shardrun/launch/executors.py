@@ -1,0 +1,183 @@
+"""The submitit seam the backends share: its executors (local and Slurm), what runs inside a job, the job queued
+after a run's arrays, and how a backend finds which of its jobs are live (a local pid that is still the same
+process, or a Slurm job squeue lists).
+
+The job functions take a path and integers, so submitit's pickles hold no state and no secrets: everything a shard
+needs is in the run directory (plan.json, launch.json, the shard's files) and in the environment (API keys).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from shardrun.core.config import ClusterConfig, RunConfig
+from shardrun.core.errors import BadInput
+from shardrun.launch import scheduler, slurm
+from shardrun.launch.launcher import AskSlurm, Launched, Live, LiveJobs
+from shardrun.rundir import store
+from shardrun.shard import processes
+
+LOCAL_DEFAULT_TIMEOUT_MIN = 7 * 24 * 60
+
+
+# ---------------------------------------------------------------- inside the job
+
+
+def current_job_id() -> str | None:
+    try:
+        import submitit
+
+        return str(submitit.JobEnvironment().job_id)
+    except Exception:  # not inside a submitit job (run by hand)
+        return None
+
+
+def shard_job(run_dir: str, index: int) -> dict[str, Any]:
+    """Run one shard (a Slurm array task runs exactly this)."""
+    from shardrun.shard import runtime
+
+    result = runtime.run_shard(Path(run_dir), int(index), job_id=current_job_id())
+    return {"index": result.index, "state": result.state}
+
+
+def checkpoint_signal() -> int:
+    """submitit's checkpoint signal (USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise)."""
+    return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
+
+
+# ---------------------------------------------------------------- executors
+
+
+def local_executor(cfg: RunConfig, run_dir: Path):
+    """submitit's LocalExecutor, with its folder in the run directory."""
+    import submitit
+
+    cluster = cfg.cluster_or_default
+    folder = store.jobs_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    executor = submitit.LocalExecutor(folder=folder)
+    params: dict[str, Any] = {"timeout_min": local_timeout_min(cluster)}
+    if cluster.gpus_per_node:
+        params["gpus_per_node"] = cluster.gpus_per_node
+    if cluster.setup:
+        params["setup"] = list(cluster.setup)
+    executor.update_parameters(**params)
+    return executor
+
+
+def local_timeout_min(cluster: ClusterConfig) -> int:
+    return slurm.parse_time_limit(cluster.time_limit) if cluster.time_limit else LOCAL_DEFAULT_TIMEOUT_MIN
+
+
+def slurm_executor(run_dir: Path, cluster: ClusterConfig, params: dict[str, Any]):
+    import submitit
+
+    folder = store.jobs_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
+    except RuntimeError as e:  # no srun on PATH
+        raise scheduler.SlurmError(f"cannot submit to Slurm from here: {e}") from None
+    executor.update_parameters(**params)
+    return executor
+
+
+def require_pass_through(cfg: RunConfig) -> None:
+    """Refuse a Slurm submission from a shell that lacks what its jobs take from it (bare env_vars, the key)."""
+    missing = slurm.missing_pass_through(cfg.cluster_or_default.env_vars, slurm.pass_through_env(cfg), os.environ)
+    if missing:
+        raise BadInput(
+            f"{', '.join(missing)} not set in this shell: Slurm jobs get these from the environment "
+            f"they are submitted from (sbatch --export=ALL); export them and submit again"
+        )
+
+
+def queue_after_the_run(
+    run_dir: Path, cluster: ClusterConfig, names: set[str], arrays: Sequence[str], job_name: str, command: list[str]
+) -> str:
+    """Queue the job that runs `command` after the run (merge-and-profile, or the job after the workers) and return
+    its id. `names` are the run's Slurm job names. The run's merge jobs still waiting would run before the new
+    `arrays` end: they are replaced by this one, which waits (afterany) for every array of the run still queued or
+    running and for `arrays`. The job this runs in, when the job after the workers resubmits them, is neither
+    cancelled nor waited for."""
+    from submitit.helpers import CommandFunction
+
+    me = os.environ.get("SLURM_JOB_ID")
+    live = scheduler.query_live_jobs(names)
+    live = {k: j for k, j in live.items() if me is None or me not in (j.job_id, j.array_id)}
+    merges = {j.job_id for j in live.values() if j.name.endswith(slurm.MERGE_SUFFIX)}
+    scheduler.cancel(merges)
+    after = sorted(
+        {j.array_id for j in live.values() if j.job_id not in merges} | set(arrays), key=lambda s: (len(s), s)
+    )
+    params = slurm.merge_parameters(cluster, job_name=job_name, comment=f"shardrun {run_dir}", after=after)
+    return str(slurm_executor(run_dir, cluster, params).submit(CommandFunction(command, verbose=True)).job_id)
+
+
+# ---------------------------------------------------------------- live jobs
+
+
+def live_pids(launched: Launched, pids: Iterable[str]) -> LiveJobs:
+    """Local jobs among `pids` whose recorded pid is still the same process (pid reuse is ruled out by start
+    time); jobs that ran on another host are named in a warning."""
+    out = LiveJobs()
+    host = socket.gethostname()
+    pids = list(pids)
+    foreign = sorted({h for p in pids if (h := launched.local_hosts.get(p, "")) and h != host})
+    if foreign:
+        out.warnings.append(f"local jobs ran on {', '.join(foreign)}; run status there to see if they still run")
+    for pid in pids:
+        if launched.local_hosts.get(pid, host) != host:
+            continue
+        start = launched.local_pids.get(pid)
+        ticks = processes.start_ticks(int(pid))
+        if ticks is not None and (start is None or ticks == start):
+            out.jobs[pid] = Live("RUNNING", "", None)
+    return out
+
+
+def queued(launched: Launched, ask_slurm: AskSlurm, keep: Any = None) -> LiveJobs:
+    """The run's Slurm jobs squeue lists (by the run's job names), those `keep(job_id)` accepts."""
+    out = LiveJobs()
+    if not launched.names:
+        return out
+    try:
+        jobs = ask_slurm(launched.names)
+    except scheduler.SlurmError as e:
+        out.warnings.append(
+            f"cannot ask Slurm which jobs are live ({e}); launched shards that are not sealed show as failed"
+        )
+        return out
+    for job_id, j in jobs.items():
+        if keep is None or keep(job_id):
+            out.jobs[job_id] = Live(
+                "RUNNING" if j.running else "PENDING", j.reason, parse_start(j.start) if j.running else None, True
+            )
+    return out
+
+
+def parse_start(text: str) -> float | None:
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
+
+
+def cancel_live(live: LiveJobs) -> tuple[list[str], list[int]]:
+    """scancel the Slurm jobs (whole arrays) or SIGINT the local jobs (submitit's own cancel: the shard tears down
+    its servers) that `live` found; returns what was cancelled."""
+    arrays = {job_id.split("_", 1)[0] for job_id, job in live.jobs.items() if job.on_slurm}
+    cancelled = scheduler.cancel(arrays) if arrays else []
+    pids = []
+    for pid in (p for p, job in live.jobs.items() if not job.on_slurm):
+        try:
+            os.kill(int(pid), signal.SIGINT)
+            pids.append(int(pid))
+        except ProcessLookupError:
+            pass
+    return cancelled, pids

@@ -480,6 +480,45 @@ def test_a_head_server_that_lost_its_port_fails_the_start_as_transient(tmp_path:
         processes.stop(proc)
 
 
+def test_what_is_transient_is_read_from_the_whole_start_log(tmp_path: Path) -> None:
+    """Issue 20: the head server lost its port, then ng_run printed many more lines and exited ('Head server
+    finished unexpectedly!'): the failure's message (the log's last lines) does not say why, the start log does.
+    Only this start's part of the log counts (an earlier start's error was dealt with), the bind line may be split
+    across reads, and an error that is not transient is not made one."""
+    from shardrun.core.errors import ServerFailure
+    from shardrun.shard import processes
+
+    log = tmp_path / "ng_run.log"
+    bind = "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {}): Address already in use"
+    noise = "; ".join(f"echo 'ray: worker {k} started'" for k in range(200))
+    script = tmp_path / "ng_run.sh"  # a file: the log's first line names the command, not what it prints
+    script.write_text(
+        f'sleep 1; echo "{bind.format(32968)}"; {noise}; echo "Head server finished unexpectedly!"; exit 1'
+    )
+    log.write_text(bind.format(32968) + "\n")  # an earlier start's, dealt with then
+    offset = log.stat().st_size
+    assert gym_stack.StartLog(log, offset, [*gym_stack.TRANSIENT_START, "32968"]).scan() == set()  # not this start's
+    proc = processes.start(["sh", str(script)], log)
+    stack = gym_stack.GymStack(proc, 32968, tmp_path / "env.yaml", tmp_path / "ray", log_from=offset)
+    assert proc.popen.wait(timeout=120) == 1  # ng_run exited before it was ready
+    with pytest.raises(ServerFailure) as failed:
+        gym_stack.wait_ready(stack, 120)
+    assert "Head server finished unexpectedly!" in str(failed.value) and "already in use" not in str(failed.value)
+    assert not gym_stack.transient_start_failure(str(failed.value))  # the message alone: not transient
+    assert gym_stack.transient_start_failure(str(failed.value), stack)  # the whole start log: transient
+    assert stack.head_port_lost() and stack.transient_failure() == "address already in use"
+
+    small = gym_stack.StartLog(log, offset, ["bind on address ('127.0.0.1', 32968)"])
+    small.CHUNK = 7  # the phrase straddles reads
+    assert small.scan() == {"bind on address ('127.0.0.1', 32968)"}
+
+    other = tmp_path / "other.log"
+    other.write_text("ModuleNotFoundError: No module named 'nemo_gym'\n" + "line\n" * 100)
+    quiet = gym_stack.GymStack(proc, 32969, tmp_path / "env.yaml", tmp_path / "ray")
+    quiet.start_log = gym_stack.StartLog(other, 0, [quiet.head_bind_failure, *gym_stack.TRANSIENT_START])
+    assert quiet.transient_failure() is None and not gym_stack.transient_start_failure("exited 1", quiet)
+
+
 def test_ray_tmp_dir_is_short_per_shard_and_emptied(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile

@@ -166,6 +166,43 @@ def ray_tmp_dir(shard: Path) -> Path:
 # ---------------------------------------------------------------- the running stack
 
 
+class StartLog:
+    """ng_run's log from where one start of the stack began, read forward as it grows: the `phrases` are looked
+    for in everything the start printed, not in the last lines a failure message carries (a head server that lost
+    its port says so, then Ray and ng_run print many more lines: "Head server finished unexpectedly!" is what is
+    left at the end). Each byte is read once; phrases match without regard to case, across read boundaries."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, path: Path, offset: int, phrases: Sequence[str]):
+        self.path, self.offset = Path(path), offset
+        self.phrases = [p.lower().encode() for p in phrases]
+        self.found: set[str] = set()
+        self._carry = b""
+
+    def scan(self) -> set[str]:
+        """The phrases (lower-case) the start log holds so far."""
+        keep = max(map(len, self.phrases), default=1) - 1
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                while data := f.read(self.CHUNK):
+                    self.offset += len(data)
+                    text = self._carry + data.lower()
+                    self.found |= {p.decode() for p in self.phrases if p in text}
+                    self._carry = text[-keep:] if keep else b""
+        except FileNotFoundError:
+            pass
+        return self.found
+
+
+def log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 @dataclass
 class GymStack:
     proc: processes.Proc
@@ -173,6 +210,20 @@ class GymStack:
     env_yaml: Path
     ray_tmp: Path
     instances: list[dict] = field(default_factory=list)
+    log_from: int = 0  # where this start's part of ng_run's log (appended to by every start) begins
+    start_log: StartLog = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start_log = StartLog(self.proc.log_path, self.log_from, [self.head_bind_failure, *TRANSIENT_START])
+
+    @property
+    def head_bind_failure(self) -> str:
+        return f"attempting to bind on address ('{HEAD_HOST}', {self.port})"
+
+    def transient_failure(self) -> str | None:
+        """The TRANSIENT_START reason found anywhere in what this start wrote to ng_run's log, or None."""
+        found = self.start_log.scan()
+        return next((r for r in TRANSIENT_START if r in found), None)
 
     @property
     def head_url(self) -> str:
@@ -199,7 +250,7 @@ class GymStack:
     def head_port_lost(self) -> bool:
         """Did the head server fail to bind its port (taken since it was chosen, often by one of Ray's own
         processes)? ng_run then waits for its head server forever, so the stack has to be started again."""
-        return f"attempting to bind on address ('{HEAD_HOST}', {self.port})" in self.proc.tail()
+        return self.head_bind_failure.lower() in self.start_log.scan()
 
     def ready(self) -> bool:
         """Every server listed and answering; ServerFailure when the head server lost its port."""
@@ -280,6 +331,7 @@ def start(
     env_yaml = work / store.ENV_YAML
     write_env_yaml(env_yaml, env_yaml_text(base_urls, api_key, model_name))
     ray_tmp = ray_tmp_dir(place.home)
+    log_from = log_size(place.log)  # ng_run's log is appended to: this start's part begins here
     port = processes.free_port(HEAD_HOST)
     cmd = ng_run_command(adapter, venv, gym, port, venvs_dir)
     if not shared:
@@ -293,7 +345,7 @@ def start(
         env=stack_env(base_env, venv, ray_tmp, shared),
         redact=[api_key] if api_key else [],
     )
-    return GymStack(proc=proc, port=port, env_yaml=env_yaml, ray_tmp=ray_tmp)
+    return GymStack(proc=proc, port=port, env_yaml=env_yaml, ray_tmp=ray_tmp, log_from=log_from)
 
 
 def wait_ready(stack: GymStack, timeout: float) -> float:
@@ -307,9 +359,13 @@ def wait_ready(stack: GymStack, timeout: float) -> float:
     )
 
 
-def transient_start_failure(message: str) -> bool:
-    """Did a start of the stack fail for a reason the next start gets past (TRANSIENT_START)?"""
-    return any(reason in message.lower() for reason in TRANSIENT_START)
+def transient_start_failure(message: str, stack: GymStack | None = None) -> bool:
+    """Did a start of the stack fail for a reason the next start gets past (TRANSIENT_START)? Read from the failure's
+    message and, given the `stack`, from everything its start wrote to ng_run's log (the message carries only the
+    log's last lines)."""
+    return any(reason in message.lower() for reason in TRANSIENT_START) or (
+        stack is not None and stack.transient_failure() is not None
+    )
 
 
 def start_ready(
@@ -322,8 +378,9 @@ def start_ready(
     env: Mapping[str, str] | None = None,
     place: StackPlace | None = None,
 ) -> tuple[GymStack, float]:
-    """start + wait_ready, all within gym.ready_timeout_s; a start that failed for a TRANSIENT_START reason is
-    started again (another head port, a fresh Ray), up to START_TRIES starts."""
+    """start + wait_ready, all within gym.ready_timeout_s; a start that failed for a TRANSIENT_START reason found
+    anywhere in what it wrote to ng_run's log is started again (another head port, a fresh Ray), up to START_TRIES
+    starts. Every start of every launch mode (a shard job, a Slurm array task, a warm worker) comes through here."""
     t0 = time.monotonic()
     for attempt in range(START_TRIES):
         stack = start(run_dir, index, gym, base_urls, api_key, model_name, env, place)
@@ -332,8 +389,16 @@ def start_ready(
             return stack, time.monotonic() - t0
         except ServerFailure as e:
             stack.stop()
-            if attempt + 1 < START_TRIES and transient_start_failure(str(e)):
+            reason = stack.transient_failure()
+            if attempt + 1 < START_TRIES and transient_start_failure(str(e), stack):
+                print(
+                    f"[shardrun] Gym stack start {attempt + 1} of {START_TRIES} failed ({reason or 'transient'}, "
+                    f"log {stack.proc.log_path}); starting it again",
+                    flush=True,
+                )
                 continue
+            if reason and reason not in str(e).lower():
+                raise ServerFailure(f"{e}\n(earlier in the log: {reason})") from None
             raise
         except BaseException:
             stack.stop()

@@ -23,6 +23,7 @@ from shardrun.rundir import seal
 from shardrun.rundir import store
 from shardrun.profile import taskstats
 from shardrun.core.errors import ShardrunError
+from shardrun.core.terminal import shown
 from shardrun.plan.planner import Plan
 from shardrun.profile.taskstats import AgentSummary, TaskStat
 
@@ -281,7 +282,7 @@ code{background:#f4f4f4;padding:0 .2em}.warn{color:#a40}"""
 
 def _table(header: Sequence[str] | None, rows: Sequence[Sequence[str]]) -> str:
     head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(shown(c))}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table>{head}{body}</table>"
 
 
@@ -314,7 +315,7 @@ def render_html(data: ReportData, figure_srcs: Sequence[tuple[str, str, str]], g
             f"<title>shardrun report {html.escape(data.plan.fingerprint[:12])}</title><style>{CSS}</style></head><body>",
             "<h1>shardrun report</h1>",
             f"<p>plan <code>{html.escape(data.plan.fingerprint[:12])}</code> · input "
-            f"<code>{html.escape(data.plan.input.path)}</code> · generated {html.escape(generated_at)}</p>",
+            f"<code>{html.escape(shown(data.plan.input.path))}</code> · generated {html.escape(generated_at)}</p>",
             warn,
             "<h2>Headline</h2>",
             _table(None, headline_rows(data)),

@@ -22,7 +22,7 @@ from shardrun.rundir import cost
 from shardrun.rundir import seal
 from shardrun.rundir import store
 from shardrun.profile import taskstats
-from shardrun.core.errors import ShardrunError
+from shardrun.core.errors import BadInput, ShardrunError
 from shardrun.core.terminal import shown
 from shardrun.plan.planner import Plan
 from shardrun.profile.taskstats import AgentSummary, TaskStat
@@ -67,7 +67,12 @@ def read_key_metrics(path: Path) -> dict[str, dict[str, Any]]:
     """Gym's `<stem>_aggregate_metrics.json` (a list, one entry per agent) -> {agent: key_metrics}."""
     if not path.is_file():
         return {}
-    data = orjson.loads(path.read_bytes())
+    try:
+        data = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise BadInput(
+            f"{path}: not JSON ({e}); it was edited or damaged: run `shardrun merge-and-profile` again"
+        ) from None
     out = {}
     for entry in data if isinstance(data, list) else []:
         name = ((entry.get("agent_ref") or {}).get("name")) if isinstance(entry, dict) else None
@@ -213,7 +218,7 @@ def shard_rows(shards: Sequence[cost.ShardCost]) -> list[list[str]]:
             s.host or "—",
             s.job_id or "—",
             str(s.gpus),
-            cost.hours(s.wall_s),
+            "unknown" if s.unknown_duration else cost.hours(s.wall_s),
             _num(s.gpu_hours),
             f"{s.num_rollouts:,}",
             _num(s.rollouts_per_gpu_hour, ",.1f"),

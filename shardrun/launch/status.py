@@ -238,7 +238,7 @@ def classify(
             job_id,
             "",
             log,
-            float(marker.get("gpu_hours") or 0.0),
+            cost.shard_cost(marker).gpu_hours,  # 0 for a marker whose times go backwards (unknown)
             False,
             int(marker.get("num_skipped_decided", 0)),
         )

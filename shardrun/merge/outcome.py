@@ -44,8 +44,7 @@ class MergedShard:
 
     @property
     def gpu_hours(self) -> float:
-        v = (self.marker or {}).get("gpu_hours")
-        return float(v) if isinstance(v, (int, float)) else 0.0
+        return cost.shard_cost(self.marker).gpu_hours if self.marker else 0.0  # 0 when its times go backwards
 
 
 @dataclass

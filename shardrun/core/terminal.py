@@ -16,9 +16,13 @@ _UNSAFE = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}\ud800-\udfff]")
 _UNSAFE_KEEPING_LINES = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}\ud800-\udfff]")
 
 
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
 def _escape(match: re.Match[str]) -> str:
-    c = ord(match.group())
-    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+    char = match.group()
+    c = ord(char)
+    return _NAMED.get(char) or (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}")
 
 
 def shown(value: object) -> str:

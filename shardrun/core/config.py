@@ -490,7 +490,7 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
     rest = []
     for o in overrides:
         m = _CLUSTER_PICK.match(o.strip())
-        if m:
+        if m and m.group(1) != "null":  # cluster=null is Hydra's None: no cluster section (the local default)
             cluster_name = m.group(1)
         else:
             rest.append(o)

@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from shardrun.core import config as config_mod
+from shardrun.core import terminal
 from shardrun.core.errors import ShardrunError
 
 app = typer.Typer(
@@ -27,6 +28,12 @@ def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for
     _state["debug"] = debug
 
 
+def say(text: str, err: bool = False) -> None:
+    """Print human-readable text: every control character from data is shown escaped (core/terminal.py); JSON
+    outputs are printed exact with typer.echo."""
+    typer.echo(terminal.shown_lines(text), err=err)
+
+
 def run(fn, *args, **kwargs):
     """Call a command's function, turning domain errors into a message and an exit code; a file-system error no
     stage turned into one (disk full, permission denied, a vanished path) is reported the same way (exit 2)."""
@@ -39,7 +46,7 @@ def run(fn, *args, **kwargs):
             from shardrun.rundir.store import os_error
 
             e = os_error(e)
-        typer.echo(f"error: {e}", err=True)
+        say(f"error: {e}", err=True)
         raise typer.Exit(e.exit_code) from None
 
 
@@ -60,12 +67,15 @@ def plan(
     if write:
         the_plan, written = run(store.write_plan, cfg, the_plan)
     max_array = cfg.cluster_or_default.max_array_size or config_mod.DEFAULT_MAX_ARRAY_SIZE
-    typer.echo(render.plan_json(the_plan, max_array) if json_out else render.plan_table(the_plan, max_array))
+    if json_out:
+        typer.echo(render.plan_json(the_plan, max_array))
+    else:
+        say(render.plan_table(the_plan, max_array))
     for w in the_plan.warnings:
-        typer.echo(f"warning: {w}", err=True)
+        say(f"warning: {terminal.shown(w)}", err=True)
     if write:
-        state = "written" if written else "already planned (same fingerprint), nothing written"
-        typer.echo(f"run directory: {cfg.run_dir} ({state})")
+        state = "written" if written else "already planned (same rollouts), nothing written"
+        say(f"run directory: {terminal.shown(cfg.run_dir)} ({state})")
 
 
 @app.command("select")
@@ -125,11 +135,10 @@ def select_cmd(
     )
     key = stats_key or ("shardrun_stats" if attach_stats else None)
     result = run(selection.select_run, run_dir, output, rules, key, input_path, stats_format, order, undecided)
-    typer.echo(
-        orjson.dumps(selection.summary_json(result), option=orjson.OPT_INDENT_2).decode()
-        if json_out
-        else render.table(selection.summary_rows(result))
-    )
+    if json_out:
+        typer.echo(orjson.dumps(selection.summary_json(result), option=orjson.OPT_INDENT_2).decode())
+    else:
+        say(render.table([(terminal.shown(k), terminal.shown(v)) for k, v in selection.summary_rows(result)]))
 
 
 @app.command()
@@ -143,7 +152,7 @@ def report(
     from shardrun.plan import render
 
     result = run(report_mod.build_report, run_dir, embed, sacct)
-    typer.echo(render.table(report_mod.summary_rows(result)))
+    say(render.table([(terminal.shown(k), terminal.shown(v)) for k, v in report_mod.summary_rows(result)]))
 
 
 @app.command()
@@ -160,10 +169,13 @@ def status(
     if watch:
         from shardrun.launch import progress
 
-        run(progress.watch, run_dir, interval, typer.echo)
+        run(progress.watch, run_dir, interval, say)
         return
     st = run(status_mod.collect, run_dir)
-    typer.echo(status_mod.render_json(st) if json_out else status_mod.render(st, show_all=show_all))
+    if json_out:
+        typer.echo(status_mod.render_json(st))
+    else:
+        say(status_mod.render(st, show_all=show_all))
 
 
 @app.command()
@@ -190,29 +202,27 @@ def submit(
         submission.submit,
         cfg,
         wait_for_jobs=False if no_wait else None,
-        echo=typer.echo,
+        echo=say,
         merge_job=not no_merge_job,
         dry_run=dry_run,
     )
     if result.dry_run is not None:
-        typer.echo(result.dry_run)
+        say(result.dry_run)
         return
     if result.merge_job_id:
-        typer.echo(f"merge job: {result.merge_job_id} (shardrun merge-and-profile, after the shard jobs end)")
+        say(f"merge job: {result.merge_job_id} (shardrun merge-and-profile, after the shard jobs end)")
     if result.live:
-        typer.echo(f"still queued or running, not submitted again: {len(result.live)} shard(s)")
+        say(f"still queued or running, not submitted again: {len(result.live)} shard(s)")
     for reason in result.ignored_markers:
-        typer.echo(f"warning: {reason}", err=True)
+        say(f"warning: {terminal.shown(reason)}", err=True)
     if result.already_sealed:
-        typer.echo(f"already sealed: {len(result.already_sealed)} shard(s), not launched again")
+        say(f"already sealed: {len(result.already_sealed)} shard(s), not launched again")
     if not result.jobs and not result.workers and not result.live:
-        typer.echo(f"run directory: {result.run_dir}\nevery shard is sealed; nothing to launch")
+        say(f"run directory: {result.run_dir}\nevery shard is sealed; nothing to launch")
     for o in result.outcomes or []:
-        typer.echo(f"shard {o.index:05d}: {o.state}" + (f" ({o.detail})" if o.detail else ""))
+        say(f"shard {o.index:05d}: {o.state}" + (f" ({terminal.shown(o.detail)})" if o.detail else ""))
     if result.failed:
-        typer.echo(
-            f"error: {len(result.failed)} shard(s) did not seal; logs in {result.run_dir}/shards/*/logs/", err=True
-        )
+        say(f"error: {len(result.failed)} shard(s) did not seal; logs in {result.run_dir}/shards/*/logs/", err=True)
         raise typer.Exit(4)
 
 
@@ -274,7 +284,7 @@ def resume(
         )
         tasks = None if rules == selection.Rules() else run(selection.fill_tasks, run_dir, rules)
         reopened = run(decided.request_fill, run_dir, run(store_mod.load_plan, run_dir), tasks, dry_run)
-        typer.echo(
+        say(
             f"fill: {'every stopped task' if tasks is None else f'{len(tasks)} stopped task(s)'}; "
             f"{len(reopened)} shard(s) {'would be ' if dry_run else ''}unsealed to collect their skipped rollouts"
         )
@@ -286,10 +296,10 @@ def resume(
         merge_job=not no_merge_job,
         dry_run=dry_run,
         wait_for_jobs=False if no_wait else None,
-        echo=typer.echo,
+        echo=say,
         allow_config_change=allow_config_change,
     )
-    typer.echo(resume_mod.render(result))
+    say(resume_mod.render(result))
     if result.gave_up or result.failed:
         raise typer.Exit(4)
 
@@ -299,7 +309,7 @@ def cancel(run_dir: Path = typer.Argument(..., help="Run directory.")) -> None:
     """Cancel the run's queued and running jobs (shards and merge job); their progress is kept for resume."""
     from shardrun.launch import resume as resume_mod
 
-    typer.echo(resume_mod.render_cancel(run(resume_mod.cancel, run_dir)))
+    say(resume_mod.render_cancel(run(resume_mod.cancel, run_dir)))
 
 
 @app.command("run-shard")
@@ -311,7 +321,7 @@ def run_shard_cmd(
     from shardrun.shard import runtime
 
     result = run(runtime.run_shard, run_dir, index)
-    typer.echo(f"shard {index:05d}: {result.state}")
+    say(f"shard {index:05d}: {result.state}")
 
 
 @app.command("merge-and-profile")
@@ -345,9 +355,10 @@ def merge_and_profile_cmd(
     from shardrun.profile import merge_and_profile
 
     result = run(merge_and_profile.merge_and_profile, run_dir, allow_partial, answer_field, workers, missing)
-    typer.echo(
-        orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode() if json_out else outcome.render(result)
-    )
+    if json_out:
+        typer.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        say(outcome.render(result))
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from typing import Mapping, Sequence
 
 from matplotlib.figure import Figure
 
+from shardrun.core.terminal import shown
 from shardrun.rundir import store
 from shardrun.rundir.cost import ShardCost, Throughput
 
@@ -53,7 +54,7 @@ def mean_histogram(means: Mapping[str, Sequence[float]], path: Path, metric: str
                 range=(lo, hi) if hi > lo else None,
                 histtype="step",
                 linewidth=1.6,
-                label=f"{agent} ({len(vs):,} tasks)",
+                label=f"{shown(agent)} ({len(vs):,} tasks)",
             )
         ax.legend(fontsize=8)
     else:
@@ -71,7 +72,7 @@ def mean_vs_std(points: Mapping[str, Sequence[tuple[float, float]]], path: Path,
     if any(points.values()):
         for agent, ps in points.items():
             ps = _thin(ps)
-            ax.scatter([p[0] for p in ps], [p[1] for p in ps], s=10, alpha=0.5, label=agent, rasterized=True)
+            ax.scatter([p[0] for p in ps], [p[1] for p in ps], s=10, alpha=0.5, label=shown(agent), rasterized=True)
         ax.legend(fontsize=8)
     else:
         _note(ax, "no profiled tasks")
@@ -89,7 +90,7 @@ def pass_at_k(curves: Mapping[str, Mapping[int, float]], path: Path) -> Path:
     for agent, curve in curves.items():
         if curve:
             ks = sorted(curve)
-            ax.plot(ks, [curve[k] for k in ks], marker="o", markersize=3, label=agent)
+            ax.plot(ks, [curve[k] for k in ks], marker="o", markersize=3, label=shown(agent))
             drawn = True
     if drawn:
         if max(max(c) for c in curves.values() if c) > 8:
@@ -113,7 +114,7 @@ def tokens_vs_reward(
     if token_field and any(points.values()):
         for agent, ps in points.items():
             ps = _thin(ps)
-            ax.scatter([p[0] for p in ps], [p[1] for p in ps], s=10, alpha=0.5, label=agent, rasterized=True)
+            ax.scatter([p[0] for p in ps], [p[1] for p in ps], s=10, alpha=0.5, label=shown(agent), rasterized=True)
         ax.legend(fontsize=8)
     else:
         _note(ax, "the rollouts carry no token usage (response.usage)")

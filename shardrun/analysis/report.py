@@ -22,7 +22,8 @@ from shardrun.rundir import cost
 from shardrun.rundir import seal
 from shardrun.rundir import store
 from shardrun.profile import taskstats
-from shardrun.core.errors import ShardrunError
+from shardrun.core.errors import BadInput, ShardrunError
+from shardrun.core.terminal import shown
 from shardrun.plan.planner import Plan
 from shardrun.profile.taskstats import AgentSummary, TaskStat
 
@@ -66,7 +67,12 @@ def read_key_metrics(path: Path) -> dict[str, dict[str, Any]]:
     """Gym's `<stem>_aggregate_metrics.json` (a list, one entry per agent) -> {agent: key_metrics}."""
     if not path.is_file():
         return {}
-    data = orjson.loads(path.read_bytes())
+    try:
+        data = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise BadInput(
+            f"{path}: not JSON ({e}); it was edited or damaged: run `shardrun merge-and-profile` again"
+        ) from None
     out = {}
     for entry in data if isinstance(data, list) else []:
         name = ((entry.get("agent_ref") or {}).get("name")) if isinstance(entry, dict) else None
@@ -212,7 +218,7 @@ def shard_rows(shards: Sequence[cost.ShardCost]) -> list[list[str]]:
             s.host or "—",
             s.job_id or "—",
             str(s.gpus),
-            cost.hours(s.wall_s),
+            "unknown" if s.unknown_duration else cost.hours(s.wall_s),
             _num(s.gpu_hours),
             f"{s.num_rollouts:,}",
             _num(s.rollouts_per_gpu_hour, ",.1f"),
@@ -281,7 +287,7 @@ code{background:#f4f4f4;padding:0 .2em}.warn{color:#a40}"""
 
 def _table(header: Sequence[str] | None, rows: Sequence[Sequence[str]]) -> str:
     head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(shown(c))}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table>{head}{body}</table>"
 
 
@@ -314,7 +320,7 @@ def render_html(data: ReportData, figure_srcs: Sequence[tuple[str, str, str]], g
             f"<title>shardrun report {html.escape(data.plan.fingerprint[:12])}</title><style>{CSS}</style></head><body>",
             "<h1>shardrun report</h1>",
             f"<p>plan <code>{html.escape(data.plan.fingerprint[:12])}</code> · input "
-            f"<code>{html.escape(data.plan.input.path)}</code> · generated {html.escape(generated_at)}</p>",
+            f"<code>{html.escape(shown(data.plan.input.path))}</code> · generated {html.escape(generated_at)}</p>",
             warn,
             "<h2>Headline</h2>",
             _table(None, headline_rows(data)),

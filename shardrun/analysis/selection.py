@@ -82,7 +82,8 @@ def check_rules(rules: Rules, tasks: Sequence[TaskStat]) -> None:
             hint = difflib.get_close_matches(a, known, n=1)
             raise BadInput(
                 f"--agent {a!r}: no task in the profile belongs to it"
-                + (f" (did you mean {hint[0]!r}?)" if hint else f" (agents: {', '.join(known)})")
+                + (f" (did you mean {hint[0]!r}?" if hint else " (")
+                + f"{' ' if hint else ''}agents: {', '.join(known)})"
             )
     taskstats.require_metric(tasks, rules.metric)
 

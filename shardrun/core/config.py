@@ -12,13 +12,13 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from pydantic_core import ErrorDetails
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shardrun.core import slurm_values
-from shardrun.core.credentials import find_credentials
+from shardrun.core.credentials import find_credentials, redact, secret_reason
 from shardrun.core.errors import BadInput
 from shardrun.core.gym_names import MAX_REPEATS
 from shardrun.core.task_rules import TaskRules, problems
@@ -441,7 +441,7 @@ def check_yaml_file(path: Path, what: str = "config file") -> None:
     try:
         nodes = list(yaml.compose_all(path.read_text(), Loader=yaml.SafeLoader))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise BadInput(f"{path}: not valid YAML: {e}") from None
+        raise BadInput(f"{path}: not valid YAML: {redact(str(e))}") from None
     sizes: dict[int, int] = {}
 
     def expanded(node: Any) -> int:
@@ -480,15 +480,17 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     path = Path(config_file)
     check_yaml_file(path)
+    refuse_secret_overrides(overrides)
     cluster_name = None
     rest = []
     for o in overrides:
         m = _CLUSTER_PICK.match(o.strip())
-        if m:
+        if m and m.group(1) != "null":  # cluster=null is Hydra's None: no cluster section (the local default)
             cluster_name = m.group(1)
         else:
             rest.append(o)
@@ -500,7 +502,7 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
         with initialize_config_dir(config_dir=str(path.resolve().parent), version_base=None):
             cfg = hydra_compose(config_name=path.stem, overrides=rest)
     except Exception as e:  # hydra raises several types; all mean "your overrides or YAML are wrong"
-        raise BadInput(f"{path}: cannot compose config: {e}") from None
+        raise BadInput(f"{path}: cannot compose config: {redact(str(e))}") from None
     finally:
         GlobalHydra.instance().clear()
 
@@ -513,17 +515,34 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
             cfg.cluster = OmegaConf.load(cluster_file)
         except Exception as e:
             raise BadInput(f"{cluster_file}: cannot read cluster config: {e}") from None
-    for o in cluster_overrides:
-        key, _, value = o.lstrip("+").partition("=")
+    parser = OverridesParser.create()
+    for o in cluster_overrides:  # applied after the cluster config: Hydra's grammar (null is None, [a,b] a list)
         try:
-            OmegaConf.update(cfg, key, OmegaConf.create({"v": value}).v if value else None, force_add=True)
+            parsed = parser.parse_override(o)
+            if parsed.is_sweep_override():
+                raise ValueError("a sweep (a,b / range / choice) gives a key several values; give it one")
+            OmegaConf.update(cfg, parsed.key_or_group, parsed.value(), force_add=True)
         except Exception as e:
-            raise BadInput(f"bad override {o!r}: {e}") from None
+            raise BadInput(f"bad override {redact(o)!r}: {redact(str(e))}") from None
     try:
         data = OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:
         raise BadInput(f"{path}: cannot resolve config: {e}") from None
     return _parse_scalars(data)
+
+
+def refuse_secret_overrides(overrides: Sequence[str]) -> None:
+    """BadInput naming each override (by its place and key, never its value) that holds a credential: checked before
+    Hydra parses them, as Hydra's own errors quote an override whole."""
+    found = [
+        f"override {i} ({redact(o.partition('=')[0].strip())}): {reason}; secrets are not allowed in configs or "
+        f"overrides (they would be stored in plan.json or a job script): keep it in an environment variable and "
+        f"name that variable instead (policy.api_key_env, or a bare NAME in cluster.env_vars)"
+        for i, o in enumerate(overrides, 1)
+        for _where, reason in find_credentials(o)
+    ]
+    if found:
+        raise BadInput("overrides: invalid configuration", found)
 
 
 def _promote_known(override: str) -> str:
@@ -593,11 +612,13 @@ def _describe(err: ErrorDetails, data: dict[str, Any]) -> str:
             if hint
             else (f" (known keys: {', '.join(known)})" if known else "")
         )
-    return (
-        f"{where}: {err['msg']} (got {err.get('input')!r})"
-        if "input" in err and err["type"] != "missing"
-        else f"{where}: {err['msg']}"
-    )
+    if "input" in err and err["type"] != "missing":
+        value = err.get("input")
+        hidden = isinstance(value, str) and secret_reason(loc[-1] if loc else "", value) is not None
+        return redact(
+            f"{where}: {err['msg']} (got {'a value not shown: it looks like a secret' if hidden else repr(value)})"
+        )
+    return redact(f"{where}: {err['msg']}")
 
 
 def _model_at(loc: list[str]) -> type[BaseModel] | None:

@@ -26,6 +26,10 @@ TOKEN_SHAPES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("a Slack token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
     ("a private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
 )
+URL_PASSWORD = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/?#@\s:]*):([^/?#@\s]+)@")
+"""A URL with a `user:password@` part: the password is group 3 (`https://bob:hunter2@host/v1`)."""
+_SHELL_REFERENCE = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\{[A-Za-z_][A-Za-z0-9_]*\})")
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 MIN_SECRET_LENGTH = 16
 MIN_SECRET_ENTROPY = 3.0  # bits per character; English words and identifiers stay below, random keys above
 _PATH_OR_URL = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*://|/|\./|\.\./|~)")
@@ -45,11 +49,25 @@ def token_shape(value: str) -> str | None:
     return None
 
 
+def url_password(value: str) -> bool:
+    """Whether `value` holds a URL with a password in it (`scheme://user:password@host`); a shell variable
+    reference in its place (`https://bob:$TOKEN@host`, expanded where it runs) is not one."""
+    return any(not _SHELL_REFERENCE.fullmatch(m.group(3)) for m in URL_PASSWORD.finditer(value))
+
+
 def secret_reason(name: str, value: str) -> str | None:
     """Why `value`, stored under `name`, is a credential; None when it is not one."""
     kind = token_shape(value)
     if kind:
         return f"holds what looks like {kind}"
+    if url_password(value):
+        return (
+            "holds a URL with a password (user:password@host); leave the password out of the URL and put it in an "
+            "environment variable the config names (like policy.api_key_env)"
+        )
+    stem = name[: -len("_env")] if name.lower().endswith("_env") else None
+    if stem and SECRET_NAME.search(stem) and value and not _VARIABLE_NAME.fullmatch(value):
+        return f"{name!r} takes the NAME of an environment variable, and this value is not one (the secret itself?)"
     if (
         SECRET_NAME.search(name)
         and len(value) >= MIN_SECRET_LENGTH
@@ -81,3 +99,13 @@ def find_credentials(data: Any, where: str = "") -> Iterator[tuple[str, str]]:
     reason = secret_reason(name, data)
     if reason:
         yield where or "(value)", reason
+
+
+def redact(text: str) -> str:
+    """`text` (an error message that may quote a config line or an override) with every well-known token and
+    every password in a URL replaced by `***`."""
+    for _kind, pattern in TOKEN_SHAPES:
+        text = pattern.sub("***", text)
+    return URL_PASSWORD.sub(
+        lambda m: m.group(0) if _SHELL_REFERENCE.fullmatch(m.group(3)) else f"{m.group(1)}{m.group(2)}:***@", text
+    )

@@ -69,6 +69,7 @@ def needs_servers(cfg: RunConfig, run_dir: Path, plan: Plan) -> bool:
     """Whether some shard of the plan still has rollouts to collect. A run not planned yet: every shard has."""
     if not store.existing_plan_matches(run_dir, plan):
         return True
+    plan = store.load_plan(run_dir)  # the plan as recorded: its fingerprint is what the seals name
     assert cfg.gym is not None
     max_attempts = cfg.gym.max_rollout_attempts
     for spec in plan.shards:

@@ -9,11 +9,14 @@ workers, redrawn in place); otherwise it is printed as a plain line each time it
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from shardrun.core.errors import BadInput
+from shardrun.core.terminal import shown
 from shardrun.launch import status
 from shardrun.plan.planner import Plan
 
@@ -51,6 +54,7 @@ def view(st: status.RunStatus) -> Any:
     from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
+    from rich.text import Text
 
     c = st.counts
     head = Table.grid(padding=(0, 1))
@@ -73,13 +77,26 @@ def view(st: status.RunStatus) -> Any:
         table = Table("worker", "job", "host", "state", "shard", "sealed", box=None, pad_edge=False)
         for w in st.workers:
             shard = "-" if w["current_shard"] is None else str(w["current_shard"])
-            table.add_row(w["worker_id"], w["job_id"] or "-", w["host"], w["state"], shard, str(w["sealed"]))
+            cells = (w["worker_id"], w["job_id"] or "-", w["host"], w["state"], shard, str(w["sealed"]))
+            table.add_row(*(Text(shown(c)) for c in cells))  # Text: data is never read as rich markup
         parts.append(table)
     return Group(*parts)
 
 
 def finished(st: status.RunStatus) -> bool:
     return st.complete or not (st.counts[status.RUNNING] + st.counts[status.PENDING])
+
+
+MAX_INTERVAL_S = 86400.0
+
+
+def check_interval(interval_s: float) -> None:
+    """BadInput unless the seconds between updates are a positive, finite number of at most a day."""
+    if not (math.isfinite(interval_s) and 0 < interval_s <= MAX_INTERVAL_S):
+        raise BadInput(
+            f"--interval: {interval_s:g} seconds; the interval between updates must be a positive, finite number "
+            f"of seconds, at most {MAX_INTERVAL_S:g}"
+        )
 
 
 def watch(
@@ -105,6 +122,7 @@ def follow(
     """Show the progress until every shard is sealed or nothing is live any more; returns the last status."""
     from shardrun.rundir import store
 
+    check_interval(interval_s)
     plan = store.load_plan(run_dir)
     tty = sys.stdout.isatty() if tty is None else tty
     ticker = Ticker(run_dir, plan, echo, tty=tty, every_s=0.0)

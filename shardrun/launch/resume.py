@@ -63,7 +63,7 @@ def resume_config(run_dir: Path, config_file: Path | None, overrides: Sequence[s
 def check_plan(cfg: RunConfig, plan: Plan) -> None:
     """Refuse when the input or the planning settings no longer give the plan in the run directory."""
     fresh = store.scan_input(cfg)
-    if fresh.fingerprint == plan.fingerprint:
+    if planner.same_rollouts(fresh, plan):
         return
     diffs = planner.plan_differences(plan, fresh)
     raise PlanMismatch(

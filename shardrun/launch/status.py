@@ -27,6 +27,7 @@ from shardrun.launch import backends, scheduler, slurm
 from shardrun.launch.launcher import Live
 from shardrun.rundir import store
 from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
+from shardrun.core.terminal import shown
 from shardrun.plan.planner import Plan
 
 SEALED, RUNNING, PENDING, FAILED, NEVER_STARTED = "sealed", "running", "pending", "failed", "never_started"
@@ -190,7 +191,7 @@ def classify(
             job_id,
             "",
             log,
-            float(marker.get("gpu_hours") or 0.0),
+            cost.shard_cost(marker).gpu_hours,  # 0 for a marker whose times go backwards (unknown)
             False,
             int(marker.get("num_skipped_decided", 0)),
         )
@@ -551,7 +552,7 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
 
     n = len(st.shards)
     rows = [
-        ("run", f"{st.run_dir} ({n:,} shards, plan {st.fingerprint[:12]}…)"),
+        ("run", f"{shown(st.run_dir)} ({n:,} shards, plan {st.fingerprint[:12]}…)"),
         ("shards", " · ".join(f"{_LABEL[k]} {st.counts[k]:,}" for k in STATES)),
         (
             "rollouts",
@@ -596,9 +597,9 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
         out += ["", f"{'shard':>5}  {'state':<13} {'rollouts':>15}  {'attempts':>8}  {'job':<14} reason / log"]
         listed = not_sealed if show_all else not_sealed[:MAX_LISTED]
         for s in listed:
-            detail = s.reason
+            detail = shown(s.reason)
             if s.state == FAILED:
-                detail = f"{s.reason}{' [gave up]' if s.gave_up else ''}; log {s.log}"
+                detail = f"{shown(s.reason)}{' [gave up]' if s.gave_up else ''}; log {shown(s.log)}"
             out.append(
                 f"{s.index:>5}  {_LABEL[s.state]:<13} {f'{s.done:,}/{s.planned:,}':>15}  {s.attempts:>8}  "
                 f"{s.job_id or '-':<14} {detail}".rstrip()
@@ -608,7 +609,8 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
     if st.failed:
         out += ["", "rollouts recorded as failed (task:rollout, shard, attempts, reason):"]
         out += [
-            f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {f.reason}" for f in st.failed[:MAX_LISTED]
+            f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {shown(f.reason)}"
+            for f in st.failed[:MAX_LISTED]
         ]
         if st.failed_listed_of > MAX_LISTED:
             out.append(f"  ... and {st.failed_listed_of - MAX_LISTED:,} more (--json, or the shards' {store.FAILURES})")
@@ -622,7 +624,7 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
         out += ["", "run `shardrun resume RUN_DIR` to resubmit the failed and never-started shards"]
     out += render_workers(st)
     for w in st.warnings:
-        out.append(f"warning: {w}")
+        out.append(f"warning: {shown(w)}")
     return "\n".join(out)
 
 
@@ -638,13 +640,14 @@ def render_workers(st: RunStatus) -> list[str]:
             since = datetime.fromtimestamp(w["servers_up_since"]).strftime("%H:%M:%S") if w["servers_up_since"] else "-"
             shard = "-" if w["current_shard"] is None else str(w["current_shard"])
             out.append(
-                f"{w['worker_id']:<22} {w['job_id'] or '-':<14} {w['host']:<16} {w['state']:<11} {shard:>5} "
-                f"{w['sealed']:>6}  {since}" + (f" ({w['exit_reason']})" if w["state"] == "failed" else "")
+                f"{shown(w['worker_id']):<22} {shown(w['job_id'] or '-'):<14} {shown(w['host']):<16} "
+                f"{shown(w['state']):<11} {shard:>5} {w['sealed']:>6}  {since}"
+                + (f" ({shown(w['exit_reason'])})" if w["state"] == "failed" else "")
             )
     for c in st.stale_claims:
         out.append(
-            f"stale claim: shard {c['shard']} by worker {c['worker_id']} (job {c['job_id']}, host {c['host']}, "
-            f"pid {c['pid']}): no heartbeat for {c['age_s']:.0f} s; the next worker to look takes it over"
+            f"stale claim: shard {c['shard']} by worker {shown(c['worker_id'])} (job {shown(c['job_id'])}, host "
+            f"{shown(c['host'])}, pid {c['pid']}): no heartbeat for {c['age_s']:.0f} s; the next worker to look takes it over"
         )
     return out
 

@@ -311,6 +311,8 @@ def dry_run_submit(cfg: RunConfig, *, merge_job: bool) -> SubmitResult:
     plan = store.scan_input(cfg)
     store.check_run_dir(run_dir)
     existing = store.existing_plan_matches(run_dir, plan)  # PlanMismatch if the run directory holds another plan
+    if existing:
+        plan = store.load_plan(run_dir)  # the plan as recorded: its fingerprint is what the seals name
     todo, done, ignored = unsealed(run_dir, plan) if existing else ([s.index for s in plan.shards], [], [])
     result = SubmitResult(run_dir, plan, False, {}, done, ignored, None)
     text = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shardrun.core.terminal import shown
 from shardrun.plan.render import table
 from shardrun.rundir import cost
 from shardrun.rundir.ledger import FailedRollout
@@ -43,8 +44,7 @@ class MergedShard:
 
     @property
     def gpu_hours(self) -> float:
-        v = (self.marker or {}).get("gpu_hours")
-        return float(v) if isinstance(v, (int, float)) else 0.0
+        return cost.shard_cost(self.marker).gpu_hours if self.marker else 0.0  # 0 when its times go backwards
 
 
 @dataclass
@@ -155,7 +155,7 @@ def pass_table(agent: AgentResult) -> str:
 def render(s: MergeSummary) -> str:
     """The merge summary for the terminal."""
     rows = [
-        ("run directory", s.run_dir),
+        ("run directory", shown(s.run_dir)),
         (
             "shards merged",
             f"{len(s.shards):,} ({s.sealed_shards:,} sealed"
@@ -189,7 +189,7 @@ def render(s: MergeSummary) -> str:
     out = [table(rows), ""]
     for a in s.agents:
         out.append(
-            f"agent {a.name} ({a.repeats} repeats): mean reward "
+            f"agent {shown(a.name)} ({a.repeats} repeats): mean reward "
             f"{'—' if a.mean_reward is None else format(a.mean_reward, '.4f')}; tasks {a.complete:,} "
             f"complete, {a.partial:,} partial, {a.missing:,} missing; {a.rollouts:,}/"
             f"{a.expected_rollouts:,} rollouts" + (f" ({a.masked:,} masked)" if a.masked else "")
@@ -199,7 +199,7 @@ def render(s: MergeSummary) -> str:
         out.append("")
         out.append("failed rollouts (task:rollout, shard, reason):")
         for f in s.failed[:SHOWN_FAILED]:
-            out.append(f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.reason} ({f.attempts} attempt(s))")
+            out.append(f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {shown(f.reason)} ({f.attempts} attempt(s))")
         if s.failed_total > SHOWN_FAILED:
             out.append(f"  ... and {s.failed_total - SHOWN_FAILED:,} more (merged/rollouts_failures.jsonl)")
     unsealed = [x for x in s.shards if not x.sealed]
@@ -207,11 +207,11 @@ def render(s: MergeSummary) -> str:
         out.append("")
         out.append("unsealed shards merged as partial:")
         for x in unsealed[:SHOWN_FAILED]:
-            out.append(f"  {x.index:05d}: {x.reason}")
+            out.append(f"  {x.index:05d}: {shown(x.reason)}")
         if len(unsealed) > SHOWN_FAILED:
             out.append(f"  ... and {len(unsealed) - SHOWN_FAILED:,} more")
     for w in s.warnings:
-        out.append(f"warning: {w}")
+        out.append(f"warning: {shown(w)}")
     out.append("")
     out.append("outputs:")
     out += [f"  {p}" for p in s.outputs.values()]

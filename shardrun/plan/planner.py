@@ -374,7 +374,7 @@ class Plan:
     shards: tuple[ShardSpec, ...]
     warnings: tuple[str, ...] = ()
     fingerprint: str = ""
-    gym_version: str | None = None  # the nemo-gym release of gym.venv when planned (not in the fingerprint)
+    gym_version: str | None = None  # the nemo-gym release of gym.venv when planned
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -408,9 +408,8 @@ class Plan:
         return None if view is None else SamplingConfig.model_validate(view)
 
 
-def fingerprint(plan: Plan) -> str:
-    """sha256 over what decides the rollouts: planner version, input bytes, planning settings, shard table."""
-    payload = {
+def _rollouts_payload(plan: Plan) -> dict[str, Any]:
+    return {
         "planner_version": plan.planner_version,
         "input_sha256": plan.input.sha256,
         "planning": plan.planning,
@@ -418,6 +417,27 @@ def fingerprint(plan: Plan) -> str:
         "num_rollouts": plan.num_rollouts,
         "agents": plan.agents,
         "shards": [asdict(s) for s in plan.shards],
+    }
+
+
+def same_rollouts(a: Plan, b: Plan) -> bool:
+    """True when two plans decide the same rollouts (planner version, input bytes, planning settings, shard
+    table): a run directory holding `a` may be launched or resumed for `b`. Where the input lies, the Gym release
+    found and the rest of the config may differ; the plan in the run directory stays what it recorded."""
+    return _rollouts_payload(a) == _rollouts_payload(b)
+
+
+def fingerprint(plan: Plan) -> str:
+    """sha256 over every field of plan.json that changes what a command does: what decides the rollouts (planner
+    version, input bytes, planning settings, shard table) and what commands read back from the plan (the input's
+    path and line count, the Gym release whose layout the merge writes, the warnings, the config a shard run by
+    hand falls back to). Only the config's run_dir is left out: a run directory is where its plan.json is."""
+    config = {k: v for k, v in plan.config.items() if k != "run_dir"} if isinstance(plan.config, dict) else plan.config
+    payload = _rollouts_payload(plan) | {
+        "input": asdict(plan.input),
+        "gym_version": plan.gym_version,
+        "warnings": list(plan.warnings),
+        "config": config,
     }
     return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()
 

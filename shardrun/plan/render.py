@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 
 from shardrun.plan.planner import Plan
+from shardrun.core.terminal import shown
 
 
 def table(rows: list[tuple[str, str]]) -> str:
@@ -15,12 +16,12 @@ def table(rows: list[tuple[str, str]]) -> str:
 def plan_rows(plan: Plan, max_array_size: int) -> list[tuple[str, str]]:
     lo, hi = plan.shard_sizes
     rows = [
-        ("input", f"{plan.input.path} (sha256 {plan.input.sha256[:12]}…)"),
+        ("input", f"{shown(plan.input.path)} (sha256 {plan.input.sha256[:12]}…)"),
         ("tasks", f"{plan.num_tasks:,}"),
         ("rollouts", f"{plan.num_rollouts:,}"),
     ]
     for agent, s in plan.agents.items():
-        rows.append((f"  agent {agent}", f"{s['tasks']:,} tasks x {s['repeats']} repeats = {s['rollouts']:,}"))
+        rows.append((f"  agent {shown(agent)}", f"{s['tasks']:,} tasks x {s['repeats']} repeats = {s['rollouts']:,}"))
     rows += [
         ("shards", f"{len(plan.shards):,} ({plan.planning['sharding']['slicing']})"),
         ("rollouts per shard", f"min {lo:,} / max {hi:,}"),

@@ -22,6 +22,8 @@ coverage says how many rollouts and tasks were masked.
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 import time
 from pathlib import Path
 from typing import IO, Any, Sequence
@@ -40,6 +42,8 @@ from shardrun.core.gym_names import ROLLOUT_KEY, ROLLOUTS, TASK_KEY
 from shardrun.rundir import store
 from shardrun.rundir.seal import SealState
 from shardrun.core import gym_adapter
+from shardrun.core.errors import BadInput
+from shardrun.core.terminal import shown
 
 
 REPEAT_LEVEL_METRICS = ROLLOUTS.removesuffix(".jsonl") + "_repeat_level_metrics.json"
@@ -63,6 +67,8 @@ def merge_and_profile(
     run_dir = Path(run_dir)
     plan = store.load_plan(run_dir)
     states = shard_merge.check_seals(run_dir, plan, allow_partial)
+    if answer_field is not None:
+        check_answer_field(run_dir, plan, answer_field)
     release = gym_release(plan, states)
     policy = denominator.check_policy(missing or release.missing_policy)
     workers = workers or shard_reader.default_workers(plan.num_rollouts)
@@ -105,6 +111,39 @@ def merge_and_profile(
         finally:
             store.remove_stale_temps(store.merged_dir(run_dir))
     return summary
+
+
+MAX_FIELDS_LISTED = 40
+
+
+def check_answer_field(run_dir: Path, plan: Plan, field: str) -> None:
+    """BadInput, listing the fields the rows have, when no rollout row has `field` (a typo in --answer-field would
+    leave every rollout without an answer and majority@k at zero). The shards' rows are read only until one has
+    the field: at once for a field every row has, all of them only to refuse. Nothing is written before."""
+    seen: set[str] = set()
+    for spec in plan.shards:
+        path = store.rollouts_path(run_dir, spec.index)
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                continue  # not a regular file: the merge itself says what is wrong with it
+        except FileNotFoundError:
+            continue
+        for raw in store.complete_lines(path):
+            try:
+                row = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                continue  # the merge counts the rows it rejects
+            if isinstance(row, dict):
+                if field in row:
+                    return
+                seen.update(row)
+    if not seen:
+        return  # no rows at all: the merge says what is missing
+    names = sorted(seen)
+    listed = ", ".join(shown(n) for n in names[:MAX_FIELDS_LISTED]) + (
+        f" and {len(names) - MAX_FIELDS_LISTED} more" if len(names) > MAX_FIELDS_LISTED else ""
+    )
+    raise BadInput(f"--answer-field {shown(field)}: no rollout row has this field; the rows have: {listed}")
 
 
 def stopped_tasks(states: Sequence[SealState]) -> frozenset[int]:

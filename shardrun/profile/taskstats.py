@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+import orjson
 
 from shardrun.core.errors import BadInput, RunDirError
 from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
@@ -192,4 +193,20 @@ def load_profile(run_dir: Path, fields: Sequence[str] = ()) -> list[TaskStat]:
     path = store.merged_reward_profiling_path(run_dir)
     if not path.is_file():
         raise RunDirError(f"no reward profile at {path}; run `shardrun merge-and-profile {run_dir}` first")
-    return task_stats(store.iter_jsonl_objects(path), str(path), fields)
+    return task_stats(profile_rows(path), str(path), fields)
+
+
+def profile_rows(path: Path) -> Iterable[dict[str, Any]]:
+    """The profile's rows; BadInput naming the file and the line for one that is not a JSON object (the file was
+    edited or damaged: merge-and-profile writes it again)."""
+    for n, raw in enumerate(store.complete_lines(path), 1):
+        try:
+            row = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            row = e
+        if not isinstance(row, dict):
+            raise BadInput(
+                f"{path}:{n}: not a JSON object ({row if isinstance(row, Exception) else type(row).__name__}); the "
+                f"profile was edited or damaged: run `shardrun merge-and-profile` again"
+            )
+        yield row

@@ -36,6 +36,7 @@ class ShardCost:
     server_wait_s: float | None
     tokens: Mapping[str, int]
     sacct_gpu_hours: float | None = None
+    unknown_duration: bool = False  # the marker's times go backwards (a clock step): no wall time, no GPU-hours
 
     @property
     def wall_s(self) -> float:
@@ -66,6 +67,9 @@ def shard_cost(marker: Mapping[str, Any]) -> ShardCost:
     started, finished = _num(marker.get("started_at")), _num(marker.get("finished_at"))
     gpus = int(_num(marker.get("gpus")))
     gpu_hours = _opt(marker.get("gpu_hours"))
+    unknown = finished < started or (gpu_hours is not None and gpu_hours < 0)
+    if unknown:  # finished before it started: the clock stepped back; its duration (and GPU-hours) are unknown
+        finished, gpu_hours = started, 0.0
     extra_field = marker.get("extra")
     extra: Mapping[str, Any] = extra_field if isinstance(extra_field, Mapping) else {}
     tokens = {k: int(extra[k]) for k in TOKEN_KEYS if _opt(extra.get(k)) is not None}
@@ -84,6 +88,7 @@ def shard_cost(marker: Mapping[str, Any]) -> ShardCost:
         collect_s=_opt(marker.get("collect_s")),
         server_wait_s=_opt(marker.get("server_wait_s")),
         tokens=tokens,
+        unknown_duration=unknown,
     )
 
 
@@ -103,6 +108,7 @@ class RunCost:
     finished_at: float | None
     tokens: Mapping[str, int]
     collect_s: float
+    unknown_durations: int = 0  # shards whose times go backwards: the run's wall time is unknown with them
 
     @property
     def wall_s(self) -> float:
@@ -116,7 +122,10 @@ class RunCost:
 
     @property
     def output_tokens_per_s(self) -> float | None:
-        """Whole-run generation throughput: output tokens over the run's wall time (first start to last end)."""
+        """Whole-run generation throughput: output tokens over the run's wall time (first start to last end); None
+        when that time is unknown (a shard's times go backwards)."""
+        if self.unknown_durations:
+            return None
         out = self.tokens.get("output_tokens")
         return out / self.wall_s if out is not None and self.wall_s > 0 else None
 
@@ -137,6 +146,7 @@ def run_costs(shards: Sequence[ShardCost]) -> RunCost:
         finished_at=max((s.finished_at for s in shards), default=None),
         tokens=tokens,
         collect_s=sum(s.collect_s or 0.0 for s in shards),
+        unknown_durations=sum(s.unknown_duration for s in shards),
     )
 
 
@@ -152,6 +162,7 @@ class Throughput:
 
 def throughput(shards: Sequence[ShardCost], bins: int = 60) -> Throughput:
     """Rollouts per minute over the run, each shard's rollouts spread evenly over its start..finish."""
+    shards = [s for s in shards if not s.unknown_duration]  # a shard with backward times has no place in time
     if not shards:
         return Throughput((), (), ())
     t0 = min(s.started_at for s in shards)
@@ -303,10 +314,15 @@ def cost_rows(run: RunCost) -> list[tuple[str, str]]:
         rows.append(("GPU-hours (sacct)", _fmt(run.sacct_gpu_hours, ",.2f")))
     rows += [
         ("rollouts per GPU-hour", _fmt(run.rollouts_per_gpu_hour)),
-        ("wall time", hours(run.wall_s)),
+        ("wall time", unknown_text(run.unknown_durations) if run.unknown_durations else hours(run.wall_s)),
         ("output tokens per second", _fmt(run.output_tokens_per_s)),
     ]
     return rows
+
+
+def unknown_text(shards: int) -> str:
+    """What the text outputs say for durations that cannot be known."""
+    return f"unknown ({shards:,} shard(s) finished before they started: the clock stepped back)"
 
 
 def shard_row(s: ShardCost) -> dict[str, Any]:
@@ -317,7 +333,7 @@ def shard_row(s: ShardCost) -> dict[str, Any]:
         "job_id": s.job_id,
         "host": s.host,
         "gpus": s.gpus,
-        "wall_s": round(s.wall_s, 3),
+        "wall_s": None if s.unknown_duration else round(s.wall_s, 3),
         "gpu_hours": s.gpu_hours,
         "sacct_gpu_hours": s.sacct_gpu_hours,
         "rollouts": s.num_rollouts,
@@ -335,7 +351,8 @@ def run_row(run: RunCost) -> dict[str, Any]:
         "sacct_gpu_hours": run.sacct_gpu_hours,
         "rollouts": run.rollouts,
         "failed": run.failed,
-        "wall_s": run.wall_s,
+        "wall_s": None if run.unknown_durations else run.wall_s,
+        "unknown_durations": run.unknown_durations,
         "rollouts_per_gpu_hour": run.rollouts_per_gpu_hour,
         "tokens": dict(run.tokens),
         "output_tokens_per_s": run.output_tokens_per_s,
@@ -349,4 +366,4 @@ def sealed_cost_text(row: Mapping[str, Any]) -> str:
     return (
         f"{_fmt(row.get('rollouts_per_gpu_hour'))} rollouts/GPU-hour, "
         f"{_fmt(row.get('output_tokens_per_s'))} output tokens/s over {row['shards']:,} sealed shard(s)"
-    )
+    ) + (f"; duration {unknown_text(row['unknown_durations'])}" if row.get("unknown_durations") else "")

@@ -434,11 +434,12 @@ def scan_input(cfg: RunConfig) -> Plan:
 
 
 def existing_plan_matches(run_dir: Path, plan: Plan) -> bool:
-    """True if RUN_DIR already holds this plan; PlanMismatch if it holds another; False if none."""
+    """True if RUN_DIR already holds a plan of the same rollouts (planner.same_rollouts); PlanMismatch if it holds
+    another; False if none."""
     if not plan_path(run_dir).exists():
         return False
     old = load_plan(run_dir)
-    if old.fingerprint == plan.fingerprint:
+    if planner.same_rollouts(old, plan):
         return True
     diffs = planner.plan_differences(old, plan)
     raise PlanMismatch(
@@ -458,7 +459,7 @@ def write_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[Plan, bool]:
     prepare_run_dir(run_dir)
     with run_lock(run_dir):
         if existing_plan_matches(run_dir, plan):
-            return plan, False
+            return load_plan(run_dir), False  # the plan as recorded (its input path, Gym release, config)
         _refuse_orphan_outputs(run_dir)
         with os_errors_as_domain_errors(f"writing the plan into {run_dir}"):
             _write_shards(plan, cfg)

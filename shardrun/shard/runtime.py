@@ -83,7 +83,9 @@ def run_shard(
     run_dir = Path(run_dir)
     plan = plan or store.load_plan(run_dir)
     if not 0 <= index < len(plan.shards):
-        raise ShardFailed(f"shard {index} does not exist (the plan has {len(plan.shards)} shards)")
+        raise BadInput(
+            f"INDEX {index}: no such shard; the plan has {len(plan.shards)} shards (0 to {len(plan.shards) - 1})"
+        )
     log = ShardLog(store.shard_log_path(run_dir, index), index)
     state = seal.check(run_dir, plan, index, deep=True)
     if state.sealed:

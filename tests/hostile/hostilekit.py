@@ -71,3 +71,21 @@ def unchanged_tree(root: Path, *allowed: Path) -> Iterator[None]:
 
     changed = sorted(k for k in before.keys() | after.keys() if not expected(k) and before.get(k) != after.get(k))
     assert not changed, f"changed under {root}: {changed}"
+
+
+BOUND_S = 20.0
+"""What "at once" means for a hostile case: far above what a refusal takes even on a loaded 2-core machine (well
+under a second to a few seconds), and far below a hang."""
+
+
+def invoke_bounded(*args: str, bound_s: float = BOUND_S) -> Outcome:
+    """invoke(*args) in a thread that must end within `bound_s` seconds: a command that hangs fails the case (the
+    thread is left behind, a daemon) instead of blocking the suite."""
+    import threading
+
+    box: list[Outcome] = []
+    worker = threading.Thread(target=lambda: box.append(invoke(*args)), daemon=True)
+    worker.start()
+    worker.join(bound_s)
+    assert not worker.is_alive() and box, f"shardrun {' '.join(map(str, args))} did not end within {bound_s:g} s"
+    return box[0]

@@ -73,9 +73,10 @@ def unchanged_tree(root: Path, *allowed: Path) -> Iterator[None]:
     assert not changed, f"changed under {root}: {changed}"
 
 
-BOUND_S = 20.0
-"""What "at once" means for a hostile case: far above what a refusal takes even on a loaded 2-core machine (well
-under a second to a few seconds), and far below a hang."""
+BOUND_S = 120.0
+"""What "at once" means for a hostile case: a hang is for ever, so the bound only has to tell "ended" from "never
+ends"; it sits far above what any case takes even on a loaded 2-core machine (a report renders its figures in
+seconds, or tens of seconds under a load of 15), so no case passes or fails by the machine's speed."""
 
 
 def invoke_bounded(*args: str, bound_s: float = BOUND_S) -> Outcome:

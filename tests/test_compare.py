@@ -368,3 +368,25 @@ def test_an_adaptive_run_against_a_full_one(tmp_path: Path) -> None:
     assert g["flips"]["sometimes"]["sometimes"] == len(stopped) and g["bucket_unknown"] == 0
     assert any(f"{len(stopped)} paired task(s) stopped early" in n for n in whole["notes"])
     assert "stopped early" in res.output
+
+
+def test_runs_with_labels_compare_per_label(tmp_path: Path) -> None:
+    """A blend's per-label profiles (merged/by_label/<label>/) give each task its label: a column of the task rows
+    and a group of the summary."""
+    base = make_run(tmp_path / "base", solved_base)
+    cand = make_run(tmp_path / "cand", solved_cand)
+    for run_dir in (base, cand):
+        for label, tasks in (("easy", range(0, TASKS, 2)), ("hard", range(1, TASKS, 2))):
+            d = store.merged_dir(run_dir) / comparison.BY_LABEL_DIR / label
+            d.mkdir(parents=True)
+            (d / "rollouts_reward_profiling.jsonl").write_bytes(
+                b"".join(orjson.dumps({"_ng_task_index": t}) + b"\n" for t in tasks)
+            )
+    result = comparison.compare(base, [cand])
+    rows = result.task_rows()
+    assert [r["label"] for r in rows] == ["easy" if t % 2 == 0 else "hard" for t in range(TASKS)]
+    labels = {g["group"]: g for g in result.summary["candidates"][0]["groups"] if g["kind"] == "label"}
+    assert set(labels) == {"easy", "hard"}
+    easy = [t for t in range(TASKS) if t % 2 == 0]
+    want = sum(solved_cand(t) - solved_base(t) for t in easy) / K / len(easy)
+    assert labels["easy"]["tasks_paired"] == len(easy) and labels["easy"]["mean_reward"]["delta"] == pytest.approx(want)

@@ -25,8 +25,9 @@ def means_scatter(
         for agent, ps in points.items():
             ps = _thin(ps)
             ax.scatter([p[0] for p in ps], [p[1] for p in ps], s=12, alpha=0.5, label=agent, rasterized=True)
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(lo, hi)
+        pad = 0.03 * (hi - lo)
+        ax.set_xlim(lo - pad, hi + pad)
+        ax.set_ylim(lo - pad, hi + pad)
         ax.set_aspect("equal")
         ax.legend(fontsize=7)
     else:

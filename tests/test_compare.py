@@ -390,3 +390,34 @@ def test_runs_with_labels_compare_per_label(tmp_path: Path) -> None:
     easy = [t for t in range(TASKS) if t % 2 == 0]
     want = sum(solved_cand(t) - solved_base(t) for t in easy) / K / len(easy)
     assert labels["easy"]["tasks_paired"] == len(easy) and labels["easy"]["mean_reward"]["delta"] == pytest.approx(want)
+
+
+def test_failed_rollouts_are_compared_on_the_rollouts_there_are_and_said(two_runs, tmp_path: Path) -> None:
+    base, _ = two_runs
+    (tmp_path / "cand").mkdir()
+    cand, _ = planned_run(tmp_path / "cand", [input_row(i, AGENTS[i % 2]) for i in range(TASKS)], K, 3)
+    seal_shards(cand, lambda t, r: 1.0 if r < solved_cand(t) else 0.0, failed={(4, 0), (4, 1)})
+    merge_run(cand)
+    result = comparison.compare(base, [cand])
+    row = next(r for r in result.task_rows() if r["task_index_base"] == 4)
+    rest = [1.0 if r < solved_cand(4) else 0.0 for r in (2, 3)]
+    assert (row["rollouts_cand"], row["planned_rollouts_cand"]) == (2, K) and not row["stopped_early_cand"]
+    assert row["mean_cand"] == sum(rest) / 2 and row["delta"] == pytest.approx(sum(rest) / 2 - solved_base(4) / K)
+    assert any(
+        "1 paired task(s) have fewer rollouts than planned" in n for n in result.summary["candidates"][0]["notes"]
+    )
+
+
+def test_runs_of_different_gym_versions_compare_and_say_so(two_runs, tmp_path: Path) -> None:
+    import shutil
+
+    base, cand = two_runs
+    older = tmp_path / "older"
+    shutil.copytree(cand, older)
+    plan = json.loads(store.plan_path(older).read_text())
+    plan["gym_version"] = "0.4.0"  # the release of the run's Gym venv, recorded beside the plan (not fingerprinted)
+    store.plan_path(older).write_text(json.dumps(plan))
+    c = comparison.compare(base, [older]).summary["candidates"][0]
+    assert c["gym_version"] == {"base": store.load_plan(base).gym_version, "cand": "0.4.0"}
+    assert any(n.startswith("different NeMo Gym versions") and "0.4.0" in n for n in c["notes"])
+    assert c["groups"][0]["mean_reward"]["tasks"] == TASKS  # compared all the same

@@ -477,6 +477,14 @@ def notes(base: Side, cand: Side, pairing: Pairing, stopped_left_out: int, unkno
             f"mean, pass@1 and pass@k differences; {stopped_left_out - unknown} of them enter the flips with a known "
             f"bucket, {unknown} have an unknown bucket and are left out of the flips too"
         )
+    short = sum(
+        p.in_means and any(t.num_rollouts < t.expected_num_rollouts for t in (p.base, p.cand)) for p in pairing.pairs
+    )
+    if short:
+        out.append(
+            f"{short} paired task(s) have fewer rollouts than planned in a run (failed, or merged with "
+            "--allow-partial), not stopped early: compared on the rollouts there are (rollouts_base, rollouts_cand)"
+        )
     if pairing.only_base or pairing.only_cand:
         out.append(
             f"{len(pairing.only_base)} task(s) only in the base run, {len(pairing.only_cand)} only in the candidate "
@@ -608,15 +616,15 @@ class CompareResult:
     figures: tuple[Path, ...]
 
 
-def out_files(out_dir: Path, runs: Sequence[Path]) -> Path:
-    """DIR, checked: not a file, not inside a run directory; created."""
+def check_out_dir(out_dir: Path, runs: Sequence[Path]) -> Path:
+    """DIR, checked before anything is read or written: not a file, and its files are outputs shardrun may write
+    (not inside a run directory, not a device, a link to one or a directory: rundir/safepaths.py)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput(f"-o {out_dir}: exists and is not a directory")
     for name in (TASKS_FILE, SUMMARY_FILE, HTML_FILE):
         for r in runs:
             safepaths.output_target(out_dir / name, "-o", Path(r))
-    out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir
 
 
@@ -631,8 +639,9 @@ def build(
     embed: bool = False,
 ) -> CompareResult:
     """`shardrun compare`: write DIR/compare_tasks.jsonl, compare.json, compare.html and its figures."""
-    out_dir = out_files(out_dir, [base, *candidates])
+    out_dir = check_out_dir(out_dir, [base, *candidates])
     comparison = compare(base, candidates, key, solved_threshold, resamples, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
     tasks = out_dir / TASKS_FILE
     with store.atomic_writer(tasks) as f:
         for row in comparison.task_rows():

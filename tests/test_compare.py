@@ -421,3 +421,27 @@ def test_runs_of_different_gym_versions_compare_and_say_so(two_runs, tmp_path: P
     assert c["gym_version"] == {"base": store.load_plan(base).gym_version, "cand": "0.4.0"}
     assert any(n.startswith("different NeMo Gym versions") and "0.4.0" in n for n in c["notes"])
     assert c["groups"][0]["mean_reward"]["tasks"] == TASKS  # compared all the same
+
+
+def test_the_default_key_ignores_what_the_planner_writes_into_a_row() -> None:
+    """The seed in metadata.extra_body and the run's responses_create_params overrides are not the task's identity;
+    the prompt and the rest of the request are."""
+    original = {"responses_create_params": {"input": [{"role": "user", "content": "2+2?"}], "temperature": 1.0}}
+    planned = {
+        "responses_create_params": {
+            "input": [{"role": "user", "content": "2+2?"}],
+            "temperature": 0.2,
+            "metadata": {"extra_body": '{"seed": 7}'},
+        },
+        "_ng_task_index": 3,
+    }
+    key = lambda row, strip=(): comparison.key_value(row, None, "row", strip)  # noqa: E731
+    assert key(original, {"temperature"}) == key(planned, {"temperature"})
+    assert key(original) != key(planned)  # without the override known, the temperature differs
+    other = {"responses_create_params": {"input": [{"role": "user", "content": "2+3?"}], "temperature": 1.0}}
+    assert key(other, {"temperature"}) != key(original, {"temperature"})
+    kept = {"responses_create_params": {"input": [], "metadata": {"extra_body": '{"seed": 1, "top_k": 5}'}}}
+    assert comparison.task_params(kept["responses_create_params"]) == {
+        "input": [],
+        "metadata": {"extra_body": {"top_k": 5}},
+    }

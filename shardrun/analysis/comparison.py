@@ -145,7 +145,11 @@ def task_params(rcp: Any, strip: Iterable[str] = ()) -> Any:
 
 
 def rcp_overrides(plan: Plan) -> set[str]:
-    return set(((plan.config.get("gym") or {}).get("responses_create_params")) or {})
+    """The keys the run's `gym.responses_create_params` set in every planned row (part of the plan's planning)."""
+    overrides = plan.planning.get("responses_create_params")
+    if overrides is None:
+        overrides = (plan.config.get("gym") or {}).get("responses_create_params")
+    return set(overrides or {})
 
 
 def task_keys(side: Side, key: str | None, strip: Iterable[str] = ()) -> tuple[dict[int, str], str]:

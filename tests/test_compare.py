@@ -445,3 +445,15 @@ def test_the_default_key_ignores_what_the_planner_writes_into_a_row() -> None:
         "input": [],
         "metadata": {"extra_body": {"top_k": 5}},
     }
+
+
+def test_refusals_are_domain_errors(two_runs, tmp_path: Path) -> None:
+    base, cand = two_runs
+    inside = run_cli("compare", base, cand, "-o", base / "merged" / "cmp")
+    assert inside.exit_code == 2 and "Traceback" not in inside.output
+    assert not (base / "merged" / "cmp").exists()
+    unmerged, _ = planned_run(tmp_path, [input_row(i) for i in range(3)])
+    res = run_cli("compare", base, unmerged, "-o", tmp_path / "out")
+    assert res.exit_code == 2 and "merge-and-profile" in res.output
+    res = run_cli("compare", base, cand, "-o", tmp_path / "out", "--resamples", "0")
+    assert res.exit_code == 2 and "--resamples" in res.output

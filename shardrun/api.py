@@ -7,11 +7,13 @@ DataFrame, and the merged rollouts (docs/api.md shows each in use).
     st = api.status("runs/arith")                            # st.complete, st.done / st.planned, st.shards
     df = api.profile_frame("runs/arith", fields=["question"])  # one row per task, indexed by task index
     for rollout in api.iter_rollouts("runs/arith"): ...      # dicts, in (task, rollout) order, streamed
+    cmp = api.compare_frame("runs/base", "runs/new")         # one row per paired task: means, delta, buckets
 
 This module only arranges what the stages already read: the plan is `rundir.store.load_plan`'s, the status
 `launch.status.collect`'s, the profile `profile.taskstats.load_profile`'s (of
 `merged/rollouts_reward_profiling.jsonl`), and the rollouts are the lines of `merged/rollouts.jsonl`: the files
-`shardrun merge-and-profile` writes. Errors are the domain errors of shardrun.core.errors (a run that is not merged
+`shardrun merge-and-profile` writes; `compare_frame` is `analysis.comparison`'s per-task table (what
+`shardrun compare` writes to compare_tasks.jsonl). Errors are the domain errors of shardrun.core.errors (a run that is not merged
 yet: RunDirError; a field no task has: BadInput).
 """
 
@@ -119,3 +121,26 @@ def iter_rollouts(run_dir: str | Path) -> Iterator[dict[str, Any]]:
     if not path.is_file():
         raise RunDirError(f"no merged rollouts at {path}; run `shardrun merge-and-profile {run_dir}` first")
     return iter(store.iter_jsonl_objects(path))
+
+
+def compare_frame(
+    base: str | Path, cand: str | Path, key: str | None = None, solved_threshold: float = 1.0
+) -> pd.DataFrame:
+    """Two merged runs task by task, as `shardrun compare BASE CAND` writes them to compare_tasks.jsonl: one row per
+    paired task, in the base's task order.
+
+    Columns: `candidate`, `key` (the task index when the runs planned the same input, else the `key` field of the
+    input rows, by default the sha256 of their `responses_create_params`), `task_index_base`, `task_index_cand`,
+    `agent`, `label` (only when the runs have labels), `mean_base`, `mean_cand`, `delta` (candidate - base),
+    `bucket_base`, `bucket_cand` (never / sometimes / always solved at `solved_threshold`), `rollouts_base`,
+    `rollouts_cand` (the rollouts behind each mean), `planned_rollouts_base`, `planned_rollouts_cand`,
+    `stopped_early_base`, `stopped_early_cand`. A task whose sampling stopped early has no full mean (None, and no
+    delta); its bucket is None when its rollouts do not tell it.
+
+    RunDirError when a run is not merged; BadInput when the key does not name one task per row."""
+    from shardrun.analysis import comparison
+
+    b, cands, pairings = comparison.read_and_pair(Path(base), [Path(cand)], key, solved_threshold)
+    rows = comparison.task_rows(b, cands, pairings)
+    columns = list(rows[0]) if rows else list(comparison.FRAME_COLUMNS)
+    return pd.DataFrame(rows, columns=columns)

@@ -156,6 +156,41 @@ def report(
 
 
 @app.command()
+def compare(
+    base: Path = typer.Argument(..., help="The base run directory (merged)."),
+    candidates: list[Path] = typer.Argument(..., help="One or more candidate run directories (merged)."),
+    output: Path = typer.Option(
+        ..., "--output", "-o", help="Directory for compare_tasks.jsonl, compare.json, compare.html."
+    ),
+    key: Optional[str] = typer.Option(
+        None,
+        "--key",
+        help="Pair tasks by this field of the input rows (default: by task index when the runs planned the same "
+        "input, else by the sha256 of each row's responses_create_params).",
+    ),
+    solved_threshold: float = typer.Option(
+        1.0, "--solved-threshold", help="A rollout solves its task at this reward (buckets never/sometimes/always)."
+    ),
+    resamples: int = typer.Option(2000, "--resamples", help="Bootstrap resamples for the 95% intervals."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap (the same seed gives the same intervals)."),
+    embed: bool = typer.Option(False, "--embed", help="Also inline the PNGs in the HTML (one file to share)."),
+    json_out: bool = typer.Option(False, "--json", help="Print compare.json instead of the table."),
+) -> None:
+    """Compare merged runs task by task: per-task deltas and buckets, mean, pass@1 and pass@k differences with
+    bootstrap intervals, bucket flips and McNemar's test, per agent (and label); writes DIR and prints a table."""
+    import orjson
+
+    from shardrun.analysis import comparison
+
+    result = run(comparison.build, base, candidates, output, key, solved_threshold, resamples, seed, embed)
+    typer.echo(
+        orjson.dumps(result.comparison.summary, option=orjson.OPT_INDENT_2).decode()
+        if json_out
+        else comparison.summary_text(result)
+    )
+
+
+@app.command()
 def status(
     run_dir: Path = typer.Argument(..., help="Run directory."),
     json_out: bool = typer.Option(False, "--json", help="Print the status as JSON (every shard)."),

@@ -92,3 +92,30 @@ def problems(rules: TaskRules, name: Callable[[str], str] = lambda field: FLAGS[
     if lo is not None and hi is not None and lo > hi:
         found.append(f"{name('min_mean')} {lo} is above {name('max_mean')} {hi}: no task can match")
     return found
+
+
+# ---------------------------------------------------------------- difficulty buckets
+
+NEVER, SOMETIMES, ALWAYS = "never", "sometimes", "always"
+BUCKETS = (NEVER, SOMETIMES, ALWAYS)
+"""A task's difficulty bucket, by its rollouts of the metric against `solved_threshold` (the solved notion of the
+rules above): `never` solved (no rollout reaches it: `drop_unsolved` drops it), `always` solved (every rollout
+does: `drop_solved` drops it), `sometimes` solved otherwise (both keep it)."""
+
+
+def bucket(
+    minimum: float | None, maximum: float | None, solved_threshold: float = 1.0, complete: bool = True
+) -> str | None:
+    """The bucket of a task whose counted rollouts' metric ranges over [minimum, maximum] (None: no rollout counted,
+    no bucket). `complete=False` (a task whose sampling stopped early) knows its bucket only when its rollouts
+    already disagree (`sometimes`); rollouts all on one side of the threshold could still be joined by one on the
+    other, so its bucket is unknown (None)."""
+    if minimum is None or maximum is None:
+        return None
+    rules = TaskRules(solved_threshold=solved_threshold)
+    solved_by_some, unsolved_by_some = rules.solved_by_some(maximum), rules.unsolved_by_some(minimum)
+    if solved_by_some and unsolved_by_some:
+        return SOMETIMES
+    if not complete:
+        return None
+    return ALWAYS if solved_by_some else NEVER

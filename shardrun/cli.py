@@ -183,11 +183,10 @@ def compare(
     from shardrun.analysis import comparison
 
     result = run(comparison.build, base, candidates, output, key, solved_threshold, resamples, seed, embed)
-    typer.echo(
-        orjson.dumps(result.comparison.summary, option=orjson.OPT_INDENT_2).decode()
-        if json_out
-        else comparison.summary_text(result)
-    )
+    if json_out:
+        typer.echo(orjson.dumps(result.comparison.summary, option=orjson.OPT_INDENT_2).decode())
+    else:
+        say(comparison.summary_text(result))  # agent names and labels are data: control characters shown escaped
 
 
 @app.command()

@@ -414,9 +414,14 @@ def test_runs_of_different_gym_versions_compare_and_say_so(two_runs, tmp_path: P
     base, cand = two_runs
     older = tmp_path / "older"
     shutil.copytree(cand, older)
-    plan = json.loads(store.plan_path(older).read_text())
-    plan["gym_version"] = "0.4.0"  # the release of the run's Gym venv, recorded beside the plan (not fingerprinted)
-    store.plan_path(older).write_text(json.dumps(plan))
+    # the run as Gym 0.4.0 would have planned it: the release is part of the plan and of its fingerprint
+    import dataclasses
+
+    from shardrun.plan import planner
+
+    plan = dataclasses.replace(store.load_plan(older), gym_version="0.4.0")
+    plan = dataclasses.replace(plan, fingerprint=planner.fingerprint(plan))
+    store.plan_path(older).write_text(json.dumps(plan.to_json()))
     c = comparison.compare(base, [older]).summary["candidates"][0]
     assert c["gym_version"] == {"base": store.load_plan(base).gym_version, "cand": "0.4.0"}
     assert any(n.startswith("different NeMo Gym versions") and "0.4.0" in n for n in c["notes"])

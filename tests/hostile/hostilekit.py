@@ -3,13 +3,16 @@ command the way a user would (the CLI, in process) and checks what shardrun prom
 
 - exit 2 (or 0 for valid-but-unusual input) and no traceback;
 - the message names the key, the line or the path at fault;
-- every file outside the expected outputs is byte-identical before and after (`snapshot`).
+- every file outside the expected outputs is byte-identical before and after (`snapshot`);
+- where input could make a command wait for ever (a FIFO where a file should be), the command returns within
+  BOUND_S seconds (`invoke_bounded`): a hang fails the test instead of hanging the suite.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,6 +50,20 @@ class Outcome:
 def invoke(*args: str) -> Outcome:
     res = CliRunner().invoke(app, [str(a) for a in args])
     return Outcome(res.exit_code, res.output, res.exception)
+
+
+BOUND_S = 20.0
+"""How long a command on a tiny run may take on a loaded machine (it takes well under a second): a hang is for ever."""
+
+
+def invoke_bounded(*args: str, bound_s: float = BOUND_S) -> Outcome:
+    """invoke() in a thread; fails the test when the command has not returned within bound_s (it hangs)."""
+    box: dict[str, Outcome] = {}
+    thread = threading.Thread(target=lambda: box.setdefault("outcome", invoke(*args)), daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert not thread.is_alive(), f"shardrun {' '.join(map(str, args))} did not return within {bound_s} s (it hangs)"
+    return box["outcome"]
 
 
 def refused(outcome: Outcome, *names: str) -> None:

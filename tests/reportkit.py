@@ -82,7 +82,7 @@ def seal_shards(
     attempts: dict[int, int] | None = None,
     unsealed: set[int] = frozenset(),
     job_prefix: str | None = None,
-) -> list[dict]:
+) -> list[seal.Seal]:
     """Write every shard's rollouts.jsonl and seal it; returns the markers. `failed` identities go to the shard's
     failure sidecar instead (recorded as failed after their retries, as the runtime does)."""
     plan = store.load_plan(run_dir)

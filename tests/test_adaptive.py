@@ -80,7 +80,7 @@ def collect_shard(run_dir: Path, index: int, skip: set[tuple[int, int]] = frozen
         num_skipped_decided=len(skip),
     )
     seal.write_marker(run_dir, index, marker)
-    return marker
+    return marker.to_json()  # as the seal holds it on disk
 
 
 def select_bytes(run_dir: Path, out: Path, **rules) -> bytes:

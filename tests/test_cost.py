@@ -13,7 +13,13 @@ from shardrun.rundir import seal
 from shardrun.rundir import store
 
 
-def marker(i: int, start: float, wall: float, gpus: int = 8, rollouts: int = 100, **kw) -> dict:
+def sealed(**fields) -> seal.Seal:
+    """A seal with these fields (the ones cost accounting does not read filled in)."""
+    base = {"plan_fingerprint": "f", "rollouts_sha256": "0", "rollouts_bytes": 0, "num_rollouts": 0, "num_failed": 0}
+    return seal.Seal.model_validate(base | fields)
+
+
+def marker(i: int, start: float, wall: float, gpus: int = 8, rollouts: int = 100, **kw) -> seal.Seal:
     m = {
         "shard_index": i,
         "started_at": start,
@@ -29,7 +35,7 @@ def marker(i: int, start: float, wall: float, gpus: int = 8, rollouts: int = 100
         "job_id": f"77_{i}",
     }
     m.update(kw)
-    return m
+    return sealed(**m)
 
 
 def test_shard_cost_from_a_real_marker():
@@ -61,9 +67,9 @@ def test_shard_cost_from_a_real_marker():
 
 
 def test_missing_fields_degrade_to_none_not_to_made_up_numbers():
-    c = cost.shard_cost({"shard_index": 3, "started_at": 0.0, "finished_at": 3600.0, "gpus": 0, "num_rollouts": 10})
+    c = cost.shard_cost(sealed(shard_index=3, started_at=0.0, finished_at=3600.0, gpus=0, num_rollouts=10))
     assert c.gpu_hours == 0 and c.rollouts_per_gpu_hour is None and c.output_tokens_per_s is None
-    assert cost.shard_cost({"shard_index": 1, "started_at": 0, "finished_at": 1800, "gpus": 2}).gpu_hours == 1.0
+    assert cost.shard_cost(sealed(shard_index=1, started_at=0, finished_at=1800, gpus=2)).gpu_hours == 1.0
 
 
 def test_run_costs_sum_shards_and_span_first_start_to_last_end():
@@ -120,8 +126,8 @@ def test_costs_from_a_sealed_run_directory(tmp_path):
     on_disk = [seal.check(run_dir, plan, s.index).marker for s in plan.shards]
     run = cost.run_costs(cost.shard_costs(on_disk))
     assert run.shards == 3 and run.rollouts == 12
-    assert run.gpu_hours == pytest.approx(sum(2 * (m["finished_at"] - m["started_at"]) / 3600 for m in markers))
-    assert run.tokens["output_tokens"] == sum(m["extra"]["output_tokens"] for m in markers)
+    assert run.gpu_hours == pytest.approx(sum(2 * (m.finished_at - m.started_at) / 3600 for m in markers))
+    assert run.tokens["output_tokens"] == sum(m.extra["output_tokens"] for m in markers)
 
 
 def test_status_shows_the_sealed_cost(tmp_path):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from shardrun import cli
-from shardrun.merge import outcome, row_copier, shard_merge, shard_reader
+from shardrun.merge import row_copier, shard_merge, shard_reader
 from shardrun.profile import writers
 from shardrun.profile.merge_and_profile import merge_and_profile
 from shardrun.rundir import store
@@ -602,17 +602,27 @@ def test_copy_rows_gives_the_rows_in_order_whatever_the_window(tmp_path_factory,
     assert out_path.read_bytes() == b"head:" + want + b":tail" and n == len(want)
 
 
-def test_marker_disagreeing_with_its_file_is_pointed_out(tmp_path: Path) -> None:
+def test_a_marker_disagreeing_with_its_file_is_not_trusted(tmp_path: Path) -> None:
     run = make_run(tmp_path, input_rows(4), num_repeats=2, num_shards=2)
     write_shard(run, 0)
     write_shard(run, 1, missing=2, seal_it=False)
     seal_shard(run, 1, num_failed=0)  # claims all 4 rollouts; the file holds 2
-    summary = merge_and_profile(run.run_dir)
-    assert summary.warnings == [
-        "shard 00001: its marker counts 4 rollouts, 2 planned identities were found in its rollouts.jsonl"
-    ]
-    assert "warning: shard 00001: its marker counts 4" in outcome.render(summary)
+    with pytest.raises(IncompleteRun, match="damaged seal .*it counts 4 rollouts, rollouts.jsonl has 2 rows"):
+        merge_and_profile(run.run_dir)
+    summary = merge_and_profile(run.run_dir, allow_partial=True)
+    assert [s.sealed for s in summary.shards] == [True, False] and "damaged seal" in summary.shards[1].reason
     assert summary.rollouts == 6 and summary.tasks_partial + summary.tasks_missing >= 1
+
+
+def test_a_marker_counting_fewer_rollouts_than_its_file_holds_is_not_trusted_by_the_merge(tmp_path: Path) -> None:
+    """The file has every row (status cannot tell without reading them), but the seal counts 2 of the 4 as failed:
+    the merge, which reads every row, finds 4 planned identities and does not trust it."""
+    run = make_run(tmp_path, input_rows(4), num_repeats=2, num_shards=2)
+    write_shard(run, 0)
+    write_shard(run, 1, seal_it=False)
+    seal_shard(run, 1, num_failed=2)
+    with pytest.raises(IncompleteRun, match="damaged seal .*it counts 2 rollouts, 4 planned identities were found"):
+        merge_and_profile(run.run_dir)
 
 
 @pytest.mark.parametrize("slicing", ["contiguous", "round_robin"])

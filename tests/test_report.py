@@ -12,6 +12,8 @@ import re
 import orjson
 
 import pytest
+
+from shardrun.rundir.records import LaunchRecord, Seal
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -164,8 +166,9 @@ def test_slurm_run_adds_sacct_gpu_hours(tmp_path, monkeypatch):
     assert "<td>GPU-hours (sacct)</td><td>4.00</td>" in report.build_report(run_dir).html.read_text()
     store.append_launch(run_dir, {"executor": "local", "jobs": {"1": "500_1"}})
     plan = store.load_plan(run_dir)
-    shards = cost.shard_costs([{"shard_index": 1, "job_id": "500_1"}, {"shard_index": 0, "job_id": "500_0"}])
-    assert report.slurm_job_ids([{"executor": "local", "jobs": {"0": "500_0"}}], plan, shards) == []
+    base = {"plan_fingerprint": "f", "rollouts_sha256": "0", "rollouts_bytes": 0, "num_rollouts": 0, "num_failed": 0}
+    shards = cost.shard_costs([Seal.model_validate(base | {"shard_index": i, "job_id": f"500_{i}"}) for i in (1, 0)])
+    assert report.slurm_job_ids([LaunchRecord(executor="local", jobs={"0": "500_0"})], plan, shards) == []
     assert report.slurm_job_ids([], plan, shards) == ["500_0", "500_1"]  # no records: the plan says Slurm
 
 

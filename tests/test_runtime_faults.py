@@ -55,7 +55,7 @@ def test_row_the_model_always_rejects_is_recorded_failed_and_the_rest_seals(
         result = runtime.run_shard(run_dir, 0)
         rejected = [r for r in fake.requests() if r["fault"] == "400"]
     assert result.state == "sealed"
-    assert result.marker["num_rollouts"] == 7 and result.marker["num_failed"] == 1
+    assert result.marker.num_rollouts == 7 and result.marker.num_failed == 1
     failures = [json.loads(line) for line in store.failures_path(run_dir, 0).read_text().splitlines()]
     if gym_adapter.for_venv(gym_venv).series == "0.4":  # Gym 0.4 aborts: shardrun records the identity once
         assert len(failures) == 1

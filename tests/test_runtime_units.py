@@ -390,8 +390,8 @@ def test_shard_with_every_rollout_on_disk_seals_without_servers(tmp_path: Path) 
     result = runtime.run_shard(run_dir, 0, job_id="42")
     assert result.state == "sealed"
     m = result.marker
-    assert (m["num_rollouts"], m["num_failed"], m["job_id"], m["attempt"]) == (3, 0, "42", 1)
-    assert m["server_wait_s"] == 0 and m["extra"] == {"output_tokens": 6}
+    assert (m.num_rollouts, m.num_failed, m.job_id, m.attempt) == (3, 0, "42", 1)
+    assert m.server_wait_s == 0 and m.extra == {"output_tokens": 6}
     assert seal.check(run_dir, store.load_plan(run_dir), 0, deep=True).sealed
     assert not store.shard_failure_path(run_dir, 0).exists()
     assert runtime.run_shard(run_dir, 0).state == "already_sealed"

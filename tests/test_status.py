@@ -20,6 +20,7 @@ from shardrun.rundir import seal
 from shardrun.launch import scheduler
 from shardrun.launch import status
 from shardrun.rundir import store
+from shardrun.shard import processes
 
 
 def make_run(tmp_path: Path, num_tasks: int = 12, repeats: int = 2, shards: int = 6) -> tuple[Path, object]:
@@ -132,7 +133,7 @@ def test_states_counts_and_reasons(tmp_path):
     assert by[4].reason == "ServerFailure: vLLM died" and by[4].log.endswith("jobs/7_4_0_log.out")
     assert by[4].done == 2 and not by[4].gave_up
     assert by[5].attempts == 0 and by[5].job_id is None
-    assert st.counts == {"sealed": 2, "running": 1, "pending": 1, "failed": 1, "never_started": 1}
+    assert st.counts == {"sealed": 2, "running": 1, "pending": 1, "failed": 1, "damaged": 0, "never_started": 1}
     assert st.done == 4 + 4 + 2 + 2 and st.planned == 24
     # throughput: 12 rollouts in 2 minutes since the launch; ETA for the 12 left
     assert st.throughput_per_min == pytest.approx(6.0, rel=1e-6)
@@ -194,7 +195,7 @@ def test_local_pids_running_and_gone(tmp_path):
             "submitted_at": time.time(),
             "host": os.uname().nodename,
             "jobs": {"0": str(me), "1": str(dead.pid)},
-            "pid_start": {str(me): status.pid_start_ticks(me), str(dead.pid): 1},
+            "pid_start": {str(me): processes.start_ticks(me), str(dead.pid): 1},
         },
     )
     store.shard_log_path(run_dir, 0).parent.mkdir(parents=True, exist_ok=True)
@@ -214,7 +215,7 @@ def test_local_worker_shards_not_started_yet_are_pending(tmp_path):
             "submitted_at": time.time() - 5,
             "host": os.uname().nodename,
             "jobs": {"0": str(me), "1": str(me)},
-            "pid_start": {str(me): status.pid_start_ticks(me)},
+            "pid_start": {str(me): processes.start_ticks(me)},
         },
     )
     log = store.shard_log_path(run_dir, 0)
@@ -235,7 +236,7 @@ def test_reused_pid_is_not_running(tmp_path):
             "submitted_at": time.time(),
             "host": os.uname().nodename,
             "jobs": {"0": str(me)},
-            "pid_start": {str(me): status.pid_start_ticks(me) + 1},
+            "pid_start": {str(me): processes.start_ticks(me) + 1},
         },
     )
     st = status.collect(run_dir, query_live=squeue(""), query_ended=no_sacct)

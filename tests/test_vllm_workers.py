@@ -87,7 +87,7 @@ def test_one_worker_starts_vllm_once_for_three_shards(
     for i in range(SHARDS):
         sealed = seal.check(run_dir, plan, i, deep=True)
         assert sealed.sealed, sealed.reason
-        assert sealed.marker["worker"]["id"] == "w0"
+        assert sealed.marker.worker_id == "w0"
         got += [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows(store.rollouts_path(run_dir, i))]
         assert all(r["response"]["model"] == "tiny" for r in rows(store.rollouts_path(run_dir, i)))
     assert sorted(got) == sorted(set(got)) and len(got) == TASKS * REPEATS  # every identity exactly once

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardrun.rundir import store
+from shardrun.rundir import records, store
 from shardrun.shard import gym_stack, worker
 from tests.fakes import harness
 from tests.faults import gymkit
@@ -93,7 +93,7 @@ def test_two_workers_over_eight_shards_equal_one_unsharded_gym_run(tmp_path: Pat
     assert len(got) == SHARDS * REPEATS
     assert essentials(got) == essentials(rows(reference / "rollouts.jsonl"))  # every identity exactly once
 
-    states = worker.read_states(run_dir)
+    states = records.read_worker_states(run_dir)
     assert len(states) == 2 and all(s.server_starts == 1 and s.state == worker.STOPPED for s in states), states
     assert sorted(i for s in states for i in s.sealed) == list(range(SHARDS))
     sealed_by = {m["shard_index"]: m["worker"] for m in markers(run_dir)}
@@ -158,7 +158,7 @@ def test_a_sigkilled_worker_s_shard_is_taken_over_after_the_lease(tmp_path: Path
                 proc.kill()
         assert proc.returncode == 0, out
         log = store.worker_log_path(
-            run_dir, [s for s in worker.read_states(run_dir) if s.pid != claim["pid"]][0].worker_id
+            run_dir, [s for s in records.read_worker_states(run_dir) if s.pid != claim["pid"]][0].worker_id
         )
         assert f"shard 1: took over the stale claim of worker {claim['worker_id']}" in log.read_text()
         requests = fake.requests()
@@ -200,7 +200,7 @@ def test_a_worker_whose_servers_keep_dying_restarts_them_then_exits_non_zero(
     out, _ = proc.communicate(timeout=800)
     assert proc.returncode == 4, out  # no shard sealed
 
-    [state] = worker.read_states(run_dir)
+    [state] = records.read_worker_states(run_dir)
     reason = state.exit_reason
     assert state.state == worker.FAILED and "died or failed to start 2 time(s)" in reason, state
     assert "cluster.max_server_restarts = 1" in reason

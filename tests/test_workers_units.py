@@ -15,7 +15,8 @@ import pytest
 from shardrun.core import config
 from shardrun.core.errors import BadInput
 from shardrun.launch import after_workers, status, submission, warm_workers
-from shardrun.rundir import claims, store
+from shardrun.rundir import claims, records, store
+from shardrun.rundir.records import Seal, WorkerState
 from shardrun.shard import processes, worker
 from tests import builders
 
@@ -32,13 +33,20 @@ def test_order_partial_progress_first_then_longest_expected() -> None:
 
 
 def test_rate_and_whether_a_shard_fits_before_the_limit() -> None:
-    markers = [{"num_rollouts": 90, "num_failed": 10, "collect_s": 50.0}, {"num_rollouts": 100, "collect_s": 50.0}]
+    base = {"plan_fingerprint": "f", "shard_index": 0, "rollouts_sha256": "0", "rollouts_bytes": 0, "num_failed": 0}
+    markers = [
+        Seal.model_validate(base | {"num_rollouts": 90, "num_failed": 10, "collect_s": 50.0}),
+        Seal.model_validate(base | {"num_rollouts": 100, "collect_s": 50.0}),
+    ]
     rate = worker.rate_per_s(markers)
     assert rate == pytest.approx(2.0)
     big, small = worker.Candidate(0, 300, 0, 0), worker.Candidate(1, 100, 0, 0)
     assert not worker.fits(big, rate, 100.0) and worker.fits(small, rate, 100.0)
     assert worker.fits(big, None, 100.0) and worker.fits(big, rate, None)
-    assert worker.rate_per_s([]) is None and worker.rate_per_s([{"num_rollouts": 3, "collect_s": 0}]) is None
+    assert (
+        worker.rate_per_s([]) is None
+        and worker.rate_per_s([Seal.model_validate(base | {"num_rollouts": 3, "collect_s": 0})]) is None
+    )
 
 
 def test_deadline_from_slurm_or_the_configured_limit() -> None:
@@ -96,7 +104,7 @@ def test_status_shows_workers_claims_and_stale_claims(tmp_path: Path) -> None:
             "max_attempts": 3,
         },
     )
-    state = worker.WorkerState(
+    state = WorkerState(
         worker_id="w-live",
         job_id=str(me),
         host=socket.gethostname(),
@@ -104,14 +112,14 @@ def test_status_shows_workers_claims_and_stale_claims(tmp_path: Path) -> None:
         pid_start=processes.start_ticks(me),
         started_at=time.time() - 100,
         gpus=0,
-        state=worker.COLLECTING,
+        state=records.COLLECTING,
         current_shard=1,
         servers_up_since=time.time() - 50,
         server_starts=1,
         sealed=[0],
     )
     store.worker_dir(run.run_dir, "w-live").mkdir(parents=True)
-    store.atomic_write_json(store.worker_state_path(run.run_dir, "w-live"), state.__dict__)
+    records.write_worker_state(run.run_dir, state)
     live = claims.ClaimBook(run.run_dir, claims.Holder("w-live", str(me)), 10).try_claim(1)
     dead = claims.ClaimBook(run.run_dir, claims.Holder("w-dead", "4242"), 10).try_claim(2)
     assert live is not None and dead is not None
@@ -138,7 +146,7 @@ def test_status_shows_workers_claims_and_stale_claims(tmp_path: Path) -> None:
 
     # the worker's process is gone: its record says so, and its shards wait for a resume
     state.job_id, state.pid_start = "99999999", -1
-    store.atomic_write_json(store.worker_state_path(run.run_dir, "w-live"), state.__dict__)
+    records.write_worker_state(run.run_dir, state)
     st = status.collect(run.run_dir)
     assert st.workers[0]["state"] == "gone"
     assert {s.index: s.state for s in st.shards}[2] == status.FAILED
@@ -194,10 +202,12 @@ def test_worker_cost_splits_start_up_collecting_and_idle() -> None:
         "sealed": [0, 1],
         "server_starts": 1,
     }
-    w = cost.worker_cost(state, now=99999.0)
+    w = cost.worker_cost(WorkerState.model_validate(state | {"host": "n", "pid": 7, "pid_start": None}), now=99999.0)
     assert (w.gpu_hours, w.startup_gpu_hours, w.collecting_gpu_hours) == pytest.approx((8.0, 4 / 3, 16 / 3))
     assert w.idle_gpu_hours == pytest.approx(4 / 3)
-    running = cost.worker_cost({**state, "ended_at": None}, now=2800.0)  # still running: counted up to now
+    running = cost.worker_cost(
+        WorkerState.model_validate(state | {"ended_at": None, "host": "n", "pid": 7, "pid_start": None}), now=2800.0
+    )  # still running: counted up to now
     assert running.wall_s == 1800.0 and running.idle_gpu_hours == 0.0
     row = cost.workers_row([w, w])
     assert row["workers"] == 2 and row["server_starts"] == 2 and row["utilization"] == pytest.approx(2400 / 3600)
@@ -251,10 +261,18 @@ def test_a_worker_reaps_the_servers_a_dead_worker_on_its_host_left(tmp_path: Pat
         dead_pid.wait(5)  # a pid that no longer runs
 
         def record(worker_id: str, pid: int, ticks: int | None, groups: list) -> None:
-            state = worker.WorkerState(worker_id, None, socket.gethostname(), pid, ticks, time.time(), 0)
+            state = WorkerState(
+                worker_id=worker_id,
+                job_id=None,
+                host=socket.gethostname(),
+                pid=pid,
+                pid_start=ticks,
+                started_at=time.time(),
+                gpus=0,
+            )
             state.server_groups = groups
             store.worker_dir(run.run_dir, worker_id).mkdir(parents=True)
-            store.atomic_write_json(store.worker_state_path(run.run_dir, worker_id), state.__dict__)
+            records.write_worker_state(run.run_dir, state)
 
         record("w-dead", dead_pid.pid, 12345, [list(leader.group)])
         record("w-live", live.pid, live.group[1], [list(live.group)])  # a live worker (its pid runs)
@@ -263,7 +281,7 @@ def test_a_worker_reaps_the_servers_a_dead_worker_on_its_host_left(tmp_path: Pat
         assert processes.start_ticks(member) is not None
 
         me = worker.Worker(run.run_dir, "w-me")
-        me.reap_leftovers(worker.read_states(run.run_dir))
+        me.reap_leftovers(records.read_worker_states(run.run_dir))
         assert processes.start_ticks(member) is None and live.alive()
         log = store.worker_log_path(run.run_dir, "w-me").read_text()
         assert "killed 1 process(es) that worker w-dead" in log and "w-live" not in log

@@ -19,12 +19,13 @@ import orjson
 
 from shardrun.launch import scheduler
 from shardrun.rundir import cost
-from shardrun.rundir import seal
+from shardrun.rundir import records, seal
 from shardrun.rundir import store
 from shardrun.profile import taskstats
 from shardrun.core.errors import BadInput, ShardrunError
 from shardrun.core.terminal import shown
 from shardrun.plan.planner import Plan
+from shardrun.rundir.records import LaunchRecord, Seal
 from shardrun.profile.taskstats import AgentSummary, TaskStat
 
 FIGURES = (  # (name, title) in report order; store.report_figure_path(run_dir, name) is the file
@@ -53,7 +54,7 @@ class ReportData:
 # ---------------------------------------------------------------- reading (edge)
 
 
-def sealed_markers(run_dir: Path, plan: Plan) -> tuple[list[dict], int]:
+def sealed_markers(run_dir: Path, plan: Plan) -> tuple[list[Seal], int]:
     """The markers of the sealed shards, and how many shards are not sealed."""
     states = [seal.check(run_dir, plan, s.index) for s in plan.shards]
     return [st.marker for st in states if st.sealed and st.marker is not None], sum(not st.sealed for st in states)
@@ -68,7 +69,7 @@ def read_key_metrics(path: Path) -> dict[str, dict[str, Any]]:
     if not path.is_file():
         return {}
     try:
-        data = orjson.loads(path.read_bytes())
+        data = orjson.loads(store.read_regular(path))
     except orjson.JSONDecodeError as e:
         raise BadInput(
             f"{path}: not JSON ({e}); it was edited or damaged: run `shardrun merge-and-profile` again"
@@ -81,11 +82,11 @@ def read_key_metrics(path: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def slurm_job_ids(launches: Sequence[dict], plan: Plan, shards: Sequence[cost.ShardCost]) -> list[str]:
+def slurm_job_ids(launches: Sequence[LaunchRecord], plan: Plan, shards: Sequence[cost.ShardCost]) -> list[str]:
     """The sealed shards' job ids that are Slurm jobs: per the launch records (launch.py), or, for a run launched
     without them, when the plan's cluster is Slurm. Local job ids (pids) never reach sacct."""
     if launches:
-        known = {str(j) for rec in launches if rec.get("executor") == "slurm" for j in (rec.get("jobs") or {}).values()}
+        known = {j for rec in launches if rec.executor == "slurm" for j in rec.shard_jobs.values()}
     elif (plan.config.get("cluster") or {}).get("executor") == "slurm":
         known = {s.job_id for s in shards if s.job_id}
     else:
@@ -99,7 +100,7 @@ def gather(run_dir: Path, use_sacct: bool = True) -> ReportData:
     markers, unsealed = sealed_markers(run_dir, plan)
     shards = cost.shard_costs(markers)
     if use_sacct:
-        ids = slurm_job_ids(store.read_launches(run_dir), plan, shards)
+        ids = slurm_job_ids(records.read_launches(run_dir), plan, shards)
         jobs = scheduler.query_sacct(ids)
         shards = cost.with_sacct(shards, {j: jobs[j].gpu_hours for j in ids if j in jobs})
     return ReportData(
@@ -109,19 +110,9 @@ def gather(run_dir: Path, use_sacct: bool = True) -> ReportData:
         count_lines(store.merged_failures_path(run_dir)),
         read_key_metrics(store.merged_aggregate_metrics_path(run_dir)),
         unsealed,
-        worker_costs(run_dir),
-        sum(int(m.get("num_skipped_decided") or 0) for m in markers),
+        cost.worker_costs(run_dir, time.time()),
+        sum(m.num_skipped_decided for m in markers),
     )
-
-
-def worker_costs(run_dir: Path) -> dict[str, Any]:
-    """Start-up, collecting and idle GPU-hours of the run's warm workers (empty when it ran one job per shard)."""
-    from dataclasses import asdict
-
-    from shardrun.shard import worker
-
-    now = time.time()
-    return cost.workers_row([cost.worker_cost(asdict(w), now) for w in worker.read_states(run_dir)])
 
 
 # ---------------------------------------------------------------- headline (pure)

@@ -355,7 +355,7 @@ def stopped_tasks(run_dir: Path, plan: Plan) -> set[int]:
     for spec in plan.shards:
         state = seal.check(run_dir, plan, spec.index)
         if state.sealed and state.marker:
-            out.update(int(t) for t in state.marker.get("skipped_decided_tasks") or ())
+            out.update(state.marker.skipped_decided_tasks)
     return out
 
 

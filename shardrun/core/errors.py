@@ -33,6 +33,15 @@ class RunDirError(ShardrunError):
     exit_code = 2
 
 
+class NotRegularFile(RunDirError):
+    """A FIFO, a device or a socket where shardrun reads a file of its own (reading it could block for ever)."""
+
+
+class BadRecord(RunDirError):
+    """A record shardrun wrote in a run directory (launch record, claim, worker state, ...) has the wrong shape or
+    a field of the wrong type: the file was edited or damaged. The message names the file, the line and the field."""
+
+
 class ServerFailure(ShardrunError):
     """A policy or Gym server did not start, died, or stopped answering."""
 

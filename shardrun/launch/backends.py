@@ -75,7 +75,9 @@ def cancel(launched: Launched, ask_slurm: AskSlurm) -> Cancelled:
     if launched.names:
         ask_slurm(launched.names)
     for backend in REGISTRY.values():
-        done = backend.cancel(backend.live(launched, ask_slurm))
+        live = backend.live(launched, ask_slurm)
+        done = backend.cancel(live)
         out.slurm_jobs += [j for j in done.slurm_jobs if j not in out.slurm_jobs]
         out.local_pids += [p for p in done.local_pids if p not in out.local_pids]
+        out.unconfirmed += [u for u in live.unconfirmed if u not in out.unconfirmed]
     return out

@@ -123,8 +123,10 @@ def queue_after_the_run(
 
 
 def live_pids(launched: Launched, pids: Iterable[str]) -> LiveJobs:
-    """Local jobs among `pids` whose recorded pid is still the same process (pid reuse is ruled out by start
-    time); jobs that ran on another host are named in a warning."""
+    """Local jobs among `pids` whose recorded pid is still the same process: a live process with that pid whose
+    start time is the one its launch record holds (pid reuse ruled out). A record with no start time, or whose pid
+    is now another process, names no job of this run: it is never live, so never signalled, and `unconfirmed` (a
+    warning too) says which record could not be confirmed. Jobs that ran on another host are named in a warning."""
     out = LiveJobs()
     host = socket.gethostname()
     pids = list(pids)
@@ -136,8 +138,17 @@ def live_pids(launched: Launched, pids: Iterable[str]) -> LiveJobs:
             continue
         start = launched.local_pids.get(pid)
         ticks = processes.start_ticks(int(pid))
-        if ticks is not None and (start is None or ticks == start):
+        if ticks is None:
+            continue  # ended
+        if start is not None and ticks == start:
             out.jobs[pid] = Live("RUNNING", "", None)
+            continue
+        recorded = "no start time recorded" if start is None else f"recorded start {start}, the live process's {ticks}"
+        out.unconfirmed.append(
+            f"{store.LAUNCHES_FILE}:{launched.local_records.get(pid, '?')}: local job pid {pid} could not be "
+            f"confirmed as this run's ({recorded}); taken for another process, never signalled"
+        )
+    out.warnings += out.unconfirmed
     return out
 
 

@@ -70,6 +70,9 @@ class Launched(Protocol):
     def local_hosts(self) -> dict[str, str]: ...  # local jobs: pid -> the host it ran on
 
     @property
+    def local_records(self) -> dict[str, int]: ...  # local jobs: pid -> its launch record (launches.jsonl line)
+
+    @property
     def worker_jobs(self) -> dict[str, str]: ...  # warm workers: job id -> executor
 
 
@@ -90,10 +93,12 @@ class LiveJobs:
 
     jobs: dict[str, Live] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    unconfirmed: list[str] = field(default_factory=list)  # launch records whose live pid is not confirmed as ours
 
     def add(self, other: LiveJobs) -> LiveJobs:
         self.jobs.update(other.jobs)
         self.warnings += [w for w in other.warnings if w not in self.warnings]
+        self.unconfirmed += [u for u in other.unconfirmed if u not in self.unconfirmed]
         return self
 
 
@@ -101,6 +106,7 @@ class LiveJobs:
 class Cancelled:
     slurm_jobs: list[str] = field(default_factory=list)
     local_pids: list[int] = field(default_factory=list)
+    unconfirmed: list[str] = field(default_factory=list)  # launch records not signalled: their pid is not ours
 
 
 class Launcher(ABC):

@@ -6,14 +6,16 @@ shards are sealed or still queued/running, and resubmits the rest. Each resubmit
 from its last complete rollout (runtime.py). A shard submitted `cluster.max_attempts` times is not submitted again;
 it is reported with its last error.
 
-Cancel: each backend (backends.py) cancels the run's jobs it launched that are live (Slurm: the jobs squeue lists
-under the run's job names; local: the recorded pids that are still the same processes).
+Cancel: cancels the run's live jobs (Slurm: the jobs squeue lists under the run's job names; local: the recorded
+pids that are still the same processes, confirmed by the start time the launch record holds). A launch record whose
+pid is alive but whose start time is unknown or another process's is never signalled: cancel says which record it
+could not confirm.
 """
 
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -25,9 +27,9 @@ from shardrun.core import slurm_values
 from shardrun.plan import planner
 from shardrun.launch import backends, preflight, scheduler, slurm
 from shardrun.launch import status
-from shardrun.rundir import store
+from shardrun.rundir import records, store
 from shardrun.core.config import RunConfig
-from shardrun.core.errors import BadInput, PlanMismatch, RunDirError, ShardrunError
+from shardrun.core.errors import BadInput, RunDirError, ShardrunError
 from shardrun.plan.planner import Plan
 
 LOCK_TIMEOUT_S = 600.0
@@ -65,12 +67,11 @@ def check_plan(cfg: RunConfig, plan: Plan) -> None:
     fresh = store.scan_input(cfg)
     if planner.same_rollouts(fresh, plan):
         return
-    diffs = planner.plan_differences(plan, fresh)
-    raise PlanMismatch(
-        f"{cfg.run_dir}: the input or the config no longer match the plan of this run "
-        f"(fingerprint {plan.fingerprint[:12]}…, now {fresh.fingerprint[:12]}…):\n"
-        + "\n".join(f"  - {d}" for d in diffs)
-        + "\nRestore the original input and settings, or plan into a new run directory."
+    raise store.plan_mismatch(
+        plan,
+        fresh,
+        f"{cfg.run_dir}: the input or the config no longer match the plan of this run",
+        "Restore the original input and settings, or plan into a new run directory.",
     )
 
 
@@ -164,6 +165,7 @@ def render(result) -> str:
 class CancelResult:
     slurm_jobs: list[str]
     local_pids: list[int]
+    unconfirmed: list[str] = field(default_factory=list)  # launch records whose live pid is not confirmed as ours
 
 
 def cancel(run_dir: Path, lock_timeout: float = LOCK_TIMEOUT_S) -> CancelResult:
@@ -172,19 +174,20 @@ def cancel(run_dir: Path, lock_timeout: float = LOCK_TIMEOUT_S) -> CancelResult:
     store.load_plan(run_dir)
     try:
         with store.run_lock(run_dir, timeout=lock_timeout):
-            launches = status.fold_launches(store.read_launches(run_dir))
+            launches = status.fold_launches(records.read_launches(run_dir))
             done = backends.cancel(launches, scheduler.query_live_jobs)
     except Timeout:
         raise RunBusy(f"{run_dir} is locked by another shardrun command for over {lock_timeout:.0f} s") from None
-    return CancelResult(done.slurm_jobs, done.local_pids)
+    return CancelResult(done.slurm_jobs, done.local_pids, done.unconfirmed)
 
 
 def render_cancel(result: CancelResult) -> str:
+    notes = [f"not signalled: {u}" for u in result.unconfirmed]
     if not (result.slurm_jobs or result.local_pids):
-        return "no live jobs for this run"
+        return "\n".join(["no live jobs for this run", *notes])
     parts = []
     if result.slurm_jobs:
         parts.append(f"cancelled Slurm job(s) {', '.join(result.slurm_jobs)}")
     if result.local_pids:
         parts.append(f"interrupted local job(s) {', '.join(map(str, result.local_pids))}")
-    return "; ".join(parts)
+    return "\n".join(["; ".join(parts), *notes])

@@ -21,8 +21,10 @@ from typing import Callable, Iterable, Mapping
 
 import orjson
 
-from shardrun.rundir import cost, ledger
+from shardrun.rundir import cost, ledger, records
 from shardrun.rundir import seal
+from shardrun.rundir.records import LaunchRecord, Seal, ShardFailure
+from shardrun.shard import processes
 from shardrun.launch import backends, scheduler, slurm
 from shardrun.launch.launcher import Live
 from shardrun.rundir import store
@@ -31,7 +33,8 @@ from shardrun.core.terminal import shown
 from shardrun.plan.planner import Plan
 
 SEALED, RUNNING, PENDING, FAILED, NEVER_STARTED = "sealed", "running", "pending", "failed", "never_started"
-STATES = (SEALED, RUNNING, PENDING, FAILED, NEVER_STARTED)
+DAMAGED = "damaged"  # a seal that disagrees with its rollouts file: not trusted, resume runs the shard again
+STATES = (SEALED, RUNNING, PENDING, FAILED, DAMAGED, NEVER_STARTED)
 LIVE_STATES = (RUNNING, PENDING)
 MAX_LISTED = 40
 
@@ -105,8 +108,9 @@ class Launches:
     names: set[str] = field(default_factory=set)  # Slurm job names of this run (shards and merge jobs)
     local_pids: dict[str, int | None] = field(default_factory=dict)  # pid -> its start time (clock ticks)
     local_hosts: dict[str, str] = field(default_factory=dict)  # pid -> host it ran on
+    local_records: dict[str, int] = field(default_factory=dict)  # pid -> its launch record (launches.jsonl line)
     merge_jobs: list[str] = field(default_factory=list)
-    latest: dict | None = None
+    latest: LaunchRecord | None = None
     worker_shards: set[int] = field(default_factory=set)  # shards launched for warm workers (cluster.workers)
     worker_jobs: dict[str, str] = field(default_factory=dict)  # a worker's job id -> executor
 
@@ -115,46 +119,34 @@ class Launches:
         return {j.split("_", 1)[0] for i, j in self.last_job.items() if self.last_executor.get(i) == "slurm"}
 
 
-def fold_launches(records: Iterable[Mapping]) -> Launches:
+def fold_launches(launches: Iterable[LaunchRecord]) -> Launches:
     out = Launches()
-    for rec in records:
-        executor = rec.get("executor", "slurm")
-        for key, job_id in (rec.get("jobs") or {}).items():
-            i = int(key)
-            out.last_job[i] = str(job_id)
+    for line, rec in enumerate(launches, 1):
+        executor = rec.executor
+        for i, job_id in rec.shard_jobs.items():
+            out.last_job[i] = job_id
             out.last_executor[i] = executor
-            out.last_submitted[i] = float(rec.get("submitted_at") or 0.0)
+            out.last_submitted[i] = rec.submitted_at or 0.0
             out.attempts[i] = out.attempts.get(i, 0) + 1
         if executor == "slurm":
-            for name in (rec.get("tag"), rec.get("merge_job_name")):
+            for name in (rec.tag, rec.merge_job_name):
                 if name:
                     out.names.add(name)
         else:
-            for pid, start in (rec.get("pid_start") or {}).items():
-                out.local_pids[str(pid)] = start
-                out.local_hosts[str(pid)] = rec.get("host", "")
-        if rec.get("merge_job_id"):
-            out.merge_jobs.append(str(rec["merge_job_id"]))
-        for job_id in (rec.get("workers") or {}).values():
-            out.worker_jobs[str(job_id)] = executor
-        out.worker_shards.update(int(i) for i in rec.get("worker_shards") or ())
-        out.latest = dict(rec)
+            for pid, start in rec.pid_start.items():
+                out.local_pids[pid] = start
+                out.local_hosts[pid] = rec.host or ""
+                out.local_records[pid] = line
+        if rec.merge_job_id:
+            out.merge_jobs.append(rec.merge_job_id)
+        for job_id in rec.worker_jobs:
+            out.worker_jobs[job_id] = executor
+        out.worker_shards.update(rec.worker_shards)
+        out.latest = rec
     return out
 
 
 # ---------------------------------------------------------------- live jobs (each backend says which of its jobs are: backends.live)
-
-
-def pid_start_ticks(pid: int) -> int | None:
-    """A process's start time in clock ticks since boot (/proc/PID/stat field 22), or None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
 
 
 # ---------------------------------------------------------------- one shard (pure)
@@ -166,7 +158,7 @@ def classify(
     seal_state: seal.SealState,
     launches: Launches,
     live: Mapping[str, Live],
-    failure: Mapping | None,
+    failure: ShardFailure | None,
     ended: Mapping[str, scheduler.SacctJob],
     counts: tuple[int, int],
     *,
@@ -179,21 +171,21 @@ def classify(
     job_id = launches.last_job.get(index)
     attempts = launches.attempts.get(index, 0)
     log = str(store.job_log_path(run_dir, job_id)) if job_id else None
-    marker = seal_state.marker or {}
-    if seal_state.sealed:
+    marker = seal_state.marker
+    if seal_state.sealed and marker is not None:
         return ShardStatus(
             index,
             SEALED,
             planned,
-            int(marker.get("num_rollouts", 0)),
-            int(marker.get("num_failed", 0)),
+            marker.num_rollouts,
+            marker.num_failed,
             attempts,
             job_id,
             "",
             log,
             cost.shard_cost(marker).gpu_hours,  # 0 for a marker whose times go backwards (unknown)
             False,
-            int(marker.get("num_skipped_decided", 0)),
+            marker.num_skipped_decided,
         )
     rollouts, failed = counts
     ignored = "" if seal_state.reason == "no marker" else seal_state.reason
@@ -205,6 +197,8 @@ def classify(
         if queued_locally:
             reason = f"waiting for its local worker (job {job_id}) to finish the shards before it"
         return ShardStatus(index, state, planned, rollouts, failed, attempts, job_id, reason, log, gpu_h, False)
+    if seal_state.damaged:
+        return ShardStatus(index, DAMAGED, planned, rollouts, failed, attempts, job_id, ignored, log, 0.0, False)
     if job_id is None:
         return ShardStatus(index, NEVER_STARTED, planned, rollouts, failed, 0, None, ignored, None, 0.0, False)
     reason = failure_reason(job_id, failure, ended)
@@ -215,14 +209,14 @@ def classify(
     )
 
 
-def failure_reason(job_id: str, failure: Mapping | None, ended: Mapping[str, scheduler.SacctJob]) -> str:
+def failure_reason(job_id: str, failure: ShardFailure | None, ended: Mapping[str, scheduler.SacctJob]) -> str:
     """The shard job's own error record for that job if there is one, else what Slurm accounting says."""
-    if failure and str(failure.get("job_id")) == job_id and failure.get("error"):
-        return str(failure["error"])
+    if failure and failure.job_id == job_id and failure.error:
+        return failure.error
     if job_id in ended:
         return scheduler.describe_ended(ended[job_id])
-    if failure and failure.get("error"):
-        return f"job {job_id} ended without sealing the shard (an earlier attempt failed: {failure['error']})"
+    if failure and failure.error:
+        return f"job {job_id} ended without sealing the shard (an earlier attempt failed: {failure.error})"
     return f"job {job_id} ended without sealing the shard"
 
 
@@ -255,12 +249,12 @@ def failed_rollouts(run_dir: Path, plan: Plan) -> list[ledger.FailedRollout]:
 # ---------------------------------------------------------------- the run
 
 
-def run_gym_version(plan: Plan, markers: Iterable[Mapping | None]) -> str | None:
+def run_gym_version(plan: Plan, markers: Iterable[Seal | None]) -> str | None:
     """The nemo-gym release of the run: the plan's, else the one its sealed shards ran with (all of them, when a run
     planned without a Gym venv was sealed under several)."""
     if plan.gym_version:
         return plan.gym_version
-    found = sorted({str(m["gym_version"]) for m in markers if m and m.get("gym_version")})
+    found = sorted({m.gym_version for m in markers if m and m.gym_version})
     return ", ".join(found) or None
 
 
@@ -276,10 +270,10 @@ def collect(
     run_dir = Path(run_dir)
     plan = plan or store.load_plan(run_dir)
     now = time.time() if now is None else now
-    launches = fold_launches(store.read_launches(run_dir))
-    latest = launches.latest or {}
-    max_attempts = int(latest.get("max_attempts") or 3)
-    gpus_per_shard = int(latest.get("gpus_per_shard") or 0)
+    launches = fold_launches(records.read_launches(run_dir))
+    latest = launches.latest or LaunchRecord()
+    max_attempts = latest.max_attempts or 3
+    gpus_per_shard = latest.gpus_per_shard or 0
 
     # every backend says which of its jobs are live; Slurm answers in tens of milliseconds: ask while the run
     # directory is read (threads wait on the commands)
@@ -291,12 +285,12 @@ def collect(
         gone = [
             i for i, s in seals.items() if not s.sealed and i in launches.last_job and launches.last_job[i] not in live
         ]
-        failures = {i: _read_failure(run_dir, i) for i in gone}
+        failures = {i: records.read_failure(run_dir, i) for i in gone}
         slurm_gone = {
             launches.last_job[i].split("_", 1)[0]
             for i in gone
             if launches.last_executor.get(i) == "slurm"
-            and str((failures[i] or {}).get("job_id")) != launches.last_job[i]
+            and (failures[i] is None or failures[i].job_id != launches.last_job[i])  # type: ignore[union-attr]
         }
         ending = pool.submit(query_ended, slurm_gone) if slurm_gone else None
         lines = {
@@ -353,9 +347,7 @@ def collect(
     worker_cost: dict = {}
     if launches.worker_shards or launches.worker_jobs:
         shards, workers, stale = worker_view(run_dir, shards, launches, live, now=now, max_attempts=max_attempts)
-        from shardrun.shard import worker
-
-        worker_cost = cost.workers_row([cost.worker_cost(asdict(w), now) for w in worker.read_states(run_dir)])
+        worker_cost = cost.worker_costs(run_dir, now)
 
     failed = failed_rollouts(run_dir, plan)
     done = sum(s.done for s in shards)
@@ -364,9 +356,9 @@ def collect(
         counts[s.state] += 1
     rate = None
     eta = None
-    if latest.get("submitted_at") is not None:
-        elapsed = now - float(latest["submitted_at"])
-        gained = done - int(latest.get("done_at_submit") or 0)
+    if latest.submitted_at is not None:
+        elapsed = now - latest.submitted_at
+        gained = done - (latest.done_at_submit or 0)
         if elapsed > 0 and gained > 0:
             rate = gained / elapsed * 60
             remaining = plan.num_rollouts - done - sum(s.skipped_decided for s in shards)
@@ -420,7 +412,6 @@ def worker_view(
     from shardrun.core.config import ClusterConfig
     from shardrun.core.errors import ShardrunError
     from shardrun.rundir import claims
-    from shardrun.shard import worker
 
     try:
         settings = store.read_launch_settings(run_dir)
@@ -430,19 +421,21 @@ def worker_view(
     host = socket.gethostname()
     rows = []
     any_live = False
-    for w in worker.read_states(run_dir):
+    for w in records.read_worker_states(run_dir):
         if w.job_id in live or (w.job_id is None or launches.worker_jobs.get(w.job_id) == "local"):
-            alive = (w.job_id in live) or (w.host == host and pid_start_ticks(w.pid) == w.pid_start)
+            alive = (w.job_id in live) or (
+                w.host == host and w.pid_start is not None and processes.start_ticks(w.pid) == w.pid_start
+            )
         else:
             alive = False
-        alive = alive and w.state not in (worker.STOPPED, worker.FAILED)
+        alive = alive and w.state not in (records.STOPPED, records.FAILED)
         any_live = any_live or alive
         rows.append(
             {
                 "worker_id": w.worker_id,
                 "job_id": w.job_id,
                 "host": w.host,
-                "state": w.state if alive or w.state in (worker.STOPPED, worker.FAILED) else "gone",
+                "state": w.state if alive or w.state in (records.STOPPED, records.FAILED) else "gone",
                 "current_shard": w.current_shard if alive else None,
                 "sealed": len(w.sealed),
                 "servers_up_since": w.servers_up_since if alive else None,
@@ -457,8 +450,8 @@ def worker_view(
             out.append(s)
             continue
         info = claims.read(run_dir, s.index)
-        attempts = worker.failed_attempts(run_dir, s.index)
-        failure = _read_failure(run_dir, s.index) or {}
+        failure = records.read_failure(run_dir, s.index)
+        attempts = failure.attempt if failure is not None else 0
         if info is not None and info.stale(now, lease):
             stale.append({"shard": s.index, **info.to_json(), "age_s": round(info.age(now), 1)})
         if info is not None and not info.stale(now, lease):
@@ -479,15 +472,15 @@ def worker_view(
                 else "waiting for a warm worker"
             )
             out.append(replace(s, state=PENDING, attempts=attempts, reason=why, job_id=None))
-        elif failure or s.index in launches.worker_shards:
-            reason = str(failure.get("error") or "its workers ended without sealing it")
+        elif failure is not None or s.index in launches.worker_shards:
+            reason = (failure.error if failure is not None else "") or "its workers ended without sealing it"
             out.append(
                 replace(
                     s,
                     state=FAILED,
                     attempts=attempts,
                     reason=reason,
-                    job_id=str(failure.get("job_id")) if failure.get("job_id") else None,
+                    job_id=failure.job_id if failure is not None else None,
                     log=str(store.shard_log_path(run_dir, s.index)),
                     gave_up=attempts >= max_attempts,
                 )
@@ -502,14 +495,6 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except FileNotFoundError:
         return 0.0
-
-
-def _read_failure(run_dir: Path, index: int) -> dict | None:
-    try:
-        data = orjson.loads(store.shard_failure_path(run_dir, index).read_bytes())
-    except (FileNotFoundError, orjson.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 # ---------------------------------------------------------------- rendering (pure)
@@ -544,7 +529,14 @@ def saved_gpu_hours(shards: list[ShardStatus]) -> float | None:
     return skipped * sum(s.gpu_hours for s in sealed) / ran
 
 
-_LABEL = {SEALED: "sealed", RUNNING: "running", PENDING: "pending", FAILED: "failed", NEVER_STARTED: "never started"}
+_LABEL = {
+    SEALED: "sealed",
+    RUNNING: "running",
+    PENDING: "pending",
+    FAILED: "failed",
+    DAMAGED: "damaged",
+    NEVER_STARTED: "never started",
+}
 
 
 def render(st: RunStatus, *, show_all: bool = False) -> str:
@@ -553,7 +545,7 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
     n = len(st.shards)
     rows = [
         ("run", f"{shown(st.run_dir)} ({n:,} shards, plan {st.fingerprint[:12]}…)"),
-        ("shards", " · ".join(f"{_LABEL[k]} {st.counts[k]:,}" for k in STATES)),
+        ("shards", " · ".join(f"{_LABEL[k]} {st.counts[k]:,}" for k in STATES if k != DAMAGED or st.counts[k])),
         (
             "rollouts",
             f"{st.done:,} / {st.planned:,} {progress_bar(st.done + st.skipped_decided, st.planned)}"
@@ -620,8 +612,8 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
             f"{st.gave_up} shard(s) failed max_attempts times; resume will not retry them (see reasons "
             f"above; raise cluster.max_attempts to try again)",
         ]
-    elif st.counts[FAILED] or st.counts[NEVER_STARTED]:
-        out += ["", "run `shardrun resume RUN_DIR` to resubmit the failed and never-started shards"]
+    elif st.counts[FAILED] or st.counts[NEVER_STARTED] or st.counts[DAMAGED]:
+        out += ["", "run `shardrun resume RUN_DIR` to resubmit the failed, damaged and never-started shards"]
     out += render_workers(st)
     for w in st.warnings:
         out.append(f"warning: {shown(w)}")

@@ -169,9 +169,9 @@ def shard_outcomes(run_dir: Path, plan: Plan, indices: Sequence[int]) -> list[Sh
     out = []
     for i in indices:
         st = seal.check(run_dir, plan, i)
-        if st.sealed:
-            m = st.marker or {}
-            out.append(ShardOutcome(i, "sealed", f"{m.get('num_rollouts')} rollouts, {m.get('num_failed')} failed"))
+        if st.sealed and st.marker is not None:
+            m = st.marker
+            out.append(ShardOutcome(i, "sealed", f"{m.num_rollouts} rollouts, {m.num_failed} failed"))
             continue
         failure = failure_record(run_dir, i)
         out.append(ShardOutcome(i, "failed", failure) if failure else ShardOutcome(i, "not_finished", st.reason))
@@ -179,13 +179,10 @@ def shard_outcomes(run_dir: Path, plan: Plan, indices: Sequence[int]) -> list[Sh
 
 
 def failure_record(run_dir: Path, index: int) -> str | None:
-    import orjson
+    from shardrun.rundir import records
 
-    try:
-        data = orjson.loads(store.shard_failure_path(run_dir, index).read_bytes())
-    except (FileNotFoundError, orjson.JSONDecodeError):
-        return None
-    return str(data.get("error")) if isinstance(data, dict) else None
+    failure = records.read_failure(run_dir, index)
+    return failure.error if failure is not None else None
 
 
 def unsealed(run_dir: Path, plan: Plan) -> tuple[list[int], list[int], list[str]]:

@@ -14,6 +14,7 @@ from shardrun.core.terminal import shown
 from shardrun.plan.render import table
 from shardrun.rundir import cost
 from shardrun.rundir.ledger import FailedRollout
+from shardrun.rundir.records import Seal
 
 MAX_LISTED_FAILED = 1000
 SHOWN_FAILED = 10
@@ -35,7 +36,7 @@ class MergedShard:
     torn_bytes: int = 0
     renumbered: bool = False
     failure_rows: int = 0
-    marker: dict[str, Any] | None = None
+    marker: Seal | None = None
     failure_rows_rejected: int = 0  # sidecar rows without a planned identity
 
     @property
@@ -44,7 +45,7 @@ class MergedShard:
 
     @property
     def gpu_hours(self) -> float:
-        return cost.shard_cost(self.marker).gpu_hours if self.marker else 0.0  # 0 when its times go backwards
+        return cost.shard_cost(self.marker).gpu_hours if self.marker is not None else 0.0  # 0: times go backwards
 
 
 @dataclass
@@ -114,6 +115,8 @@ class MergeSummary:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        for shard, row in zip(self.shards, d["shards"]):
+            row["marker"] = shard.marker.to_json() if shard.marker is not None else None
         d.update(
             duplicates=self.duplicates,
             rejected=self.rejected,

@@ -22,6 +22,7 @@ from typing import IO, Callable, Sequence
 import numpy as np
 
 from shardrun.core.errors import RunDirError
+from shardrun.rundir import store
 
 WINDOW_BYTES = 64 << 20
 SPAN_BYTES = 16 << 20
@@ -49,7 +50,7 @@ class ByteSources:
         if fd is None:
             if len(self._fds) >= MAX_OPEN:
                 os.close(self._fds.popitem(last=False)[1])
-            fd = self._fds[i] = os.open(self.paths[i], os.O_RDONLY)
+            fd = self._fds[i] = store.open_regular_fd(self.paths[i])
         else:
             self._fds.move_to_end(i)
         return fd

@@ -108,15 +108,10 @@ def merged_shard(read: ShardRead) -> MergedShard:
 
 
 def shard_warnings(shards: list[MergedShard]) -> list[str]:
-    """What the summary should point out about the shards (markers that disagree with their files)."""
+    """What the summary should point out about the shards (a seal that disagrees with its file is not trusted: the
+    shard is unsealed, with the reason, by shard_reader.counted)."""
     out = []
     for s in shards:
-        claimed = (s.marker or {}).get("num_rollouts")
-        if s.sealed and isinstance(claimed, int) and claimed != s.kept:
-            out.append(
-                f"shard {s.index:05d}: its marker counts {claimed:,} rollouts, {s.kept:,} planned "
-                f"identities were found in its rollouts.jsonl"
-            )
         if s.failure_rows_rejected:
             out.append(
                 f"shard {s.index:05d}: {s.failure_rows_rejected:,} failure-sidecar rows without a planned "

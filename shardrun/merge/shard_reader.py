@@ -130,11 +130,37 @@ def read_shard(job: ShardReadJob) -> ShardRead:
     index = identity.plan_index(planned.task, planned.rollout, str(planned.path))
     rollouts, state = read_rollouts(job)
     resolution = identity.resolve(index, rollouts.task, rollouts.rollout)
+    state = counted(job, state, resolution)
     sidecar = scan_failures(store.failures_path(job.run_dir, job.index))
     kept = shard_failures(index, sidecar.rows, resolution.renumbered)
     return ShardRead(
         job.index, state, planned, rollouts, resolution, kept, sidecar.rejected + len(sidecar.rows) - len(kept)
     )
+
+
+def counted(job: ShardReadJob, state: seal.SealState, resolution: identity.Resolution) -> seal.SealState:
+    """A sealed shard whose rollouts file holds another number of rollouts than its seal counts (the planned
+    identities found, and at most as many more as rows not planned for the shard) is damaged: not sealed."""
+    marker = state.marker
+    if not state.sealed or marker is None:
+        return state
+    kept = len(resolution.keep)
+    if kept <= marker.num_rollouts <= kept + resolution.foreign:
+        return state
+    path = store.done_path(job.run_dir, job.index)
+    state = seal.SealState(
+        False,
+        f"damaged seal {path}: it counts {marker.num_rollouts:,} rollouts, {kept:,} planned identities were found "
+        f"in {store.ROLLOUTS}; not trusted",
+        marker,
+        damaged=True,
+    )
+    if not job.allow_partial:
+        raise IncompleteRun(
+            f"shard {job.index:05d} is not sealed: {state.reason}\nRun `shardrun resume "
+            f"{job.run_dir}` to finish it, or merge what it holds with --allow-partial."
+        )
+    return state
 
 
 def unsealed_message(run_dir: Path, states: Sequence[tuple[int, str]], total: int) -> str:
@@ -149,18 +175,23 @@ def unsealed_message(run_dir: Path, states: Sequence[tuple[int, str]], total: in
 def read_rollouts(job: ShardReadJob) -> tuple[Rollouts, seal.SealState]:
     """Read a sealed shard as sealed (hash checked against its marker while read), else from a snapshot."""
     path, state = store.rollouts_path(job.run_dir, job.index), job.state
-    if state.sealed:
-        marker = state.marker or {}
+    if state.sealed and state.marker is not None:
+        marker = state.marker
         rollouts = scan_rollouts(
             path,
-            limit=marker.get("rollouts_bytes"),
+            limit=marker.rollouts_bytes,
             snapshot=None,
             answer_key=job.answer_field,
             mask_key=job.mask_field,
         )
-        if rollouts.sha256 == marker.get("rollouts_sha256"):
+        if rollouts.sha256 == marker.rollouts_sha256:
             return rollouts, state
-        state = seal.SealState(False, f"{path}: content changed after sealing (sha256 differs); not sealed", marker)
+        state = seal.SealState(
+            False,
+            f"damaged seal: {path}: content changed after sealing (sha256 differs); not sealed",
+            marker,
+            damaged=True,
+        )
         if not job.allow_partial:
             raise IncompleteRun(
                 f"shard {job.index:05d} is not sealed: {state.reason}\nRun `shardrun resume "
@@ -182,7 +213,7 @@ def scan_planned(path: Path) -> Planned:
     codes: dict[str, int] = {}
     n = 0
     try:
-        f = open(path, "rb")
+        f = store.open_regular(path)
     except FileNotFoundError:
         raise PlanMismatch(f"{path}: missing; the run directory is damaged (re-plan into a new run_dir)") from None
     with f:
@@ -237,7 +268,7 @@ def scan_rollouts(
     with contextlib.ExitStack() as stack:
         copy_to = stack.enter_context(open(snapshot, "wb")) if snapshot is not None else None
         try:
-            f = stack.enter_context(open(path, "rb"))
+            f = stack.enter_context(store.open_regular(path))
         except FileNotFoundError:
             f = None
         if f is not None:
@@ -276,7 +307,7 @@ def scan_failures(path: Path) -> Failures:
     """The failure sidecar's complete rows with an identity (kept whole: sidecars are small)."""
     out = Failures()
     try:
-        f = open(path, "rb")
+        f = store.open_regular(path)
     except FileNotFoundError:
         return out
     with f:

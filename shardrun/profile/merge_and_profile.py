@@ -148,15 +148,13 @@ def check_answer_field(run_dir: Path, plan: Plan, field: str) -> None:
 
 def stopped_tasks(states: Sequence[SealState]) -> frozenset[int]:
     """Tasks whose rollouts a sealed shard skipped because they were decided (adaptive sampling)."""
-    return frozenset(
-        int(t) for s in states if s.sealed and s.marker for t in s.marker.get("skipped_decided_tasks") or ()
-    )
+    return frozenset(t for s in states if s.sealed and s.marker for t in s.marker.skipped_decided_tasks)
 
 
 def gym_release(plan: Plan, states: Sequence[SealState]) -> gym_adapter.GymAdapter:
     """The adapter of the run's Gym release: the plan's version, else the one its sealed shards ran with, else
     0.4.0 (what shardrun profiled before it recorded versions)."""
-    marked = (s.marker.get("gym_version") for s in states if s.marker and isinstance(s.marker.get("gym_version"), str))
+    marked = (s.marker.gym_version for s in states if s.marker and s.marker.gym_version)
     return gym_adapter.for_version(plan.gym_version or next(marked, None) or "0.4.0")
 
 
@@ -164,9 +162,9 @@ def _skipped(run_dir: Path, table: MergedTable, states: Sequence[SealState]) -> 
     """The planned keys skipped because their task was decided (adaptive sampling): in a shard whose seal lists
     their task, without a rollout and without a failure row. They were never run, so no policy counts them."""
     skipped = {
-        int(s.marker["shard_index"]): {int(t) for t in s.marker["skipped_decided_tasks"]}
+        s.marker.shard_index: set(s.marker.skipped_decided_tasks)
         for s in states
-        if s.sealed and s.marker and s.marker.get("skipped_decided_tasks")
+        if s.sealed and s.marker and s.marker.skipped_decided_tasks
     }
     if not skipped:
         return np.zeros(0, np.int64)

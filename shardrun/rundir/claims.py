@@ -40,7 +40,7 @@ from typing import Callable
 
 import orjson
 
-from shardrun.rundir import store
+from shardrun.rundir import records, store
 
 HANDLE_SEP = "."
 TAKEN = ".taken-"
@@ -153,17 +153,17 @@ class ClaimBook:
         token = new_token()
         handle = handle_path(self.run_dir, index, token)
         now = self.clock()
-        record = {
-            "worker_id": self.holder.worker_id,
-            "job_id": self.holder.job_id,
-            "host": self.holder.host,
-            "pid": self.holder.pid,
-            "claimed_at": now,
-            "token": token,
-        }
+        record = records.ClaimRecord(
+            worker_id=self.holder.worker_id,
+            job_id=self.holder.job_id,
+            host=self.holder.host,
+            pid=self.holder.pid,
+            claimed_at=now,
+            token=token,
+        )
         fd = os.open(handle, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(fd, orjson.dumps(record, option=orjson.OPT_SORT_KEYS) + b"\n")
+            os.write(fd, orjson.dumps(record.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS) + b"\n")
             os.fsync(fd)
             os.utime(fd, (now, now))
             ino = os.fstat(fd).st_ino
@@ -282,10 +282,12 @@ class ClaimBook:
 
 def read(run_dir: Path, index: int) -> ClaimInfo | None:
     """The shard's claim, or None when it has none (or it vanished while being read). The attributes come from an
-    fstat of a fresh open (close-to-open consistency: no cached mtime on NFS)."""
+    fstat of a fresh open (close-to-open consistency: no cached mtime on NFS). BadRecord when `.claim` is not a claim
+    (records.ClaimRecord; its token names a file, so it is checked before use); NotRegularFile for a FIFO or a
+    device in its place."""
     path = store.claim_path(run_dir, index)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = store.open_regular_fd(path)
     except FileNotFoundError:
         return None
     try:
@@ -295,25 +297,18 @@ def read(run_dir: Path, index: int) -> ClaimInfo | None:
             raw += chunk
     finally:
         os.close(fd)
-    return parse(index, raw, st.st_mtime, st.st_ino)
+    return parse(index, records.parse_claim(path, raw), st.st_mtime, st.st_ino)
 
 
-def parse(index: int, raw: bytes, mtime: float, ino: int) -> ClaimInfo | None:
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("token"), str):
-        return None
-    job = data.get("job_id")
+def parse(index: int, record: records.ClaimRecord, mtime: float, ino: int) -> ClaimInfo:
     return ClaimInfo(
         index=index,
-        worker_id=str(data.get("worker_id")),
-        job_id=str(job) if job is not None else None,
-        host=str(data.get("host")),
-        pid=int(data.get("pid") or 0),
-        claimed_at=float(data.get("claimed_at") or 0.0),
-        token=data["token"],
+        worker_id=record.worker_id,
+        job_id=record.job_id,
+        host=record.host,
+        pid=record.pid,
+        claimed_at=record.claimed_at,
+        token=record.token,
         renewed_at=mtime,
         ino=ino,
     )

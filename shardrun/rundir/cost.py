@@ -6,7 +6,7 @@ markers' jobs (asked by launch/scheduler.py). Token counts come from the marker'
 GPU-hours from markers leave out failed attempts; `sacct` reports what the scheduler allocated for the jobs the
 markers name (elapsed x allocated GPUs), including start-up.
 
-    costs = cost.shard_costs(markers)                 # markers: dicts, e.g. seal.check(...).marker
+    costs = cost.shard_costs(markers)                 # markers: records.Seal, e.g. seal.check(...).marker
     total = cost.run_costs(costs)                     # or cost.run_costs(cost.with_sacct(costs, gpu_hours))
     print(render.table(cost.cost_rows(total)))
 """
@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
+from shardrun.rundir import records
+from shardrun.rundir.records import Seal, WorkerState
 
 TOKEN_KEYS = ("input_tokens", "output_tokens", "total_tokens")
 
@@ -62,37 +66,35 @@ def _opt(v: Any) -> float | None:
     return _num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def shard_cost(marker: Mapping[str, Any]) -> ShardCost:
+def shard_cost(marker: Seal) -> ShardCost:
     """One marker -> ShardCost. gpu_hours is the marker's, or gpus x (finished - started) when absent."""
-    started, finished = _num(marker.get("started_at")), _num(marker.get("finished_at"))
-    gpus = int(_num(marker.get("gpus")))
-    gpu_hours = _opt(marker.get("gpu_hours"))
+    started, finished = marker.started_at or 0.0, marker.finished_at or 0.0
+    gpus = marker.gpus or 0
+    gpu_hours = marker.gpu_hours
     unknown = finished < started or (gpu_hours is not None and gpu_hours < 0)
     if unknown:  # finished before it started: the clock stepped back; its duration (and GPU-hours) are unknown
         finished, gpu_hours = started, 0.0
-    extra_field = marker.get("extra")
-    extra: Mapping[str, Any] = extra_field if isinstance(extra_field, Mapping) else {}
+    extra = marker.extra or {}
     tokens = {k: int(extra[k]) for k in TOKEN_KEYS if _opt(extra.get(k)) is not None}
-    job = marker.get("job_id")
     return ShardCost(
-        shard_index=int(_num(marker.get("shard_index"), -1)),
-        attempt=int(_num(marker.get("attempt"), 1)),
-        job_id=str(job) if job is not None else None,
-        host=marker.get("host"),
+        shard_index=marker.shard_index,
+        attempt=1 if marker.attempt is None else marker.attempt,
+        job_id=marker.job_id,
+        host=marker.host,
         started_at=started,
         finished_at=finished,
         gpus=gpus,
         gpu_hours=gpu_hours if gpu_hours is not None else gpus * max(0.0, finished - started) / 3600.0,
-        num_rollouts=int(_num(marker.get("num_rollouts"))),
-        num_failed=int(_num(marker.get("num_failed"))),
-        collect_s=_opt(marker.get("collect_s")),
-        server_wait_s=_opt(marker.get("server_wait_s")),
+        num_rollouts=marker.num_rollouts,
+        num_failed=marker.num_failed,
+        collect_s=marker.collect_s,
+        server_wait_s=marker.server_wait_s,
         tokens=tokens,
         unknown_duration=unknown,
     )
 
 
-def shard_costs(markers: Iterable[Mapping[str, Any] | None]) -> list[ShardCost]:
+def shard_costs(markers: Iterable[Seal | None]) -> list[ShardCost]:
     """Markers (None entries skipped) -> ShardCosts sorted by shard index."""
     return sorted((shard_cost(m) for m in markers if m), key=lambda c: c.shard_index)
 
@@ -234,23 +236,25 @@ class WorkerCost:
         return max(0.0, self.gpu_hours - self.startup_gpu_hours - self.collecting_gpu_hours)
 
 
-def worker_cost(state: Mapping[str, Any], now: float) -> WorkerCost:
+def worker_cost(state: WorkerState, now: float) -> WorkerCost:
     """A worker's record (RUN_DIR/workers/<id>/worker.json) -> WorkerCost; a running worker counts up to `now`."""
-    started = _num(state.get("started_at"))
-    ended = _opt(state.get("ended_at"))
-    raw = state.get("collecting_s")
-    spans: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-    job = state.get("job_id")
+    ended = state.ended_at
     return WorkerCost(
-        worker_id=str(state.get("worker_id")),
-        job_id=str(job) if job is not None else None,
-        gpus=int(_num(state.get("gpus"))),
-        wall_s=max(0.0, (ended if ended is not None else now) - started),
-        startup_s=_num(state.get("startup_s")),
-        collecting_s=sum(_num(v) for v in spans.values()),
-        sealed=len(state.get("sealed") or ()),
-        server_starts=int(_num(state.get("server_starts"))),
+        worker_id=state.worker_id,
+        job_id=state.job_id,
+        gpus=state.gpus,
+        wall_s=max(0.0, (ended if ended is not None else now) - state.started_at),
+        startup_s=state.startup_s,
+        collecting_s=sum(state.collecting_s.values()),
+        sealed=len(state.sealed),
+        server_starts=state.server_starts,
     )
+
+
+def worker_costs(run_dir: Path, now: float) -> dict[str, Any]:
+    """Start-up, collecting and idle GPU-hours of the run's warm workers (workers_row; empty when it ran one job
+    per shard): the one worker-cost line of `status` and the report."""
+    return workers_row([worker_cost(w, now) for w in records.read_worker_states(run_dir)])
 
 
 def workers_row(workers: Sequence[WorkerCost]) -> dict[str, Any]:

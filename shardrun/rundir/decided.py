@@ -31,12 +31,11 @@ from typing import Any, Collection
 import orjson
 
 from shardrun.core import stopping
-from shardrun.core.errors import RunDirError
 from shardrun.core.gym_names import AGENT_KEY, ROLLOUT_KEY, TASK_KEY
 from shardrun.core.stopping import Partial
 from shardrun.plan import planner
 from shardrun.plan.planner import Plan
-from shardrun.rundir import ledger, seal, store
+from shardrun.rundir import ledger, records, seal, store
 
 Key = tuple[int, int]
 
@@ -96,7 +95,7 @@ class RunRollouts:
                 (store.failures_path(self.run_dir, s), True),
             ):
                 try:
-                    f = open(path, "rb")
+                    f = store.open_regular(path)
                 except FileNotFoundError:
                     if path in self.read:
                         return False
@@ -198,18 +197,9 @@ def decide_shard(
 
 
 def fill_requested(run_dir: Path) -> tuple[bool, set[int]]:
-    """(every task, the tasks) a fill asked for: never skipped again."""
-    try:
-        data = orjson.loads(store.fill_path(run_dir).read_bytes())
-    except FileNotFoundError:
-        return False, set()
-    except orjson.JSONDecodeError as e:
-        raise RunDirError(
-            f"{store.fill_path(run_dir)}: not valid JSON ({e}); remove it and run the fill again"
-        ) from None
-    if not isinstance(data, dict):
-        raise RunDirError(f"{store.fill_path(run_dir)}: not a JSON object; remove it and run the fill again")
-    return data.get("all") is True, {int(t) for t in data.get("tasks") or ()}
+    """(every task, the tasks) a fill asked for: never skipped again (records.FillRequest)."""
+    request = records.read_fill(run_dir)
+    return request.all, set(request.tasks)
 
 
 def request_fill(run_dir: Path, plan: Plan, tasks: Collection[int] | None, dry_run: bool = False) -> list[int]:
@@ -220,20 +210,20 @@ def request_fill(run_dir: Path, plan: Plan, tasks: Collection[int] | None, dry_r
     with store.run_lock(run_dir):
         before_all, before = fill_requested(run_dir)
         if tasks is None or before_all:
-            record: dict[str, Any] = {"all": True}
+            record = records.FillRequest(all=True)
             wanted: set[int] | None = None
         else:
             wanted = set(before) | {int(t) for t in tasks}
-            record = {"tasks": sorted(wanted)}
+            record = records.FillRequest(tasks=sorted(wanted))
         reopen = []
         for spec in plan.shards:
             state = seal.check(run_dir, plan, spec.index)
-            skipped = set((state.marker or {}).get("skipped_decided_tasks") or ()) if state.sealed else set()
+            skipped = set(state.marker.skipped_decided_tasks) if state.sealed and state.marker else set()
             if skipped and (wanted is None or skipped & wanted):
                 reopen.append(spec.index)
         if dry_run:
             return reopen
-        store.atomic_write_json(store.fill_path(run_dir), record)
+        records.write_fill(run_dir, record)
         for index in reopen:
             store.done_path(run_dir, index).unlink()
         return reopen

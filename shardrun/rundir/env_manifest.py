@@ -167,7 +167,7 @@ def _shown(value: Any) -> str:
 
 def read(run_dir: Path) -> dict[str, Any] | None:
     try:
-        data = orjson.loads(manifest_path(run_dir).read_bytes())
+        data = orjson.loads(store.read_regular(manifest_path(run_dir)))
     except FileNotFoundError:
         return None
     except orjson.JSONDecodeError as e:

@@ -27,9 +27,8 @@ from pydantic import ValidationError
 from shardrun.plan import planner
 from shardrun.rundir import safepaths
 from shardrun.core import gym_adapter, gym_version
-from shardrun.core import slurm_values
 from shardrun.core.config import RunConfig
-from shardrun.core.errors import BadInput, PlanMismatch, RunDirError
+from shardrun.core.errors import BadInput, NotRegularFile, PlanMismatch, RunDirError
 from shardrun.core.gym_names import FAILURES, MATERIALIZED, ROLLOUTS
 from shardrun.plan.planner import Plan
 
@@ -233,25 +232,66 @@ def remove_stale_temps(directory: Path) -> int:
 # ---------------------------------------------------------------- JSONL
 
 
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def open_regular(path: Path) -> IO[bytes]:
+    """The one way shardrun opens a file in a run directory for reading: checked to be a regular file without
+    blocking. FileNotFoundError when it is absent and IsADirectoryError for a directory (as open() raises them, for
+    callers that expect either); NotRegularFile (a RunDirError naming the path) for a FIFO, a device or a socket, at
+    once: such a file is never opened for reading (opening a device can act on it; reading a FIFO waits for a
+    writer). O_NONBLOCK and an fstat of what was opened close the race with a file swapped in after the check."""
+    return open(open_regular_fd(path), "rb")
+
+
+def open_regular_fd(path: Path) -> int:
+    """open_regular's descriptor (O_RDONLY), for os.pread and friends."""
+    mode = os.stat(path).st_mode  # FileNotFoundError passes through
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+    if not stat.S_ISREG(mode):
+        raise NotRegularFile(f"{path}: {file_kind(mode)}, not a regular file; refusing to read it (remove it)")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(f"{path}: {file_kind(mode)}, not a regular file; refusing to read it (remove it)")
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: Path) -> bytes:
+    """A regular file's bytes (open_regular's checks and errors)."""
+    with open_regular(path) as f:
+        return f.read()
+
+
 def open_input(path: Path, hint: str = "") -> IO[bytes]:
     """An input file opened for reading: BadInput naming the path unless it is a regular file (a FIFO would hang,
     a device never end; shardrun reads its input more than once and hashes it). `hint` ends the not-found message."""
-    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer; the kind is checked on what was opened
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return open_regular(path)
     except FileNotFoundError:
         raise BadInput(f"input file not found: {path}{hint}") from None
-    except IsADirectoryError:
-        raise BadInput(f"input path is a directory, not a JSONL file: {path}") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+    except (IsADirectoryError, NotRegularFile):
+        kind = file_kind(os.stat(path).st_mode)
         raise BadInput(
             f"input path {path} is {kind}, not a regular JSONL file; shardrun reads its input twice "
             f"(plan, then write) and hashes it, so it must be a file"
-        )
-    os.set_blocking(fd, True)
-    return open(fd, "rb")
+        ) from None
 
 
 def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tuple[int, bytes]]:
@@ -265,7 +305,7 @@ def read_lines(path: Path, hasher: "hashlib._Hash | None" = None) -> Iterator[tu
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -317,7 +357,7 @@ class CompleteLines:
 def complete_lines(path: Path) -> Iterator[bytes]:
     """Yield the complete (newline-terminated) non-blank lines of a JSONL file; a torn last line is skipped."""
     try:
-        f = open(path, "rb")
+        f = open_regular(path)
     except FileNotFoundError:
         return
     with f:
@@ -328,6 +368,7 @@ def complete_lines(path: Path) -> Iterator[bytes]:
 def repair_torn_tail(path: Path) -> int:
     """Cut a file back to its last newline (a killed writer's half line). Returns the bytes removed."""
     try:
+        open_regular(path).close()  # never a FIFO or a device
         size = os.path.getsize(path)
     except FileNotFoundError:
         return 0
@@ -359,8 +400,11 @@ def repair_torn_tail(path: Path) -> int:
 
 
 def load_plan(run_dir: Path) -> Plan:
-    """Read plan.json and check it was not edited since it was written (and that no link at the top of the run
-    directory or in merged/ leads out of it; a shard's own links are refused by seal.check)."""
+    """Read plan.json (the one reader; its shape is records.PlanRecord) and check it was not edited since it was
+    written (and that no link at the top of the run directory or in merged/ leads out of it; a shard's own links are
+    refused by seal.check)."""
+    from shardrun.rundir import records  # records reads and writes through this module
+
     path = plan_path(run_dir)
     if not Path(run_dir).is_dir():
         raise RunDirError(f"run directory not found: {run_dir}")
@@ -368,10 +412,15 @@ def load_plan(run_dir: Path) -> Plan:
         raise RunDirError(f"{path}: no plan here; run `shardrun plan CONFIG --write` or `shardrun submit`")
     refuse_links(run_dir)
     try:
-        data = orjson.loads(path.read_bytes())
+        data = orjson.loads(read_regular(path))
+        wrong = records.plan_problem(data)
+        if wrong:
+            raise ValueError(wrong)
         plan = Plan.from_json(data)
     except FileNotFoundError:
         raise RunDirError(f"{path}: no plan here; run `shardrun plan CONFIG --write` or `shardrun submit`") from None
+    except IsADirectoryError:
+        raise RunDirError(f"{path}: a directory, not a plan; the run directory is damaged") from None
     except (orjson.JSONDecodeError, TypeError, KeyError, ValueError) as e:
         raise PlanMismatch(
             f"{path}: unreadable plan ({e}); it was edited or damaged. Re-plan into a new run directory"
@@ -441,12 +490,21 @@ def existing_plan_matches(run_dir: Path, plan: Plan) -> bool:
     old = load_plan(run_dir)
     if planner.same_rollouts(old, plan):
         return True
-    diffs = planner.plan_differences(old, plan)
-    raise PlanMismatch(
-        f"{run_dir} holds a plan made with other settings (fingerprint {old.fingerprint[:12]}…, "
-        f"new {plan.fingerprint[:12]}…):\n"
+    raise plan_mismatch(
+        old,
+        plan,
+        f"{run_dir} holds a plan made with other settings",
+        "Use a new run_dir, or restore the original input and settings.",
+    )
+
+
+def plan_mismatch(old: Plan, new: Plan, headline: str, advice: str) -> PlanMismatch:
+    """The one plan-mismatch error: what differs between the run's plan and the one planned now, and what to do."""
+    diffs = planner.plan_differences(old, new)
+    return PlanMismatch(
+        f"{headline} (fingerprint {old.fingerprint[:12]}…, now {new.fingerprint[:12]}…):\n"
         + "\n".join(f"  - {d}" for d in diffs)
-        + "\nUse a new run_dir, or restore the original input and settings."
+        + f"\n{advice}"
     )
 
 
@@ -538,48 +596,17 @@ def iter_jsonl_objects(path: Path) -> Iterable[dict]:
 
 
 def append_launch(run_dir: Path, record: dict) -> None:
-    """Append one launch record (one JSON line, fsynced). Callers hold run_lock; readers skip a torn tail."""
-    append_jsonl(launches_path(run_dir), [record])
+    """Append one launch record: records.append_launch (its model, the one writer). Callers hold run_lock."""
+    from shardrun.rundir import records
+
+    records.append_launch(run_dir, record)
 
 
-def read_launches(run_dir: Path) -> list[dict]:
-    """Every launch record, oldest first. RunDirError naming the line for one that is not JSON or whose fields have
-    the wrong types (the file was edited or damaged): its job ids and names would reach Slurm commands."""
-    path = launches_path(run_dir)
-    records = []
-    for line_no, raw in enumerate(complete_lines(path), 1):
-        try:
-            rec = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise RunDirError(f"{path}:{line_no}: not a launch record ({e}); the file was edited or damaged") from None
-        wrong = _wrong_launch_field(rec)
-        if wrong:
-            raise RunDirError(f"{path}:{line_no}: invalid launch record: {wrong}; the file was edited or damaged")
-        records.append(rec)
-    return records
+def read_launches(run_dir: Path) -> list:
+    """Every launch record as a records.LaunchRecord, oldest first (records.read_launches, the one reader)."""
+    from shardrun.rundir import records
 
-
-def _wrong_launch_field(rec: object) -> str | None:
-    if not isinstance(rec, dict):
-        return "not an object"
-    jobs = rec.get("jobs", {})
-    if not isinstance(jobs, dict):
-        return "'jobs' is not an object"
-    for key, job_id in jobs.items():
-        if not key.isdigit() or isinstance(job_id, bool) or not isinstance(job_id, (str, int)):
-            return f"'jobs' maps {key!r} to {job_id!r}, not a shard index to a job id"
-    for name in ("executor", "tag", "merge_job_name", "merge_job_id", "host"):
-        if rec.get(name) is not None and not isinstance(rec[name], str):
-            return f"{name!r} is not a string"
-    for name in ("tag", "merge_job_name"):
-        if rec.get(name) is not None and not slurm_values.NAME.fullmatch(rec[name]):
-            return f"{name!r} {rec[name]!r} is not a Slurm job name ({slurm_values.NAME_RULE})"
-    at = rec.get("submitted_at")
-    if at is not None and (isinstance(at, bool) or not isinstance(at, (int, float))):
-        return "'submitted_at' is not a number"
-    if not isinstance(rec.get("pid_start", {}), dict):
-        return "'pid_start' is not an object"
-    return None
+    return records.read_launches(run_dir)
 
 
 _BLANK_LINE = re.compile(rb"(?<=\n)\n")
@@ -588,7 +615,7 @@ _BLANK_LINE = re.compile(rb"(?<=\n)\n")
 def count_complete_lines(path: Path) -> int:
     """Complete (newline-terminated) non-empty lines (a torn last line is not counted), in 1 MiB blocks."""
     try:
-        f = open(path, "rb", buffering=0)
+        f = open_regular(path)
     except FileNotFoundError:
         return 0
     n = 0
@@ -731,7 +758,7 @@ def write_launch_settings(run_dir: Path, cfg: RunConfig) -> None:
 def read_launch_settings(run_dir: Path) -> RunConfig | None:
     """The config the latest launch saved, or None when nothing was launched yet."""
     try:
-        data = orjson.loads(launch_settings_path(run_dir).read_bytes())
+        data = orjson.loads(read_regular(launch_settings_path(run_dir)))
     except FileNotFoundError:
         return None
     except orjson.JSONDecodeError as e:

@@ -108,7 +108,7 @@ def failed_identities(adapter: GymAdapter, log_text: str) -> dict[tuple[int, int
 
 def read_from(path: Path, offset: int) -> str:
     try:
-        with open(path, "rb") as f:
+        with store.open_regular(path) as f:
             f.seek(offset)
             return f.read().decode("utf-8", "replace")
     except FileNotFoundError:

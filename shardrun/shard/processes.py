@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterator, Mapping, Sequence
 
-from shardrun.core.errors import ServerFailure
+from shardrun.core.errors import NotRegularFile, ServerFailure
+from shardrun.rundir import store
 
 LOG_TAIL_LINES = 30
 
@@ -71,12 +72,12 @@ class Proc:
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     """The last `lines` lines of a log file (reads at most 64 KiB)."""
     try:
-        with open(path, "rb") as f:
+        with store.open_regular(path) as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - 65536))
             data = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotRegularFile):  # a FIFO in its place is never waited on
         return ""
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 

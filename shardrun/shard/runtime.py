@@ -29,19 +29,20 @@ from shardrun.shard import gym_stack
 from shardrun.rundir import decided
 from shardrun.rundir import ledger
 from shardrun.shard import policy
-from shardrun.rundir import seal
+from shardrun.rundir import records, seal
 from shardrun.rundir import store
 from shardrun.shard import watchdog
 from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
 from shardrun.core.errors import BadInput, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
+from shardrun.rundir.records import Seal
 
 
 @dataclass(frozen=True)
 class ShardResult:
     index: int
     state: str  # "sealed" (by this call) or "already_sealed"
-    marker: dict
+    marker: Seal | None
 
 
 class ShardLog:
@@ -90,7 +91,7 @@ def run_shard(
     state = seal.check(run_dir, plan, index, deep=True)
     if state.sealed:
         log("already sealed; nothing to do")
-        return ShardResult(index, "already_sealed", state.marker or {})
+        return ShardResult(index, "already_sealed", state.marker)
     if state.reason != "no marker":
         log(f"marker ignored: {state.reason}")
     cfg = launch_config(run_dir, plan)
@@ -98,8 +99,8 @@ def run_shard(
     with holding_shard_lock(run_dir, index):
         marker = run_locked(run_dir, index, plan, cfg, log, job_id, attempt, **warm)
     log(
-        f"sealed: {marker['num_rollouts']} rollouts, {marker['num_failed']} failed, "
-        f"servers {marker['server_wait_s']:.1f} s, collecting {marker['collect_s']:.1f} s"
+        f"sealed: {marker.num_rollouts} rollouts, {marker.num_failed} failed, "
+        f"servers {marker.server_wait_s or 0.0:.1f} s, collecting {marker.collect_s or 0.0:.1f} s"
     )
     return ShardResult(index, "sealed", marker)
 
@@ -133,7 +134,7 @@ def run_locked(
     job_id: str | None,
     attempt: int,
     **warm: Any,
-) -> dict:
+) -> Seal:
     """One attempt; a failure is recorded in `.failed` (and the shard log) and re-raised as a domain error."""
     try:
         with interruptible():
@@ -144,9 +145,12 @@ def run_locked(
         error = describe(e)
         log(f"FAILED: {error}")
         with contextlib.suppress(OSError):  # a full or unwritable disk must not hide the error itself
-            store.atomic_write_json(
-                store.shard_failure_path(run_dir, index),
-                {"job_id": job_id, "error": error, "attempt": attempt, "at": time.time(), "host": socket.gethostname()},
+            records.write_failure(
+                run_dir,
+                index,
+                records.ShardFailure(
+                    job_id=job_id, error=error, attempt=attempt, at=time.time(), host=socket.gethostname()
+                ),
             )
         if e is not exc:
             raise e from exc
@@ -171,7 +175,7 @@ def launch_config(run_dir: Path, plan: Plan) -> RunConfig:
 def shard_attempt(run_dir: Path, index: int) -> int:
     """How many launches included this shard, this one too (from the launch records; 1 when run by hand)."""
     key = str(index)
-    launched = sum(1 for rec in store.read_launches(run_dir) if key in (rec.get("jobs") or {}))
+    launched = sum(1 for rec in records.read_launches(run_dir) if key in rec.jobs)
     return max(1, launched)
 
 
@@ -281,7 +285,7 @@ class Shard:
         self.gym_version: str | None = plan.gym_version
         self.skipped: set[tuple[int, int]] = set()  # rows skipped because their task is decided (adaptive sampling)
 
-    def run(self) -> dict:
+    def run(self) -> Seal:
         """Seal first, then tear down: a walltime that hits during teardown cannot cost the seal."""
         self.prepare_files()
         self.decide()
@@ -460,7 +464,7 @@ class Shard:
 
     # ------------------------------------------------------------ seal
 
-    def seal(self) -> dict:
+    def seal(self) -> Seal:
         book = self.ledger()
         if book.pending:
             raise ShardFailed(f"{len(book.pending)} planned rollouts are missing; not sealing")
@@ -488,6 +492,7 @@ class Shard:
             worker=self.worker,
             skipped_decided_tasks=sorted({t for t, _ in self.skipped}),
             num_skipped_decided=len(self.skipped),
+            num_duplicate_lines=book.duplicates,
         )
         seal.write_marker(self.run_dir, self.index, marker)
         return marker

@@ -31,26 +31,18 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import orjson
 
 from shardrun.core.config import RunConfig
 from shardrun.core.errors import ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
-from shardrun.rundir import claims, decided, seal, store
+from shardrun.rundir import claims, decided, records, seal, store
+from shardrun.rundir.records import COLLECTING, DRAINING, FAILED, IDLE, STARTING, STOPPED, Seal, WorkerState
 from shardrun.shard import gym_stack, processes, runtime, watchdog
 
-STARTING, IDLE, COLLECTING, DRAINING, STOPPED, FAILED = (
-    "starting",
-    "idle",
-    "collecting",
-    "draining",
-    "stopped",
-    "failed",
-)
 WAIT_POLL_S = 2.0
 
 
@@ -60,51 +52,10 @@ class ShardReleased(BaseException):
     rollouts stay in rollouts.jsonl."""
 
 
-@dataclass
-class WorkerState:
-    """RUN_DIR/workers/<id>/worker.json."""
-
-    worker_id: str
-    job_id: str | None
-    host: str
-    pid: int
-    pid_start: int | None
-    started_at: float
-    gpus: int
-    state: str = STARTING
-    current_shard: int | None = None
-    servers_up_since: float | None = None
-    server_starts: int = 0
-    startup_s: float = 0.0  # seconds spent starting servers, every start
-    sealed: list[int] = field(default_factory=list)
-    collecting_s: dict[str, float] = field(default_factory=dict)  # shard -> seconds from claim to release
-    failed_attempts: int = 0
-    ended_at: float | None = None
-    exit_reason: str = ""
-    updated_at: float = 0.0
-    server_groups: list[list[int]] = field(default_factory=list)  # [pgid, leader start ticks] of running servers
-
-    def gone(self) -> bool:
-        """Its process is no longer running (on its host: only meaningful there)."""
-        ticks = processes.start_ticks(self.pid)
-        return ticks is None or (self.pid_start is not None and ticks != self.pid_start)
-
-
-def read_state(path: Path) -> WorkerState | None:
-    try:
-        data = orjson.loads(path.read_bytes())
-        return WorkerState(**data) if isinstance(data, dict) else None
-    except (FileNotFoundError, orjson.JSONDecodeError, TypeError):
-        return None
-
-
-def read_states(run_dir: Path) -> list[WorkerState]:
-    """Every worker that ran in this run directory, oldest first."""
-    root = store.workers_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = [read_state(store.worker_state_path(run_dir, p.name)) for p in sorted(root.iterdir()) if p.is_dir()]
-    return sorted((s for s in found if s is not None), key=lambda s: s.started_at)
+def gone(state: WorkerState) -> bool:
+    """The worker's process is no longer running (on its host: only meaningful there)."""
+    ticks = processes.start_ticks(state.pid)
+    return ticks is None or (state.pid_start is not None and ticks != state.pid_start)
 
 
 def worker_id_for(job_id: str | None) -> str:
@@ -137,12 +88,10 @@ def order(candidates: list[Candidate], by_wave: bool = False) -> list[Candidate]
     return sorted(candidates, key=lambda c: (c.done == 0, -c.pending, c.index))
 
 
-def rate_per_s(markers: list[dict]) -> float | None:
+def rate_per_s(markers: list[Seal]) -> float | None:
     """Rollouts per second of collection over the sealed shards (None before any sealed with collection)."""
-    rollouts = sum(
-        int(m.get("num_rollouts") or 0) + int(m.get("num_failed") or 0) for m in markers if m.get("collect_s")
-    )
-    seconds = sum(float(m.get("collect_s") or 0.0) for m in markers)
+    rollouts = sum(m.num_rollouts + m.num_failed for m in markers if m.collect_s)
+    seconds = sum(m.collect_s or 0.0 for m in markers)
     return rollouts / seconds if rollouts and seconds > 0 else None
 
 
@@ -152,11 +101,9 @@ def fits(c: Candidate, rate: float | None, left_s: float | None) -> bool:
 
 
 def failed_attempts(run_dir: Path, index: int) -> int:
-    try:
-        data = orjson.loads(store.shard_failure_path(run_dir, index).read_bytes())
-    except (FileNotFoundError, orjson.JSONDecodeError):
-        return 0
-    return int(data.get("attempt") or 0) if isinstance(data, dict) else 0
+    """The attempts the shard's `.failed` records (0 when it has none)."""
+    failure = records.read_failure(run_dir, index)
+    return failure.attempt if failure is not None else 0
 
 
 # ---------------------------------------------------------------- the worker
@@ -187,7 +134,9 @@ class Worker:
         self.place = gym_stack.StackPlace(
             home, store.worker_gym_dir(self.run_dir, worker_id), store.worker_gym_log_path(self.run_dir, worker_id)
         )
-        previous = read_state(store.worker_state_path(self.run_dir, worker_id))  # a requeued job keeps its record
+        previous = records.read_worker_state(
+            store.worker_state_path(self.run_dir, worker_id)
+        )  # a requeued job keeps its record
         self.previous = previous
         self.state = WorkerState(
             worker_id=worker_id,
@@ -223,7 +172,7 @@ class Worker:
             setattr(self.state, k, v)
         self.state.updated_at = time.time()
         with contextlib.suppress(OSError):
-            store.atomic_write_json(store.worker_state_path(self.run_dir, self.worker_id), asdict(self.state))
+            records.write_worker_state(self.run_dir, self.state)
 
     def time_left(self) -> float | None:
         return None if self.deadline is None else self.deadline - self.clock()
@@ -236,7 +185,7 @@ class Worker:
             f"{len(self.plan.shards)} shards in the plan"
         )
         self.reap_leftovers([self.previous] if self.previous else [])  # before this start overwrites its record
-        self.reap_leftovers(read_states(self.run_dir))
+        self.reap_leftovers(records.read_worker_states(self.run_dir))
         self.save()
         try:
             with runtime.interruptible():
@@ -250,7 +199,7 @@ class Worker:
         finally:
             self.stop_servers("tearing down")
             with contextlib.suppress(Exception):
-                self.reap_leftovers(read_states(self.run_dir))
+                self.reap_leftovers(records.read_worker_states(self.run_dir))
             self.save(
                 state=self.state.state if self.state.state == FAILED else STOPPED,
                 current_shard=None,
@@ -334,7 +283,7 @@ class Worker:
                 or not st.server_groups
                 or key in self.reaped
                 or (st.pid, st.pid_start) == (self.state.pid, self.state.pid_start)
-                or not st.gone()
+                or not gone(st)
             ):
                 continue
             self.reaped.add(key)
@@ -344,13 +293,15 @@ class Worker:
 
     # ------------------------------------------------------------ choosing and claiming
 
-    def candidates(self) -> tuple[list[Candidate], list[dict], list[claims.ClaimInfo]]:
+    def candidates(self) -> tuple[list[Candidate], list[Seal], list[claims.ClaimInfo]]:
         """(unsealed shards not given up, sealed markers, claims held by dead workers on this host)."""
-        out, markers, dead = [], [], []
+        out: list[Candidate] = []
+        markers: list[Seal] = []
+        dead: list[claims.ClaimInfo] = []
         for spec in self.plan.shards:
             st = seal.check(self.run_dir, self.plan, spec.index)
-            if st.sealed:
-                markers.append(st.marker or {})
+            if st.sealed and st.marker is not None:
+                markers.append(st.marker)
                 continue
             attempts = failed_attempts(self.run_dir, spec.index)
             if attempts >= self.cluster.max_attempts:
@@ -393,7 +344,7 @@ class Worker:
                     return claim
             if not dead:
                 return None
-            self.reap_leftovers(read_states(self.run_dir))
+            self.reap_leftovers(records.read_worker_states(self.run_dir))
             self.save(state=IDLE, current_shard=None)
             wait = min(max(0.0, self.book.lease_s - min(i.age(self.clock()) for i in dead)) + 0.5, WAIT_POLL_S)
             time.sleep(wait)

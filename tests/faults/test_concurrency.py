@@ -37,7 +37,7 @@ def reference(tmp_path_factory) -> dict:
 
 
 def launches_per_shard(run_dir: Path) -> Counter:
-    return Counter(int(i) for rec in store.read_launches(run_dir) for i in rec.get("jobs", {}))
+    return Counter(int(i) for rec in store.read_launches(run_dir) for i in rec.jobs)
 
 
 @pytest.mark.parametrize("pair", [("submit", "submit"), ("resume", "resume"), ("submit", "resume")])

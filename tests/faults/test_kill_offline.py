@@ -112,7 +112,7 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
     reference_markers = {
         i: {
             k: v
-            for k, v in seal.check(run_dir, run.plan, i).marker.items()
+            for k, v in seal.check(run_dir, run.plan, i).marker.to_json().items()
             if k in ("num_rollouts", "num_failed", "rollouts_sha256", "rollouts_bytes")
         }
         for i in range(SHARDS)
@@ -163,7 +163,7 @@ def test_sigkill_while_sealing_then_resume_seals_byte_identically(tmp_path: Path
             now = sealed(run_dir, SHARDS)
         # a valid seal always describes exactly the bytes an uninterrupted run seals
         for i in now:
-            marker = seal.check(run_dir, run.plan, i).marker
+            marker = seal.check(run_dir, run.plan, i).marker.to_json()
             assert {k: marker[k] for k in reference_markers[i]} == reference_markers[i]
             assert (
                 store.rollouts_path(run_dir, i).read_bytes()

@@ -3,13 +3,16 @@ command the way a user would (the CLI, in process) and checks what shardrun prom
 
 - exit 2 (or 0 for valid-but-unusual input) and no traceback;
 - the message names the key, the line or the path at fault;
-- every file outside the expected outputs is byte-identical before and after (`snapshot`).
+- every file outside the expected outputs is byte-identical before and after (`snapshot`);
+- where input could make a command wait for ever (a FIFO where a file should be), the command returns within
+  BOUND_S seconds (`invoke_bounded`): a hang fails the test instead of hanging the suite.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,8 +85,6 @@ seconds, or tens of seconds under a load of 15), so no case passes or fails by t
 def invoke_bounded(*args: str, bound_s: float = BOUND_S) -> Outcome:
     """invoke(*args) in a thread that must end within `bound_s` seconds: a command that hangs fails the case (the
     thread is left behind, a daemon) instead of blocking the suite."""
-    import threading
-
     box: list[Outcome] = []
     worker = threading.Thread(target=lambda: box.append(invoke(*args)), daemon=True)
     worker.start()

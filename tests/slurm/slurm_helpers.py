@@ -165,7 +165,8 @@ def scancel_names(*names: str) -> None:
 
 
 def launches(run_dir: Path) -> list[dict]:
-    return store.read_launches(run_dir)
+    """The launch records as launches.jsonl holds them."""
+    return [rec.to_json() for rec in store.read_launches(run_dir)]
 
 
 def planned_identities(run_dir: Path, shards: int) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ from typing import Iterator
 import orjson
 import pytest
 
-from shardrun.rundir import store
+from shardrun.rundir import records, store
 from shardrun.shard import worker
 from slurm_helpers import (
     ended_state,
@@ -121,7 +121,7 @@ def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None
 
     text = log.read_text()
     assert "claim released, servers stopped, completed rollouts kept" in text
-    states = {s.worker_id: s for s in worker.read_states(run_dir)}
+    states = {s.worker_id: s for s in records.read_worker_states(run_dir)}
     preempted = states[claim["job_id"]]
     assert preempted.server_starts == 2 and preempted.state == worker.STOPPED  # requeued: started again, once
     # shard 3 resumed from its kept rollout; every identity once; merged by the job after the workers
@@ -153,7 +153,7 @@ def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, 
                 500,
                 "shard 3's last rollout to hang at the policy",
             )
-            killed = [s for s in worker.read_states(run_dir) if not s.gone()]
+            killed = [s for s in records.read_worker_states(run_dir) if not worker.gone(s)]
             assert killed, "no worker is running"
             for s in killed:
                 os.kill(s.pid, signal.SIGKILL)
@@ -177,8 +177,8 @@ def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, 
         reference / "rollouts_reward_profiling.jsonl"
     )
 
-    records = launches(run_dir)
-    assert len(records) == 2 and records[1]["workers"]  # the workers round 1 resubmitted
+    launched = launches(run_dir)
+    assert len(launched) == 2 and launched[1]["workers"]  # the workers round 1 resubmitted
     merged = harness.keys(store.merged_dir(run_dir) / "rollouts.jsonl")
     assert sorted(merged) == planned_identities(run_dir, SHARDS) and len(set(merged)) == len(merged) == 16
     ids = harness.keys(store.rollouts_path(run_dir, 3))

@@ -1,0 +1,419 @@
+"""The run directory's records: one typed model each (pydantic), and the one place they are read and written.
+
+| file | model | written by | read by |
+|---|---|---|---|
+| `plan.json` | `PlanRecord` (its shape; `planner.Plan` is built from it) | plan / submit (`store.write_plan`) | every command |
+| `shards/NNNNN/.done` | `Seal` | the shard runtime | status, resume, merge, report, select, workers |
+| `launches.jsonl` | `LaunchRecord` (one per line) | submit / resume | status, resume, cancel, report, the runtime |
+| `shards/NNNNN/.claim` | `ClaimRecord` | warm workers (`claims.py`) | workers, status |
+| `workers/<id>/worker.json` | `WorkerState` | warm workers | status, report, workers |
+| `fill.json` | `FillRequest` | `resume --fill` | the runtime, workers |
+| `shards/NNNNN/.failed` | `ShardFailure` | the shard runtime | status, resume, workers |
+
+Every field has its type; a record of another shape is shardrun's own file edited or damaged, and reading it raises
+BadRecord (exit 2) naming the file, the line (JSONL) and the field, never a traceback. A `.done` seal that does not
+validate is the exception: the shard counts as unsealed and the reason is reported (seal.check). A torn last line of
+launches.jsonl (a killed writer) is skipped, as every JSONL reader does (store.complete_lines). Every file is opened
+through store.open_regular: a FIFO, a device or a socket in its place is refused at once, naming the path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from shardrun.core import slurm_values
+from shardrun.core.errors import BadRecord
+from shardrun.rundir import store
+
+Count = Annotated[int, Field(ge=0)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class Record(BaseModel):
+    """A run-directory record: strict types (no "16" for 16, no true for 1), unknown fields kept as they are."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+M = TypeVar("M", bound=Record)
+
+
+def problem(e: ValidationError) -> str:
+    """The first thing wrong in a record, in words, naming the field ('not an object' for the record itself)."""
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    if not loc:
+        return "not an object"
+    if err["type"] == "missing":
+        return f"no {loc!r}"
+    return f"{loc!r} is {shown(err.get('input'))}: {err['msg']}"
+
+
+def shown(value: Any) -> str:
+    """A value as the record has it (strings and numbers, cut short), or its kind (lists, objects)."""
+    if isinstance(value, bool) or value is None:
+        return orjson.dumps(value).decode()
+    if isinstance(value, (str, int, float)):
+        text = orjson.dumps(value).decode() if isinstance(value, str) else repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def parse(model: type[M], data: Any, where: str, what: str) -> M:
+    """`data` as a `model`; BadRecord naming `where` (path or path:line), the record and the field otherwise."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise BadRecord(f"{where}: invalid {what}: {problem(e)}; the file was edited or damaged") from None
+
+
+def read_json(path: Path, model: type[M], what: str) -> M | None:
+    """A JSON record file as `model`, or None when there is none."""
+    try:
+        raw = store.read_regular(path)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise BadRecord(f"{path}: a directory, not {what}; remove it") from None
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRecord(f"{path}: not {what} ({e}); the file was edited or damaged") from None
+    return parse(model, data, str(path), what)
+
+
+def read_jsonl(path: Path, model: type[M], what: str) -> list[M]:
+    """Every complete line of a JSONL record file as `model` (a torn last line is skipped; blank lines too)."""
+    out = []
+    for line_no, raw in enumerate(store.complete_lines(path), 1):
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise BadRecord(f"{path}:{line_no}: not {what} ({e}); the file was edited or damaged") from None
+        out.append(parse(model, data, f"{path}:{line_no}", what))
+    return out
+
+
+# ---------------------------------------------------------------- the seal (.done)
+
+MARKER_VERSION = 1
+
+
+class Seal(Record):
+    """`shards/NNNNN/.done`: the shard's rollouts are complete. Valid only for its plan and shard, with its planned
+    rollouts accounted for, and for the exact rollouts file it names (bytes, sha256, and at least its rows: num_rollouts
+    plus num_duplicate_lines). Times are Unix seconds; `host` and `job_id` may be null."""
+
+    marker_version: Count = MARKER_VERSION
+    plan_fingerprint: str
+    shard_index: Count
+    planned_rollouts: Count | None = None
+    num_rollouts: Count
+    num_failed: Count
+    num_duplicate_lines: Count = 0  # rollout lines of an identity already done (merge dedupes them)
+    rollouts_sha256: str
+    rollouts_bytes: Count
+    started_at: Finite | None = None
+    finished_at: Finite | None = None
+    host: str | None = None
+    job_id: str | None = None
+    attempt: Count | None = None
+    server_wait_s: Finite | None = None
+    collect_s: Finite | None = None
+    gpus: Count | None = None
+    gpu_hours: Finite | None = None
+    gym_version: str | None = None  # the nemo-gym release the shard ran with
+    worker: dict[str, Any] | None = None  # the warm worker that sealed it: {id, servers_warm, ...}
+    extra: dict[str, Any] | None = None  # optional accounting such as tokens
+    num_skipped_decided: Count = 0  # adaptive sampling: rows never run because their task was decided
+    skipped_decided_tasks: list[Count] = Field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        """The lines its rollouts file must have."""
+        return self.num_rollouts + self.num_duplicate_lines
+
+    @property
+    def accounted(self) -> int:
+        return self.num_rollouts + self.num_failed + self.num_skipped_decided
+
+    @property
+    def worker_id(self) -> str | None:
+        wid = (self.worker or {}).get("id")
+        return wid if isinstance(wid, str) else None
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.model_dump(mode="json", exclude_none=True)
+        if not self.num_skipped_decided:
+            out.pop("num_skipped_decided")
+            out.pop("skipped_decided_tasks")
+        if not self.num_duplicate_lines:
+            out.pop("num_duplicate_lines")
+        for name in ("host", "job_id"):
+            out.setdefault(name, None)
+        return out
+
+
+def seal_problem(data: Any) -> tuple[Seal | None, str]:
+    """(the seal, "") or (None, what is wrong with it)."""
+    try:
+        return Seal.model_validate(data), ""
+    except ValidationError as e:
+        return None, problem(e)
+
+
+def write_seal(run_dir: Path, seal: Seal) -> None:
+    store.atomic_write_json(store.done_path(run_dir, seal.shard_index), seal.to_json())
+
+
+# ---------------------------------------------------------------- launch records (launches.jsonl)
+
+
+class LaunchRecord(Record):
+    """One line of launches.jsonl: what one submit or resume launched. `jobs` maps a shard index to its job (Slurm
+    job id, "123_4" for an array task; local: the pid), `pid_start` a local pid to its start time in clock ticks
+    (None: unknown, so never taken for a live process), `workers` a warm worker's number to its job."""
+
+    executor: str = "slurm"
+    submitted_at: Finite | None = None
+    host: str | None = None
+    jobs: dict[str, str | int] = Field(default_factory=dict)
+    max_attempts: Count | None = None
+    gpus_per_shard: Count | None = None
+    done_at_submit: Count | None = None
+    tag: str | None = None
+    merge_job_name: str | None = None
+    merge_job_id: str | None = None
+    arrays: list[str | int] | None = None
+    workers: dict[str, str | int] = Field(default_factory=dict)
+    worker_shards: list[Count] = Field(default_factory=list)
+    pid_start: dict[str, int | None] = Field(default_factory=dict)
+
+    @field_validator("jobs")
+    @classmethod
+    def _shard_keys(cls, jobs: dict[str, str | int]) -> dict[str, str | int]:
+        for key in jobs:
+            if not key.isdigit():
+                raise ValueError(f"maps {key!r} to a job, not a shard index")
+        return jobs
+
+    @field_validator("tag", "merge_job_name")
+    @classmethod
+    def _job_name(cls, name: str | None) -> str | None:
+        if name is not None and not slurm_values.NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not a Slurm job name ({slurm_values.NAME_RULE})")
+        return name
+
+    @field_validator("pid_start")
+    @classmethod
+    def _pid_keys(cls, pids: dict[str, int | None]) -> dict[str, int | None]:
+        for key in pids:
+            if not key.isdigit() or int(key) <= 0:
+                raise ValueError(f"{key!r} is not a process id")
+        return pids
+
+    @property
+    def shard_jobs(self) -> dict[int, str]:
+        return {int(k): str(v) for k, v in self.jobs.items()}
+
+    @property
+    def worker_jobs(self) -> list[str]:
+        return [str(v) for v in self.workers.values()]
+
+
+def append_launch(run_dir: Path, record: LaunchRecord | dict[str, Any]) -> None:
+    """Append one launch record (checked against its model; one JSON line, fsynced). Callers hold run_lock."""
+    rec = record if isinstance(record, LaunchRecord) else parse(LaunchRecord, record, "a new launch record", "launch")
+    store.append_jsonl(store.launches_path(run_dir), [rec.to_json()])
+
+
+def read_launches(run_dir: Path) -> list[LaunchRecord]:
+    """Every launch record, oldest first; BadRecord naming the line and the field for one that is not a launch
+    record (its job ids and names would reach Slurm commands and kill())."""
+    return read_jsonl(store.launches_path(run_dir), LaunchRecord, "a launch record")
+
+
+# ---------------------------------------------------------------- claims (.claim)
+
+
+class ClaimRecord(Record):
+    """`shards/NNNNN/.claim`: which warm worker collects the shard (rundir/claims.py has the protocol)."""
+
+    worker_id: str
+    job_id: str | None = None
+    host: str
+    pid: Annotated[int, Field(gt=0)]
+    claimed_at: Finite
+    token: Annotated[str, Field(pattern=r"^[0-9a-f]{1,64}$")]
+
+
+def parse_claim(path: Path, raw: bytes) -> ClaimRecord:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRecord(f"{path}: not a claim ({e}); the file was edited or damaged") from None
+    return parse(ClaimRecord, data, str(path), "claim")
+
+
+# ---------------------------------------------------------------- warm workers (workers/<id>/worker.json)
+
+STARTING, IDLE, COLLECTING, DRAINING, STOPPED, FAILED = (
+    "starting",
+    "idle",
+    "collecting",
+    "draining",
+    "stopped",
+    "failed",
+)
+
+
+class WorkerState(BaseModel):
+    """`workers/<id>/worker.json`: a warm worker's job, host, process, state, current shard, shards sealed, server
+    starts and times, and the process groups of its running servers ([pgid, leader start ticks])."""
+
+    model_config = ConfigDict(strict=True, extra="allow", validate_assignment=True)
+
+    worker_id: str
+    job_id: str | None
+    host: str
+    pid: Annotated[int, Field(gt=0)]
+    pid_start: int | None
+    started_at: Finite
+    gpus: Count
+    state: str = STARTING
+    current_shard: Count | None = None
+    servers_up_since: Finite | None = None
+    server_starts: Count = 0
+    startup_s: Finite = 0.0  # seconds spent starting servers, every start
+    sealed: list[Count] = Field(default_factory=list)
+    collecting_s: dict[str, Finite] = Field(default_factory=dict)  # shard -> seconds from claim to release
+    failed_attempts: Count = 0
+    ended_at: Finite | None = None
+    exit_reason: str = ""
+    updated_at: Finite = 0.0
+    server_groups: list[list[int]] = Field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def write_worker_state(run_dir: Path, state: WorkerState) -> None:
+    store.atomic_write_json(store.worker_state_path(run_dir, state.worker_id), state.to_json())
+
+
+def read_worker_state(path: Path) -> WorkerState | None:
+    """A worker's state, or None when it has none yet."""
+    return read_json(path, WorkerState, "a worker state")  # type: ignore[type-var]
+
+
+def read_worker_states(run_dir: Path) -> list[WorkerState]:
+    """Every worker that ran in this run directory, oldest first."""
+    root = store.workers_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [read_worker_state(store.worker_state_path(run_dir, p.name)) for p in sorted(root.iterdir()) if p.is_dir()]
+    return sorted((s for s in found if s is not None), key=lambda s: s.started_at)
+
+
+# ---------------------------------------------------------------- the fill request (fill.json)
+
+
+class FillRequest(Record):
+    """`fill.json`: the tasks `resume --fill` asked to collect in full (`all`: every task); never skipped again."""
+
+    all: bool = False
+    tasks: list[Count] = Field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_defaults=True)  # {"all": true} or {"tasks": [...]}
+
+
+def read_fill(run_dir: Path) -> FillRequest:
+    return read_json(store.fill_path(run_dir), FillRequest, "a fill request") or FillRequest()
+
+
+def write_fill(run_dir: Path, request: FillRequest) -> None:
+    store.atomic_write_json(store.fill_path(run_dir), request.to_json())
+
+
+# ---------------------------------------------------------------- a shard's last error (.failed)
+
+
+class ShardFailure(Record):
+    """`shards/NNNNN/.failed`: the last attempt's error, written by the shard job when it raises (removed when a
+    later attempt seals)."""
+
+    job_id: str | None = None
+    error: str = ""
+    attempt: Count = 0
+    at: Finite | None = None
+    host: str | None = None
+
+
+def read_failure(run_dir: Path, index: int) -> ShardFailure | None:
+    return read_json(store.shard_failure_path(run_dir, index), ShardFailure, "a shard failure record")
+
+
+def write_failure(run_dir: Path, index: int, failure: ShardFailure) -> None:
+    """Written by the shard runtime as it fails (callers suppress OSError: a full disk must not hide the error)."""
+    store.atomic_write_json(store.shard_failure_path(run_dir, index), failure.to_json())
+
+
+# ---------------------------------------------------------------- the plan (plan.json)
+
+
+class ShardRecord(Record):
+    index: Count
+    num_rollouts: Count
+    kind: Literal["range", "stride"]
+    start: Count = 0
+    stop: Count = 0
+    offset: Count = 0
+    step: Annotated[int, Field(gt=0)] = 1
+
+
+class InputRecord(Record):
+    path: str
+    sha256: str
+    num_lines: Count
+
+
+class PlanRecord(Record):
+    """plan.json's shape, checked before planner.Plan is built from it and its fingerprint compared
+    (store.load_plan, the one reader; store.write_plan the one writer)."""
+
+    planner_version: str
+    input: InputRecord
+    planning: dict[str, Any]
+    config: dict[str, Any]
+    num_tasks: Count
+    num_rollouts: Count
+    agents: dict[str, dict[str, int]]
+    shards: list[ShardRecord]
+    warnings: list[str] = Field(default_factory=list)
+    fingerprint: str
+    gym_version: str | None = None
+
+    @field_validator("shards")
+    @classmethod
+    def _in_order(cls, shards: list[ShardRecord]) -> list[ShardRecord]:
+        for position, shard in enumerate(shards):
+            if shard.index != position:
+                raise ValueError(f"shard {position} has index {shard.index}")
+        return shards
+
+
+def plan_problem(data: Any) -> str | None:
+    """What is wrong with plan.json's content, naming the field; None when it has the plan's shape."""
+    try:
+        PlanRecord.model_validate(data)
+    except ValidationError as e:
+        return problem(e)
+    return None

@@ -1,5 +1,5 @@
 """The launch backends, registered here and nowhere else: a new way of getting shards run is one module with a
-`launcher.Launcher` subclass, and one entry below (tests/test_launchers.py checks that every Launcher subclass in
+`launcher.Launcher` subclass, and one entry below (tests/launch/test_launchers.py checks that every Launcher subclass in
 launch/ is registered here, and that nothing else in shardrun picks a backend by the config's fields).
 
 | mode              | module           | selected by                                  |

@@ -5,7 +5,7 @@ warm_workers.py), through submitit.
 
 The sbatch parameters use submitit's SlurmExecutor names (`time` in minutes, `mem` as "64GB", `setup`,
 `srun_args`, `additional_parameters`, ...); the backends hand them to submitit, which renders the script.
-`submitit_sbatch` is the one place that calls submitit's private renderer (tests/test_sbatch_golden.py pins its
+`submitit_sbatch` is the one place that calls submitit's private renderer (tests/launch/test_sbatch_golden.py pins its
 output), so what `submit --dry-run` prints is exactly what sbatch receives.
 
 Containers (pyxis) go to `srun_args`, not to `#SBATCH` lines: submitit runs the shard through `srun` inside the
@@ -331,7 +331,7 @@ def slurm_plan(
 
 def submitit_sbatch(command: str, folder: Path, map_count: int | None, params: Mapping[str, Any]) -> str:
     """submitit's own sbatch renderer, the script its SlurmExecutor hands to sbatch for these parameters. The one
-    call of a private submitit function in shardrun; tests/test_sbatch_golden.py pins what it returns, so a
+    call of a private submitit function in shardrun; tests/launch/test_sbatch_golden.py pins what it returns, so a
     submitit release that changes it fails there, not on a cluster."""
     from submitit.slurm.slurm import _make_sbatch_string
 

@@ -3,7 +3,7 @@ answer 500 / 400 / garbage for chosen requests, never answer, or be frozen): eac
 with a clear message, and rollouts that fail deterministically are recorded with identity and reason in the
 failure sidecar after gym.max_rollout_attempts, never as reward 0, and are listed by `shardrun status` and the
 merge summary. (A policy server that dies mid-run, and a row it always answers 400, are in
-tests/test_runtime_faults.py; a SIGKILLed shard in test_kill_shard.py.)
+tests/shard/test_runtime_faults.py; a SIGKILLed shard in test_kill_shard.py.)
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from shardrun.rundir import store
 from shardrun.shard import gym_stack
 from slurm_helpers import fake_policy, scancel_names, launches, shardrun, status_json, wait_for, write_config
 from tests.fakes import harness
-from tests.test_adaptive_gym import FLAGS, REPEATS, RULES, full_run
-from tests.test_e2e_local import essentials, rows
+from tests.e2e.test_adaptive_gym import FLAGS, REPEATS, RULES, full_run
+from tests.e2e.test_e2e_local import essentials, rows
 
 pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1500)]
 

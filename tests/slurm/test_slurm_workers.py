@@ -33,7 +33,7 @@ from slurm_helpers import (
     write_config,
 )
 from tests.fakes import harness
-from tests.test_e2e_local import profile_rows, unsharded_reference
+from tests.e2e.test_e2e_local import profile_rows, unsharded_reference
 
 pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1200)]
 SHARDS = 8

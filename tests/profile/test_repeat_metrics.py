@@ -16,7 +16,7 @@ import pytest
 from shardrun.profile import repeat_metrics
 from shardrun.profile.repeat_metrics import RolloutFrame
 from tests.conftest import gym_venv_of_version
-from tests.test_profile_vs_gym import same
+from tests.e2e.test_profile_vs_gym import same
 
 
 def frame_of(rows: list[dict[str, Any]], agent_of: dict[int, str]) -> RolloutFrame:

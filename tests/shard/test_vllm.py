@@ -22,7 +22,7 @@ from shardrun.core.config import VllmConfig
 from shardrun.core.errors import BadInput, ServerFailure
 from tests.ports import free_port_in
 
-FAKE = Path(__file__).resolve().parent / "fakes" / "vllm_cli.py"
+FAKE = Path(__file__).resolve().parent.parent / "fakes" / "vllm_cli.py"
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from shardrun.rundir import store
 from tests.planning_helpers import row
 
 pytestmark = pytest.mark.gym
-SCRIPT = Path(__file__).parent / "gym_scripts" / "preprocess.py"
+SCRIPT = Path(__file__).parent.parent / "gym_scripts" / "preprocess.py"
 
 
 def gym_rows(gym_venv: Path, inp: Path, out: Path, repeats, agent: str | None) -> bytes:

@@ -123,7 +123,7 @@ def test_child_dies_with_its_parent(tmp_path: Path) -> None:
     pidfile = tmp_path / "child"
     script = f"""
 import sys, time
-sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent.parent)!r})
 from shardrun.shard import processes
 p = processes.start(["sleep", "60"], {str(tmp_path / 'c.log')!r})
 open({str(pidfile)!r}, "w").write(str(p.pid))

@@ -470,7 +470,7 @@ def test_sigkill_at_any_point_then_rerun_gives_the_clean_result(tmp_path: Path) 
     merge_and_profile(run.run_dir)
     clean = merged_bytes(run.run_dir)
     code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent)!r}); "
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent.parent.parent)!r}); "
         f"from shardrun.profile.merge_and_profile import merge_and_profile; merge_and_profile({str(run.run_dir)!r})"
     )
     for attempt, delay in enumerate((0.05, 0.15, 0.3, 0.45, 0.6, 0.8)):

@@ -26,7 +26,7 @@ from shardrun.rundir import records, store
 from shardrun.shard import gym_stack, worker
 from tests.fakes import harness
 from tests.faults import gymkit
-from tests.test_e2e_local import REPEATS, essentials, profile_rows, rows, unsharded_reference
+from tests.e2e.test_e2e_local import REPEATS, essentials, profile_rows, rows, unsharded_reference
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
 SHARDS = 8
@@ -172,7 +172,7 @@ def test_a_sigkilled_worker_s_shard_is_taken_over_after_the_lease(tmp_path: Path
     sealer = markers(run_dir)[1]["worker"]
     assert sealer["id"] != claim["worker_id"]
     # the killed worker's ng_run got SIGTERM from the kernel; whatever of its servers outlived it (ng_run may or may
-    # not stop them in time) the other worker reaped (worker.reap_leftovers; tests/test_workers_units.py)
+    # not stop them in time) the other worker reaped (worker.reap_leftovers; tests/launch/test_workers_units.py)
     assert harness.tagged_processes(env) == []
 
 

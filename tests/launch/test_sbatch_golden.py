@@ -16,7 +16,7 @@ import yaml
 from shardrun.core import config
 from shardrun.launch import slurm
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "sbatch_slurm_example.txt"
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "sbatch_slurm_example.txt"
 RUN_DIR = Path("/lustre/runs/example")
 PYTHON = "/opt/shardrun/.venv/bin/python"
 FINGERPRINT = "f" * 64
@@ -68,7 +68,7 @@ def test_sbatch_scripts_for_the_example_cluster_config(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- hostile and unusual configs (#13)
 
-UNUSUAL_GOLDEN = Path(__file__).resolve().parent / "golden" / "sbatch_unusual.txt"
+UNUSUAL_GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "sbatch_unusual.txt"
 UNUSUAL_RUN_DIR = Path("/lustre/runs/with space/ünï'quote")
 UNUSUAL_CLUSTER = {
     "executor": "slurm",

@@ -26,7 +26,7 @@ import yaml
 from shardrun.rundir import store
 from shardrun.shard import gym_stack
 from tests.fakes import harness
-from tests.test_e2e_local import essentials, rows
+from tests.e2e.test_e2e_local import essentials, rows
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1500)]
 REPEATS = 4

@@ -21,7 +21,7 @@ from shardrun.core import config
 from shardrun.rundir import seal, store
 from shardrun.shard import gym_stack, worker
 from tests.fakes import harness
-from tests.test_vllm import free_port
+from tests.shard.test_vllm import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gym, pytest.mark.slow]
 SHARDS = 3

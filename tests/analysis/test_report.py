@@ -213,7 +213,7 @@ def test_profile_and_pass_at_k_equal_gyms(tmp_path, gym_venv_each):
     mat_done = [r for r in mat if (r["_ng_task_index"], r["_ng_rollout_index"]) not in failed]
     (tmp_path / "gym").mkdir()
     (tmp_path / "m.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in mat_done))
-    script = Path(__file__).parent / "gym_scripts" / "profile_and_pass_at_k.py"
+    script = Path(__file__).parent.parent / "gym_scripts" / "profile_and_pass_at_k.py"
     subprocess.run(
         [
             str(gym_venv / "bin" / "python"),

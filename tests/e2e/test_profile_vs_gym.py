@@ -92,7 +92,7 @@ def test_partial_run_with_duplicates_torn_foreign_and_failures(gym_each: Path, t
 def odd_row(m: dict[str, Any]) -> dict[str, Any]:
     """Rows that exercise Gym's corner cases: usage keys shadowing top-level keys, a null or bool reward,
     fields only some rows have, rows without usage. (Integers near 2**60 are left out: Gym's own histogram
-    step fails on them; tests/test_merge.py covers them.)"""
+    step fails on them; tests/merge/test_merge.py covers them.)"""
     row = rollout_row(m)
     t, r = m["_ng_task_index"], m["_ng_rollout_index"]
     variant = (t * 3 + r) % 6

@@ -1,7 +1,7 @@
 """`shardrun compare`: runs whose per-task pass counts are known by construction (sealed synthetic shards merged by
 shardrun's own merge-and-profile, tests/reportkit.py), compared task by task; the statistics checked against
 their plain computation; pairing by key across different inputs; several candidates; an adaptive run against a
-full one (the stand-in collector of tests/test_adaptive.py); the HTML and its figures. No Gym needed.
+full one (the stand-in collector of tests/rundir/test_adaptive.py); the HTML and its figures. No Gym needed.
 """
 
 from __future__ import annotations

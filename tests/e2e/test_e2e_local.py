@@ -24,7 +24,7 @@ from shardrun.shard import gym_stack
 from shardrun.shard import runtime
 from shardrun.rundir import store
 from tests.fakes import harness
-from tests.test_profile_vs_gym import same
+from tests.e2e.test_profile_vs_gym import same
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
 REPEATS = 3

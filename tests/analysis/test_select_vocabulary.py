@@ -11,7 +11,7 @@ from shardrun.analysis import selection
 from shardrun.analysis.selection import Rules
 from shardrun.cli import app
 from shardrun.core.errors import BadInput
-from tests.test_select import reward, run, ts  # noqa: F401  (run is the fixture: a merged run of 10 tasks)
+from tests.analysis.test_select import reward, run, ts  # noqa: F401  (run is the fixture: a merged run of 10 tasks)
 
 
 def test_nvidia_fields_count_passed_rollouts_at_the_threshold() -> None:

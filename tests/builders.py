@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import orjson
+import yaml
 
 from shardrun.core import config
 from shardrun.plan import planner
@@ -32,6 +33,49 @@ LOREM = (
     "the answer follows from the given facts so we compute each step carefully and check the result "
     "against the constraints before writing it in a box "
 )
+
+
+REPO = Path(__file__).resolve().parents[1]
+ARITH_INPUT = REPO / "examples" / "arith" / "input.jsonl"
+
+
+def arith_lines(n: int) -> list[str]:
+    """The first n tasks of examples/arith/input.jsonl (math_with_judge rows for the real Gym stack), as lines."""
+    return ARITH_INPUT.read_text().splitlines()[:n]
+
+
+def arith_input(path: Path, rows: int) -> Path:
+    """An input file of the first `rows` arith tasks: the input of every test that runs the real Gym stack."""
+    path.write_text("".join(line + "\n" for line in arith_lines(rows)))
+    return path
+
+
+def write_gym_config(
+    path: Path,
+    input_jsonl: Path,
+    run_dir: Path,
+    policy_url: str,
+    *,
+    repeats: int,
+    shards: int,
+    config_paths: list[str],
+    api_key_env: str,
+    gym: dict[str, Any],
+    cluster: dict[str, Any],
+) -> Path:
+    """A run config (YAML) for a real Gym stack against the stand-in model server (tests/fakes): the one writer the
+    harness, the fault, Slurm and worker tests share; each passes its own gym and cluster settings."""
+    data = {
+        "input_jsonl": str(input_jsonl),
+        "run_dir": str(run_dir),
+        "num_repeats": repeats,
+        "sharding": {"num_shards": shards},
+        "gym": {"config_paths": config_paths} | gym,
+        "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": api_key_env},
+        "cluster": cluster,
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 def input_rows(

@@ -25,6 +25,7 @@ import yaml
 
 from shardrun.rundir import store
 from shardrun.shard import gym_stack
+from tests import builders
 from tests.fakes import harness
 from tests.e2e.test_e2e_local import essentials, rows
 
@@ -35,7 +36,7 @@ RULES = {"drop_solved": True, "drop_unsolved": True}
 
 
 def write_input(path: Path) -> Path:
-    template = json.loads((harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[0])
+    template = json.loads(builders.arith_lines(1)[0])
     lines = []
     for i in range(len(SHARES)):
         row = json.loads(json.dumps(template))

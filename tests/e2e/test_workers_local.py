@@ -33,20 +33,17 @@ SHARDS = 8
 
 
 def write_config(tmp: Path, input_jsonl: Path, run_dir: Path, url: str, **cluster) -> Path:
-    path = gymkit.write_config(
+    return gymkit.write_config(
         tmp / "run.yaml",
         input_jsonl,
         run_dir,
         url,
         repeats=REPEATS,
+        shards=SHARDS,
+        api_key_env=harness.API_KEY_ENV,
         gym={"max_rollout_attempts": 3},
         cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "max_attempts": 3} | cluster,
     )
-    data = yaml.safe_load(path.read_text())
-    data["sharding"] = {"num_shards": SHARDS}
-    data["policy"]["api_key_env"] = harness.API_KEY_ENV
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def submit(cfg_path: Path, cwd: Path, *extra: str) -> subprocess.Popen:

@@ -12,10 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import yaml
 
 from shardrun.core import config as config_mod
 from shardrun.shard import processes
+from tests import builders
 from tests.ports import free_port_in
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def fake_policy(tmp: Path, *args: str, offset: int = 0) -> Iterator[FakePolicy]:
 
 def example_input(path: Path, gym_venv: Path, math_rows: int = 3, weather_rows: int = 1) -> Path:
     """Arithmetic rows from examples/arith plus weather rows from Gym's example_single_tool_call data."""
-    rows = (REPO / "examples/arith/input.jsonl").read_text().splitlines()[:math_rows]
+    rows = builders.arith_lines(math_rows)
     site = sorted((gym_venv / "lib").glob("python3*/site-packages"))[-1]
     for line in (site / GYM_SITE_EXAMPLE).read_text().splitlines()[:weather_rows]:
         row = json.loads(line)
@@ -101,23 +101,18 @@ def write_config(
     gym: dict | None = None,
     cluster: dict | None = None,
 ) -> Path:
-    data = {
-        "input_jsonl": str(input_jsonl),
-        "run_dir": str(run_dir),
-        "num_repeats": repeats,
-        "sharding": {"num_shards": shards},
-        "gym": {
-            "config_paths": CONFIG_PATHS,
-            "num_samples_in_parallel": 4,
-            "stall_timeout_s": 120,
-            "ready_timeout_s": 300,
-        }
-        | (gym or {}),
-        "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": API_KEY_ENV},
-        "cluster": {"executor": "local", "array_parallelism": 1} | (cluster or {}),
-    }
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return builders.write_gym_config(
+        path,
+        input_jsonl,
+        run_dir,
+        policy_url,
+        repeats=repeats,
+        shards=shards,
+        config_paths=CONFIG_PATHS,
+        api_key_env=API_KEY_ENV,
+        gym={"num_samples_in_parallel": 4, "stall_timeout_s": 120, "ready_timeout_s": 300} | (gym or {}),
+        cluster={"executor": "local", "array_parallelism": 1} | (cluster or {}),
+    )
 
 
 def load_config(path: Path, overrides: list[str] | None = None) -> config_mod.RunConfig:

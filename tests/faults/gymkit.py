@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 from shardrun.rundir import store
-from tests.fakes import harness
+from tests import builders
 
 CONFIG_PATHS = [
     "resources_servers/math_with_judge/configs/math_with_judge.yaml",
@@ -40,9 +39,7 @@ STAGES = ("shard start", "server start-up", "mid-collection", "sealing/teardown"
 
 
 def write_input(path: Path, tasks: int = TASKS) -> Path:
-    rows = (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:tasks]
-    path.write_text("".join(r + "\n" for r in rows))
-    return path
+    return builders.arith_input(path, tasks)
 
 
 def write_config(
@@ -52,16 +49,21 @@ def write_config(
     policy_url: str,
     *,
     repeats: int = REPEATS,
+    shards: int = 1,
+    api_key_env: str = KEY_ENV,
     gym: dict | None = None,
     cluster: dict | None = None,
 ) -> Path:
-    data = {
-        "input_jsonl": str(input_jsonl),
-        "run_dir": str(run_dir),
-        "num_repeats": repeats,
-        "sharding": {"num_shards": 1},
-        "gym": {
-            "config_paths": CONFIG_PATHS,
+    return builders.write_gym_config(
+        path,
+        input_jsonl,
+        run_dir,
+        policy_url,
+        repeats=repeats,
+        shards=shards,
+        config_paths=CONFIG_PATHS,
+        api_key_env=api_key_env,
+        gym={
             "num_samples_in_parallel": 2,
             "stall_timeout_s": 120,
             "ready_timeout_s": 300,
@@ -69,11 +71,8 @@ def write_config(
             "health_interval_s": 2,
         }
         | (gym or {}),
-        "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": KEY_ENV},
-        "cluster": {"executor": "local", "array_parallelism": 1, "max_attempts": 1000} | (cluster or {}),
-    }
-    path.write_text(yaml.safe_dump(data))
-    return path
+        cluster={"executor": "local", "array_parallelism": 1, "max_attempts": 1000} | (cluster or {}),
+    )
 
 
 def log_text(run_dir: Path, index: int = 0) -> str:

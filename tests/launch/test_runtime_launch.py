@@ -15,6 +15,7 @@ import pytest
 
 from shardrun.shard import processes
 from shardrun.rundir import store
+from tests import builders
 from tests.fakes import harness
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,10 +39,7 @@ def broken_gym_venv(root: Path) -> Path:
 
 
 def broken_gym_config(tmp_path: Path, policy_url: str, shards: int, parallelism: int) -> Path:
-    input_jsonl = tmp_path / "input.jsonl"
-    input_jsonl.write_text(
-        "".join(line + "\n" for line in (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:4])
-    )
+    input_jsonl = builders.arith_input(tmp_path / "input.jsonl", 4)
     return harness.write_config(
         tmp_path / "run.yaml",
         input_jsonl,

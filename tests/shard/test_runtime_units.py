@@ -27,6 +27,7 @@ from shardrun.rundir import store
 from shardrun.shard import watchdog
 from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
 from shardrun.core.errors import BadInput, ServerFailure, ShardFailed
+from tests import builders
 from tests.fakes import harness
 
 # ---------------------------------------------------------------- ledger
@@ -320,10 +321,7 @@ def test_local_groups_cap_concurrency() -> None:
 
 
 def plan_run(tmp_path: Path, with_gym: bool = True, shards: int = 2) -> RunConfig:
-    input_jsonl = tmp_path / "input.jsonl"
-    input_jsonl.write_text(
-        "".join(line + "\n" for line in (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:3])
-    )
+    input_jsonl = builders.arith_input(tmp_path / "input.jsonl", 3)
     data = {
         "input_jsonl": str(input_jsonl),
         "run_dir": str(tmp_path / "run"),

@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 from shardrun.rundir import store
 from shardrun.shard import gym_stack
@@ -32,19 +31,16 @@ BIND_ERROR = "address already in use"
 
 
 def write_config(tmp: Path, run_dir: Path, url: str, cluster: dict) -> Path:
-    path = gymkit.write_config(
+    return gymkit.write_config(
         tmp / "run.yaml",
         gymkit.write_input(tmp / "input.jsonl", tasks=SHARDS),
         run_dir,
         url,
         repeats=2,
+        shards=SHARDS,
+        api_key_env=harness.API_KEY_ENV,
         cluster={"array_parallelism": 2, "max_attempts": 1} | cluster,
     )
-    data = yaml.safe_load(path.read_text())
-    data["sharding"] = {"num_shards": SHARDS}
-    data["policy"]["api_key_env"] = harness.API_KEY_ENV
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def stack_logs(run_dir: Path) -> list[Path]:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-import yaml
 
 from shardrun.shard import processes
 from shardrun.rundir import store
+from tests import builders
 from tests.fakes import harness
 from tests.ports import free_port_in
 
@@ -60,9 +60,7 @@ def fake_policy(tmp: Path, *args: str, offset: int = 0) -> Iterator[harness.Fake
 
 
 def math_input(path: Path, rows: int) -> Path:
-    lines = (harness.REPO / "examples/arith/input.jsonl").read_text().splitlines()[:rows]
-    path.write_text("".join(line + "\n" for line in lines))
-    return path
+    return builders.arith_input(path, rows)
 
 
 def write_config(
@@ -76,20 +74,17 @@ def write_config(
     cluster: dict,
     gym: dict | None = None,
 ) -> Path:
-    data = {
-        "input_jsonl": str(input_jsonl),
-        "run_dir": str(run_dir),
-        "num_repeats": repeats,
-        "sharding": {"num_shards": shards},
-        "gym": {
-            "config_paths": GYM_CONFIG_PATHS,
-            "num_samples_in_parallel": 2,
-            "stall_timeout_s": 600,
-            "ready_timeout_s": 300,
-        }
-        | (gym or {}),
-        "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": harness.API_KEY_ENV},
-        "cluster": {
+    return builders.write_gym_config(
+        path,
+        input_jsonl,
+        run_dir,
+        policy_url,
+        repeats=repeats,
+        shards=shards,
+        config_paths=GYM_CONFIG_PATHS,
+        api_key_env=harness.API_KEY_ENV,
+        gym={"num_samples_in_parallel": 2, "stall_timeout_s": 600, "ready_timeout_s": 300} | (gym or {}),
+        cluster={
             "executor": "slurm",
             "partition": os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
             "time_limit": "00:15:00",
@@ -98,9 +93,7 @@ def write_config(
             "job_name_prefix": "srtest",
         }
         | cluster,
-    }
-    path.write_text(yaml.safe_dump(data))
-    return path
+    )
 
 
 def shardrun(*args: str, cwd: Path, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

@@ -10,13 +10,16 @@ when every rule set here keeps it (they commute: each only looks at the task its
 - `drop_unsolved`: some rollout solved it (its max of the metric reaches `solved_threshold`);
 - `drop_solved`: not every rollout solved it (its min of the metric is below `solved_threshold`).
 
+The same two rules sort tasks into difficulty buckets (`bucket`): *never* solved (what `drop_unsolved` drops),
+*always* solved (what `drop_solved` drops) and *sometimes* solved (what both together keep).
+
 Pure: numbers in, booleans out.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,3 +95,24 @@ def problems(rules: TaskRules, name: Callable[[str], str] = lambda field: FLAGS[
     if lo is not None and hi is not None and lo > hi:
         found.append(f"{name('min_mean')} {lo} is above {name('max_mean')} {hi}: no task can match")
     return found
+
+
+NEVER, SOMETIMES, ALWAYS = "never", "sometimes", "always"
+BUCKETS = (NEVER, SOMETIMES, ALWAYS)
+"""The difficulty buckets, easiest last: never, sometimes and always solved."""
+
+
+def bucket(successes: int, rollouts: int) -> str | None:
+    """A task's difficulty bucket from how many of its counted rollouts solved it (reached the solved threshold):
+    `never` when none did (`--drop-unsolved` drops it), `always` when all did (`--drop-solved` drops it), else
+    `sometimes`; None for a task with no rollout counted. The one definition the report and `compare` share."""
+    if rollouts <= 0:
+        return None
+    if not 0 <= successes <= rollouts:
+        raise ValueError(f"successes {successes} not within 0..{rollouts}")
+    return NEVER if successes == 0 else ALWAYS if successes == rollouts else SOMETIMES
+
+
+def successes(values: Iterable[float], solved_threshold: float = 1.0) -> int:
+    """How many of these rollout values solve their task (reach `solved_threshold`)."""
+    return sum(1 for v in values if v >= solved_threshold)

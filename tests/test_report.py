@@ -90,8 +90,8 @@ def test_headline_numbers_match_the_rollouts(run):
         buckets = [(c, round(100 * c / len(rewards))) for c in (never, len(rewards) - never - always, always)]
         row = re.search(
             f"<td>{agent}</td><td>{len(rewards)}</td><td>{n} / {len(rewards) * REPEATS}</td><td>{mean:.3f}</td>"
-            rf"<td>{p1:.1f}% \[([\d.]+)–([\d.]+)\]</td><td>{pk:.1f}% \[([\d.]+)–([\d.]+)\]</td>"
-            + "".join(f"<td>{c} \\({share}%\\)</td>" for c, share in buckets),
+            rf"<td>{p1:.1f}%\xa0\[([\d.]+)–([\d.]+)\]</td><td>{pk:.1f}%\xa0\[([\d.]+)–([\d.]+)\]</td>"
+            + "".join(f"<td>{c}\xa0\\({share}%\\)</td>" for c, share in buckets),
             page,
         )
         assert row, agent
@@ -110,7 +110,10 @@ def test_headline_numbers_match_the_rollouts(run):
     assert [r[column] for r in rows] == [f"{agg[a]['pass@4/accuracy']:.4g}" for a in ("agent_a", "agent_b")]
     assert "<th>pass@4 [95% CI]</th>" in page  # both agents have k = 4: said once, in the header
     assert "<th colspan='1'>pass@4</th>" in page and "<th>accuracy</th>" in page
-    assert "<tr>" + "".join(f"<td>{c}</td>" for c in rows[0]) + "</tr>" in page
+    per_table = report.METRICS_PER_TABLE  # more metrics than that go on in a second table
+    assert len(header) - 1 > per_table
+    assert "<tr>" + "".join(f"<td>{c}</td>" for c in rows[0][: 1 + per_table]) + "</tr>" in page
+    assert "<tr>" + "".join(f"<td>{c}</td>" for c in [rows[0][0], *rows[0][1 + per_table :]]) + "</tr>" in page
 
 
 def done_rewards(t: int) -> list[float]:
@@ -333,3 +336,27 @@ def test_axes_that_count_things_have_integer_ticks(run, monkeypatch):
         assert all(float(v).is_integer() for v in ticks(saved[name], axis, which)), (name, axis)
     assert ticks(saved["report_shard_timeline.png"], "y") == [0, 1, 2, 3]
     assert ticks(saved["report_pass_at_k.png"], "x") == [1, 2, 3, 4]
+
+
+def test_one_shard_gets_one_whole_tick_and_equal_tokens_a_sentence(tmp_path, monkeypatch):
+    from shardrun.analysis import figures
+
+    run_dir, _ = planned_run(tmp_path, [input_row(i) for i in range(3)], num_repeats=2, num_shards=1)
+    seal_shards(run_dir, lambda t, r: 1.0 if r < t else 0.0)
+    merge_run(run_dir)
+    rows = list(store.iter_jsonl_objects(store.merged_reward_profiling_path(run_dir)))
+    for r in rows:  # every task the same mean output tokens, as a policy that always writes two tokens
+        r.update({k: 2.0 for k in r if k.endswith("/output_tokens")})
+    store.merged_reward_profiling_path(run_dir).write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    saved = {}
+    real_save = figures._save
+    monkeypatch.setattr(figures, "_save", lambda fig, path: saved.setdefault(path.name, fig) and real_save(fig, path))
+    result = report.build_report(run_dir)
+    ax = saved["report_shard_timeline.png"].axes[0]
+    lo, hi = sorted(ax.get_ylim())
+    assert [v for v in ax.get_yticks() if lo <= v <= hi] == [0]
+    assert set(result.notes) == {"tokens_vs_reward"}
+    assert (
+        "Every task has the same mean output_tokens, 2: tokens do not separate the tasks"
+        in result.notes["tokens_vs_reward"]
+    )

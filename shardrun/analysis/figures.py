@@ -37,7 +37,7 @@ def _note(ax, text: str) -> None:
 
 def _integer_ticks(axis: Any) -> None:
     """Ticks only at whole numbers (an axis that counts things)."""
-    axis.set_major_locator(MaxNLocator(integer=True))
+    axis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # one whole number is enough (one shard)
 
 
 def _thin(points: Sequence) -> Sequence:

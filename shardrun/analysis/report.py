@@ -191,14 +191,15 @@ def _with_interval(value: float | None, ci: intervals.Interval | None) -> str:
     """`62.5% [41.7–79.2]`: a percentage and its 95% interval."""
     if value is None:
         return "—"
-    return _pct(value) + (f" [{ci.low:.1f}–{ci.high:.1f}]" if ci is not None else "")
+    return _pct(value) + (f"\u00a0[{ci.low:.1f}–{ci.high:.1f}]" if ci is not None else "")
 
 
 def bucket_cells(counts: Mapping[str, int]) -> list[str]:
     """`count (share%)` for never, sometimes and always solved, shares of the tasks bucketed."""
     total = sum(counts.values())
     return [
-        f"{counts.get(b, 0):,} ({100.0 * counts.get(b, 0) / total:.0f}%)" if total else "—" for b in task_rules.BUCKETS
+        f"{counts.get(b, 0):,}\u00a0({100.0 * counts.get(b, 0) / total:.0f}%)" if total else "—"
+        for b in task_rules.BUCKETS
     ]
 
 
@@ -387,6 +388,11 @@ def nothing_to_show(fd: Mapping[str, Any], shards: Sequence[cost.ShardCost]) -> 
         )
     if not fd["token_field"] or not tokens:
         notes["tokens_vs_reward"] = "The rollouts carry no token usage (response.usage): no tokens vs reward."
+    elif _distinct([t for t, _ in tokens]) == 1:
+        notes["tokens_vs_reward"] = (
+            f"Every task has the same mean {fd['token_field']}, {tokens[0][0]:,.4g}: tokens do not separate the "
+            f"tasks (mean reward from {_value(min(r for _, r in tokens))} to {_value(max(r for _, r in tokens))})."
+        )
     elif _distinct([r for _, r in tokens]) == 1:
         notes["tokens_vs_reward"] = (
             f"Every task has the same mean reward, {_value(tokens[0][1])}: tokens do not separate anything "
@@ -432,7 +438,7 @@ def draw_figures(run_dir: Path, data: ReportData) -> dict[str, Path | str]:
 
 CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1180px;padding:0 1em;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:.95em}td,th{border:1px solid #ccc;padding:.3em .5em;text-align:left}
-th{background:#f2f2f2;vertical-align:bottom}td{white-space:nowrap}table.metrics{font-size:.9em}
+th{background:#f2f2f2;vertical-align:bottom}table.metrics{font-size:.9em}
 .wide{overflow-x:auto;max-width:100%}figure{display:inline-block;margin:.5em;vertical-align:top;max-width:560px}
 img{max-width:100%;height:auto}code{background:#f4f4f4;padding:0 .2em;overflow-wrap:anywhere}
 .warn{color:#a40}.note{color:#555;font-size:.92em}p.empty{width:480px;max-width:100%;padding:1em;border:1px dashed #bbb;
@@ -446,8 +452,14 @@ def _head(h: str) -> str:
 
 def _table(header: Sequence[str] | None, rows: Sequence[Sequence[str]]) -> str:
     head = "<tr>" + "".join(_head(h) for h in header) + "</tr>" if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{_text(str(c))}</td>" for c in r) + "</tr>" for r in rows)
     return f"<div class='wide'><table>{head}{body}</table></div>"
+
+
+def _text(c: str) -> str:
+    """A cell's text; a long one may break after its underscores (agent names like math_with_judge_simple_agent)."""
+    text = html.escape(c)
+    return text.replace("_", "_<wbr>") if len(c) > 20 and " " not in c else text
 
 
 def key_metrics_table(key_metrics: Mapping[str, Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
@@ -483,23 +495,29 @@ def grouped_header(columns: Sequence[str]) -> tuple[list[tuple[str, int]], list[
     return top, below
 
 
+METRICS_PER_TABLE = 8  # Gym's key metrics beyond this many go on in another table below: the page never scrolls
+
+
 def _key_metrics_html(key_metrics: Mapping[str, Mapping[str, Any]]) -> str:
     if not key_metrics:
         return ""
     header, rows = key_metrics_table(key_metrics)
-    top, below = grouped_header(header[1:])
-    head = (
-        "<tr><th rowspan='2'>agent</th>"
-        + "".join(f"<th colspan='{n}'>{html.escape(g)}</th>" for g, n in top)
-        + "</tr><tr>"
-        + "".join(_head(b) for b in below)
-        + "</tr>"
-    )
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    tables = []
+    for start in range(1, len(header), METRICS_PER_TABLE):
+        stop = start + METRICS_PER_TABLE
+        top, below = grouped_header(header[start:stop])
+        head = (
+            "<tr><th rowspan='2'>agent</th>"
+            + "".join(f"<th colspan='{n}'>{html.escape(g)}</th>" for g, n in top)
+            + "</tr><tr>"
+            + "".join(_head(b) for b in below)
+            + "</tr>"
+        )
+        body = "".join("<tr>" + "".join(f"<td>{_text(c)}</td>" for c in [r[0], *r[start:stop]]) + "</tr>" for r in rows)
+        tables.append(f"<div class='wide'><table class='metrics'>{head}{body}</table></div>")
     return (
         "<h2>Gym key metrics</h2><p class='note'>Gym's headline metrics of the merged rollouts, one row per agent "
-        "(pass@k and majority@k in percent).</p>"
-        f"<div class='wide'><table class='metrics'>{head}{body}</table></div>"
+        "(pass@k and majority@k in percent).</p>" + "".join(tables)
     )
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install what is needed, collect the bundled example (examples/arith: 36 tasks
-# x 4 repeats in 4 shards on the local executor, at most 2 at once) with a REAL policy -- each shard starts the
-# vLLM CPU build serving SmolLM2-135M-Instruct -- then merge the shards and print the reward profile summary.
+# x 4 repeats in 4 shards on the local executor, at most 2 at once) with a REAL policy -- each warm worker starts
+# the vLLM CPU build serving SmolLM2-135M-Instruct -- then merge the shards, print the reward profile summary,
+# write the HTML report and print how long it all took.
 #
 # Usage: scripts/demo.sh [--policy-url URL [--model NAME] [--api-key-env VAR]] [--run-dir DIR] [OVERRIDE ...]
 #   --policy-url URL   use an existing OpenAI-compatible endpoint (.../v1) instead of starting vLLM per shard
@@ -27,6 +28,8 @@ while [ $# -gt 0 ]; do
   esac
 done
 say() { printf '\n=== %s\n' "$*"; }
+start=$(date +%s)
+elapsed() { local s=$(( $(date +%s) - $1 )); printf '%d min %02d s' $(( s / 60 )) $(( s % 60 )); }
 
 if [ -n "$policy_url" ]; then
   say "set-up: shardrun, NeMo Gym ${SHARDRUN_GYM_VERSION:-(the default version)} (policy: $policy_url)"
@@ -51,9 +54,12 @@ fi
 say "collect: shardrun submit $CONFIG run_dir=$run_dir ${overrides[*]}"
 t0=$(date +%s)
 .venv/bin/shardrun submit "$CONFIG" "run_dir=$run_dir" "${overrides[@]}"
-echo "collected in $(( $(date +%s) - t0 )) s"
+echo "collected in $(elapsed "$t0")"
 
 say "merge and profile: shardrun merge-and-profile $run_dir"
 .venv/bin/shardrun merge-and-profile "$run_dir"
 
-say "done: $run_dir (per-task profile in $run_dir/merged/; try: .venv/bin/shardrun report $run_dir)"
+say "report: shardrun report $run_dir"
+.venv/bin/shardrun report "$run_dir"
+
+say "done in $(elapsed "$start"), set-up included: $run_dir/merged/report.html"

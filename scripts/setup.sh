@@ -7,6 +7,8 @@
 #   gyms     the Gym venvs of every supported version (what CI builds: the vs-Gym tests run against each)
 #   vllm     $SHARDRUN_VLLM_VENV: Python 3.11 venv with the vLLM CPU build (stands in for GPU vLLM here)
 #   models   $SHARDRUN_CACHE/models: tiny-chatml (tests) and SmolLM2-135M-Instruct (demo), via scripts/setup-models.sh
+#   browser  headless Chromium and its WebDriver (Debian's chromium, chromium-driver, fonts-dejavu-core; apt-get as
+#            root), for the test that opens a report in a browser (tests/analysis/test_report_browser.py)
 # Caches live in $SHARDRUN_CACHE (default ~/.cache/shardrun) so a second run starts quickly.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -164,6 +166,26 @@ setup_vllm() {
   fi
 }
 
+BROWSER_PROGRAMS=(chromium chromedriver)
+BROWSER_PACKAGES=(chromium chromium-driver fonts-dejavu-core)
+setup_browser() {  # Debian's Chromium and chromedriver (same version), installed once with apt-get
+  local p missing=() out
+  for p in "${BROWSER_PROGRAMS[@]}"; do command -v "$p" >/dev/null || missing+=("$p"); done
+  [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || missing+=(fonts)
+  [ ${#missing[@]} -gt 0 ] || return 0
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null ||
+    { log "missing ${missing[*]}; install the Debian packages ${BROWSER_PACKAGES[*]} (as root)"; return 1; }
+  log "installing ${BROWSER_PACKAGES[*]} with apt-get (missing: ${missing[*]}), about a minute"
+  out=$(mktemp)
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 update &&
+    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y --no-install-recommends \
+      "${BROWSER_PACKAGES[@]}"; } >"$out" 2>&1; then
+    tail -n 20 "$out" >&2; rm -f "$out"; log "apt-get failed"; return 1
+  fi
+  rm -f "$out"
+  for p in "${BROWSER_PROGRAMS[@]}"; do command -v "$p" >/dev/null || { log "$p still missing"; return 1; }; done
+}
+
 [ $# -gt 0 ] || set -- project gym vllm
 for part in "$@"; do
   case "$part" in
@@ -172,6 +194,7 @@ for part in "$@"; do
     gyms) setup_gyms $GYM_VERSIONS ;;
     vllm) setup_vllm ;;
     models) "$ROOT/scripts/setup-models.sh" ;;
+    browser) setup_browser ;;
     *) [ -x "$ROOT/scripts/setup-$part.sh" ] && "$ROOT/scripts/setup-$part.sh" || { log "unknown part $part"; exit 2; } ;;
   esac
 done

@@ -19,5 +19,7 @@ if [ "${1:-}" = "--fast" ]; then
   ./scripts/setup.sh project
   exec .venv/bin/python -m pytest "${parallel[@]}" -m "not gym and not vllm and not slurm and not slow" "$@"
 fi
-./scripts/setup.sh project gyms vllm  # gyms: every supported NeMo Gym version (the vs-Gym tests run against each)
+# gyms: every supported NeMo Gym version (the vs-Gym tests run against each); browser: Chromium and chromedriver
+# (tests/analysis/test_report_browser.py opens a report in it)
+./scripts/setup.sh project gyms vllm browser
 exec .venv/bin/python -m pytest "${parallel[@]}" "$@"

@@ -42,7 +42,7 @@ from shardrun.core.errors import BadInput, ShardrunError
 from shardrun.core.gym_names import RCP_KEY, TASK_KEY
 from shardrun.plan import planner
 from shardrun.plan.planner import Plan
-from shardrun.profile import taskstats
+from shardrun.profile import intervals, taskstats
 from shardrun.profile.taskstats import TaskStat
 from shardrun.rundir import safepaths, store
 
@@ -337,22 +337,12 @@ def pair_runs(base: Side, cand: Side, key: str | None, threshold: float) -> Pair
 def bootstrap_interval(
     diffs: Sequence[float] | np.ndarray, resamples: int = DEFAULT_RESAMPLES, seed: int = 0
 ) -> tuple[float, float] | None:
-    """The paired percentile bootstrap 95% interval of the mean of per-task differences: `resamples` times, draw
-    as many tasks as there are, with replacement, and take the mean; the interval runs from the 2.5th to the 97.5th
-    percentile of those means. Seeded (numpy's PCG64): the same inputs give the same interval. None without tasks."""
-    values = np.asarray(diffs, dtype=np.float64)
-    n = len(values)
-    if n == 0:
-        return None
-    rng = np.random.default_rng(seed)
-    means = np.empty(resamples)
-    chunk = max(1, 4_000_000 // n)
-    for start in range(0, resamples, chunk):
-        stop = min(resamples, start + chunk)
-        means[start:stop] = values[rng.integers(0, n, size=(stop - start, n))].mean(axis=1)
-    alpha = (1 - CONFIDENCE) / 2
-    low, high = np.quantile(means, (alpha, 1 - alpha))
-    return float(low), float(high)
+    """The paired percentile bootstrap 95% interval of the mean of per-task differences: the one percentile
+    bootstrap over tasks (profile/intervals.py, the report's too) applied to the paired differences, so each
+    resample keeps a task's base and candidate together. Seeded: the same inputs give the same interval. None
+    without tasks."""
+    ci = intervals.bootstrap_mean(diffs, resamples=resamples, seed=seed, level=CONFIDENCE)
+    return None if ci is None else (ci.low, ci.high)
 
 
 def mcnemar_exact(lost: int, gained: int) -> float:

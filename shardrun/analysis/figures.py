@@ -1,15 +1,17 @@
 """The report's figures: plain data in, one PNG file out per function (matplotlib, Agg, no pyplot state).
 
-A figure whose data is empty still gets drawn, with a note saying what is missing, so the report never shows a
-broken image.
+The report (report.py `nothing_to_show`) says in a sentence why a panel with nothing to show is left out; a figure
+drawn here with empty data anyway gets a note saying what is missing, never a broken image. An axis that counts
+things (tasks, k, shards, rollouts) has integer ticks only.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
 from shardrun.core.terminal import shown
 from shardrun.rundir import store
@@ -32,6 +34,11 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def _note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=11, color="0.35")
+
+
+def _integer_ticks(axis: Any) -> None:
+    """Ticks only at whole numbers (an axis that counts things)."""
+    axis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # one whole number is enough (one shard)
 
 
 def _thin(points: Sequence) -> Sequence:
@@ -59,6 +66,7 @@ def mean_histogram(means: Mapping[str, Sequence[float]], path: Path, metric: str
         ax.legend(fontsize=8)
     else:
         _note(ax, "no profiled tasks")
+    _integer_ticks(ax.yaxis)
     ax.set_xlabel(f"per-task mean {metric}")
     ax.set_ylabel("tasks")
     ax.set_title(f"Per-task mean {metric}")
@@ -82,20 +90,34 @@ def mean_vs_std(points: Mapping[str, Sequence[tuple[float, float]]], path: Path,
     return _save(fig, path)
 
 
-def pass_at_k(curves: Mapping[str, Mapping[int, float]], path: Path) -> Path:
-    """pass@k (percent) against k, one line per agent; log2 x axis when k goes past 8."""
+def pass_at_k(
+    curves: Mapping[str, Mapping[int, float]], path: Path, bands: Mapping[str, Mapping[int, Any]] | None = None
+) -> Path:
+    """pass@k (percent) against k, one line per agent with its 95% interval shaded (`bands`: {agent: {k: an
+    interval with .low and .high}}); log2 x axis when k goes past 8. Ticks only at whole k."""
     fig = Figure(figsize=SIZE)
     ax = fig.add_subplot()
     drawn = False
-    for agent, curve in curves.items():
+    for i, (agent, curve) in enumerate(curves.items()):
         if curve:
             ks = sorted(curve)
-            ax.plot(ks, [curve[k] for k in ks], marker="o", markersize=3, label=shown(agent))
+            ax.plot(ks, [curve[k] for k in ks], marker="o", markersize=3, label=shown(agent), color=f"C{i % 10}")
+            band = (bands or {}).get(agent) or {}
+            bk = [k for k in ks if k in band]
+            if bk:
+                ax.fill_between(
+                    bk, [band[k].low for k in bk], [band[k].high for k in bk], color=f"C{i % 10}", alpha=0.15, lw=0
+                )
             drawn = True
     if drawn:
         if max(max(c) for c in curves.values() if c) > 8:
-            ax.set_xscale("log", base=2)
-        ax.legend(fontsize=8)
+            ax.set_xscale("log", base=2)  # major ticks at powers of 2: whole k
+            ax.xaxis.set_major_locator(LogLocator(base=2))
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        else:
+            _integer_ticks(ax.xaxis)
+        ax.legend(fontsize=8, title="shaded: 95% interval" if bands else None, title_fontsize=8)
         ax.set_ylim(bottom=0)
     else:
         _note(ax, "no rollout rewards in the profile")
@@ -144,6 +166,7 @@ def shard_timeline(shards: Sequence[ShardCost], path: Path) -> Path:
             )
         ax.legend(fontsize=8)
         ax.invert_yaxis()
+        _integer_ticks(ax.yaxis)
     else:
         _note(ax, "no sealed shards")
     ax.set_xlabel("hours since the first shard started")
@@ -164,6 +187,7 @@ def throughput(series: Throughput, path: Path) -> Path:
         ax2 = ax.twinx()
         ax2.step([e / 3600 for e in series.edges_s[1:]], series.sealed, where="post", color="C1")
         ax2.set_ylabel("rollouts in sealed shards", color="C1")
+        _integer_ticks(ax2.yaxis)
     else:
         _note(ax, "no sealed shards")
     ax.set_xlabel("hours since the first shard started")

@@ -297,7 +297,7 @@ def select_run(
     source = Path(input_path or plan.input.path)
     target = safepaths.output_target(Path(output), "--output", run_dir, [source, Path(plan.input.path)])
     tasks = taskstats.load_profile(run_dir)
-    open_tasks = undecided_tasks(tasks, rules, plan, stopped_tasks(run_dir, plan))
+    selection, open_tasks = run_selection(tasks, rules, plan, stopped_tasks(run_dir, plan), undecided)
     if open_tasks and undecided not in UNDECIDED:
         shown = ", ".join(map(str, open_tasks[:20])) + (
             f" and {len(open_tasks) - 20} more" if len(open_tasks) > 20 else ""
@@ -307,11 +307,6 @@ def select_run(
             f"rollouts collected: {shown}. Collect the rest with `shardrun resume {run_dir} --fill`, or say what "
             f"to do with them: --undecided keep|drop. Nothing was written"
         )
-    selection = choose([t for t in tasks if t.task_index not in set(open_tasks)], rules, plan.num_tasks)
-    if open_tasks and undecided == "keep":
-        extra = [t for t in tasks if t.task_index in set(open_tasks)]
-        kept = tuple(sorted((*selection.kept, *extra), key=lambda t: t.task_index))
-        selection = Selection(kept, (*selection.steps, Step("--undecided keep", len(extra), len(extra))))
     output = Path(output)
     chosen = {t.task_index: t for t in selection.kept}
     hasher = hashlib.sha256()
@@ -345,6 +340,21 @@ def select_run(
 
 
 UNDECIDED = ("keep", "drop")
+
+
+def run_selection(
+    tasks: Sequence[TaskStat], rules: Rules, plan: Plan, stopped: set[int], undecided: str | None = None
+) -> tuple[Selection, list[int]]:
+    """What `select` keeps of a run's profile (`stopped`: the tasks adaptive sampling stopped early), and the
+    stopped tasks these rules are not decided on. Those are left out (as `--undecided drop`), or kept with
+    `undecided="keep"`; `select_run` refuses to write anything when there are some and `undecided` is not given."""
+    open_tasks = undecided_tasks(tasks, rules, plan, stopped)
+    selection = choose([t for t in tasks if t.task_index not in set(open_tasks)], rules, plan.num_tasks)
+    if open_tasks and undecided == "keep":
+        extra = [t for t in tasks if t.task_index in set(open_tasks)]
+        kept = tuple(sorted((*selection.kept, *extra), key=lambda t: t.task_index))
+        selection = Selection(kept, (*selection.steps, Step("--undecided keep", len(extra), len(extra))))
+    return selection, open_tasks
 
 
 def stopped_tasks(run_dir: Path, plan: Plan) -> set[int]:

@@ -10,6 +10,9 @@ when every rule set here keeps it (they commute: each only looks at the task its
 - `drop_unsolved`: some rollout solved it (its max of the metric reaches `solved_threshold`);
 - `drop_solved`: not every rollout solved it (its min of the metric is below `solved_threshold`).
 
+The same two rules sort tasks into difficulty buckets (`bucket`): *never* solved (what `drop_unsolved` drops),
+*always* solved (what `drop_solved` drops) and *sometimes* solved (what both together keep).
+
 Pure: numbers in, booleans out.
 """
 

@@ -30,6 +30,7 @@ from shardrun.core.pool import available, ordered_map
 from shardrun.merge import identity
 from shardrun.merge.rowtable import RowTable
 from shardrun.rundir import seal, store
+from shardrun.rundir.records import Seal
 
 INT64_MAX = 2**63 - 1
 ROWS_PER_WORKER = 50_000
@@ -148,13 +149,18 @@ def counted(job: ShardReadJob, state: seal.SealState, resolution: identity.Resol
     if kept <= marker.num_rollouts <= kept + resolution.foreign:
         return state
     path = store.done_path(job.run_dir, job.index)
-    state = seal.SealState(
-        False,
+    return damaged(
+        job,
+        marker,
         f"damaged seal {path}: it counts {marker.num_rollouts:,} rollouts, {kept:,} planned identities were found "
         f"in {store.ROLLOUTS}; not trusted",
-        marker,
-        damaged=True,
     )
+
+
+def damaged(job: ShardReadJob, marker: Seal, reason: str) -> seal.SealState:
+    """A seal that disagrees with its file: not sealed (with the reason), and an IncompleteRun unless the merge
+    takes what unsealed shards hold (--allow-partial)."""
+    state = seal.SealState(False, reason, marker, damaged=True)
     if not job.allow_partial:
         raise IncompleteRun(
             f"shard {job.index:05d} is not sealed: {state.reason}\nRun `shardrun resume "
@@ -186,17 +192,9 @@ def read_rollouts(job: ShardReadJob) -> tuple[Rollouts, seal.SealState]:
         )
         if rollouts.sha256 == marker.rollouts_sha256:
             return rollouts, state
-        state = seal.SealState(
-            False,
-            f"damaged seal: {path}: content changed after sealing (sha256 differs); not sealed",
-            marker,
-            damaged=True,
+        state = damaged(
+            job, marker, f"damaged seal: {path}: content changed after sealing (sha256 differs); not sealed"
         )
-        if not job.allow_partial:
-            raise IncompleteRun(
-                f"shard {job.index:05d} is not sealed: {state.reason}\nRun `shardrun resume "
-                f"{job.run_dir}` to finish it, or merge what it holds with --allow-partial."
-            )
     snapshot = store.merge_scratch(job.run_dir, f"snapshot-{job.index:05d}.jsonl")
     return scan_rollouts(
         path, limit=None, snapshot=snapshot, answer_key=job.answer_field, mask_key=job.mask_field

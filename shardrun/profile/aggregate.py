@@ -76,6 +76,14 @@ def _per_task(values: np.ndarray, task: np.ndarray, n: int) -> np.ndarray:
 
 def pass_at_k(r: AgentRollouts, score: np.ndarray, k: int) -> float | None:
     """Mean over tasks with >= k scored rollouts of the unbiased estimator (0/1 tasks) or max of first k."""
+    values = task_pass_at_k(r, score, k)
+    return None if values is None else 100.0 * float(values.sum()) / len(values)
+
+
+def task_pass_at_k(r: AgentRollouts, score: np.ndarray, k: int) -> np.ndarray | None:
+    """Each task's pass@k (0-1), in task order, for the tasks with >= k scored rollouts (None if none has):
+    the unbiased estimator 1 - C(n - c, k) / C(n, k) for a task whose scores are all 0 or 1, else the max of its
+    first k scores."""
     n_tasks = r.num_tasks
     present = ~np.isnan(score)
     n = _per_task(present, r.task, n_tasks).astype(np.int64)
@@ -88,8 +96,7 @@ def pass_at_k(r: AgentRollouts, score: np.ndarray, k: int) -> float | None:
     counted = n >= k
     if not counted.any():
         return None
-    values = np.where(nonbinary, best, _unbiased(n, incorrect, k))[counted]
-    return 100.0 * float(values.sum()) / int(counted.sum())
+    return np.where(nonbinary, best, _unbiased(n, incorrect, k))[counted]
 
 
 def _rank_among(mask: np.ndarray, task: np.ndarray) -> np.ndarray:

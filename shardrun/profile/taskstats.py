@@ -7,7 +7,8 @@ materialized input row, so `sample.agent_ref.name` is its agent), `num_rollouts`
 `sample` its reader asks for (e.g. `question`).
 
 pass@k is `aggregate.pass_at_k` (Gym's `compute_pass_majority_metrics` definition, written once) over the
-rewards of the profile rows.
+rewards of the profile rows; its 95% interval is the bootstrap over tasks of profile/intervals.py. A task's
+difficulty bucket (never / sometimes / always solved) is core/task_rules.py's `bucket` over its rollout rewards.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import orjson
 
 from shardrun.core.errors import BadInput, RunDirError
 from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
-from shardrun.profile import aggregate
+from shardrun.core import task_rules
+from shardrun.profile import aggregate, intervals
 from shardrun.rundir import store
 
 STAT_NAMES = ("mean", "max", "min", "median", "std")
@@ -121,11 +123,29 @@ def pass_at_k(tasks: Iterable[TaskStat] | Iterable[Sequence[float]], k: int) -> 
 
     The rule and the estimator are `aggregate.pass_at_k`'s, the one definition of pass@k, applied to the rewards
     the profile rows carry (`rollout_infos`)."""
+    table = _score_table(tasks)
+    return aggregate.pass_at_k(table, table.scores[aggregate.ACCURACY], k)
+
+
+def pass_at_k_values(tasks: Iterable[TaskStat] | Iterable[Sequence[float]], k: int) -> np.ndarray:
+    """Each task's pass@k (0-1), for the tasks with at least k scored rollouts, in task order: what `pass_at_k`
+    averages (empty if no task has k)."""
+    table = _score_table(tasks)
+    values = aggregate.task_pass_at_k(table, table.scores[aggregate.ACCURACY], k)
+    return np.zeros(0) if values is None else values
+
+
+def pass_at_k_interval(tasks: Sequence[TaskStat], k: int) -> intervals.Interval | None:
+    """The 95% interval of `pass_at_k` (in percent), bootstrapped over the tasks (profile/intervals.py)."""
+    found = intervals.bootstrap_mean(pass_at_k_values(tasks, k))
+    return None if found is None else intervals.Interval(100.0 * found.low, 100.0 * found.high)
+
+
+def _score_table(tasks: Iterable[TaskStat] | Iterable[Sequence[float]]) -> aggregate.AgentRollouts:
     per_task = [t.rewards if isinstance(t, TaskStat) else t for t in tasks]
     task = np.repeat(np.arange(len(per_task), dtype=np.int64), [len(r) for r in per_task])
     reward = np.fromiter((x for r in per_task for x in r), dtype=np.float64, count=len(task))
-    table = aggregate.score_table(task, reward, None)
-    return aggregate.pass_at_k(table, table.scores[aggregate.ACCURACY], k)
+    return aggregate.score_table(task, reward, None)
 
 
 def max_k(tasks: Iterable[TaskStat]) -> int:
@@ -136,6 +156,31 @@ def pass_at_k_curve(tasks: Sequence[TaskStat]) -> dict[int, float]:
     """{k: pass@k percent} for k = 1 .. the most rollouts any task has."""
     curve = {k: pass_at_k(tasks, k) for k in range(1, max_k(tasks) + 1)}
     return {k: v for k, v in curve.items() if v is not None}
+
+
+def pass_at_k_band(tasks: Sequence[TaskStat]) -> dict[int, intervals.Interval]:
+    """{k: the 95% interval of pass@k, in percent} for the k of `pass_at_k_curve`."""
+    band = {k: pass_at_k_interval(tasks, k) for k in range(1, max_k(tasks) + 1)}
+    return {k: v for k, v in band.items() if v is not None}
+
+
+# ---------------------------------------------------------------- difficulty buckets
+
+
+def task_bucket(t: TaskStat, solved_threshold: float = 1.0) -> str | None:
+    """never / sometimes / always solved (core/task_rules.py `bucket`), by the task's rollout rewards; None for a
+    task without any."""
+    return task_rules.bucket(min(t.rewards), max(t.rewards), solved_threshold) if t.rewards else None
+
+
+def bucket_counts(tasks: Iterable[TaskStat], solved_threshold: float = 1.0) -> dict[str, int]:
+    """How many tasks fall in each bucket (every bucket present, in task_rules.BUCKETS order)."""
+    counts = dict.fromkeys(task_rules.BUCKETS, 0)
+    for t in tasks:
+        b = task_bucket(t, solved_threshold)
+        if b is not None:
+            counts[b] += 1
+    return counts
 
 
 # ---------------------------------------------------------------- per agent
@@ -151,6 +196,9 @@ class AgentSummary:
     pass_at_1: float | None  # percent
     k: int
     pass_at_k: float | None  # percent, at the agent's largest k
+    pass_at_1_ci: intervals.Interval | None = None  # percent, 95% (profile/intervals.py)
+    pass_at_k_ci: intervals.Interval | None = None
+    buckets: Mapping[str, int] = field(default_factory=dict)  # never / sometimes / always solved: task counts
 
 
 def by_agent(tasks: Iterable[TaskStat]) -> dict[str, list[TaskStat]]:
@@ -177,6 +225,9 @@ def agent_summary(agent: str, tasks: Sequence[TaskStat]) -> AgentSummary:
         pass_at_k(tasks, 1),
         k,
         pass_at_k(tasks, k) if k else None,
+        pass_at_k_interval(tasks, 1),
+        pass_at_k_interval(tasks, k) if k else None,
+        bucket_counts(tasks),
     )
 
 

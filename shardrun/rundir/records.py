@@ -39,7 +39,8 @@ class Record(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", frozen=True)
 
     def to_json(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude_none=True)
+        """The record as written: the fields it was given (a launch record keeps its nulls, as it always had)."""
+        return self.model_dump(mode="json", exclude_unset=True)
 
 
 M = TypeVar("M", bound=Record)

@@ -87,17 +87,35 @@ def test_headline_numbers_match_the_rollouts(run):
         p1 = 100 * sum(sum(rs) / len(rs) for rs in rewards) / len(rewards)
         full = [rs for rs in rewards if len(rs) == REPEATS]  # pass@4 only over tasks with 4 finished rollouts
         pk = 100 * sum(brute_pass_at_k(rs, REPEATS) for rs in full) / len(full)
-        assert (
+        never = sum(not any(rs) for rs in rewards)
+        always = sum(all(rs) for rs in rewards)
+        buckets = [(c, round(100 * c / len(rewards))) for c in (never, len(rewards) - never - always, always)]
+        row = re.search(
             f"<td>{agent}</td><td>{len(rewards)}</td><td>{n} / {len(rewards) * REPEATS}</td><td>{mean:.3f}</td>"
-            f"<td>{p1:.1f}%</td><td>{pk:.1f}% (k=4)</td>" in page
+            rf"<td>{p1:.1f}%\xa0\[([\d.]+)–([\d.]+)\]</td><td>{pk:.1f}%\xa0\[([\d.]+)–([\d.]+)\]</td>"
+            + "".join(f"<td>{c}\xa0\\({share}%\\)</td>" for c, share in buckets),
+            page,
         )
+        assert row, agent
+        low1, high1, lowk, highk = map(float, row.groups())
+        assert low1 <= round(p1, 1) <= high1 and lowk <= round(pk, 1) <= highk
         assert agg[agent]["pass@1/accuracy"] == pytest.approx(p1)  # the merge's aggregate metrics agree
         assert agg[agent]["pass@4/accuracy"] == pytest.approx(pk)
     assert "10 profiled of 10 planned" in page and "38 completed of 40 planned" in page
     assert "2 rows in the failures file; 2 planned rollouts without a result" in page and "4 sealed of 4" in page
     gpu_hours = sum(2 * (1800 + 60 * i) / 3600 for i in range(4))
     assert f"<td>GPU-hours (markers)</td><td>{gpu_hours:,.2f}</td>" in page
-    assert "<td>agent_a</td><td>pass@4/accuracy</td>" in page  # Gym's key metrics, from the aggregate file
+    # Gym's key metrics, from the aggregate file, pivoted: one row per agent, one column per metric
+    header, rows = report.key_metrics_table(report.read_key_metrics(store.merged_aggregate_metrics_path(run)))
+    assert [r[0] for r in rows] == ["agent_a", "agent_b"] and "pass@4/accuracy" in header
+    column = header.index("pass@4/accuracy")
+    assert [r[column] for r in rows] == [f"{agg[a]['pass@4/accuracy']:.4g}" for a in ("agent_a", "agent_b")]
+    assert "<th>pass@4 [95% CI]</th>" in page  # both agents have k = 4: said once, in the header
+    assert "<th colspan='1'>pass@4</th>" in page and "<th>accuracy</th>" in page
+    per_table = report.METRICS_PER_TABLE  # more metrics than that go on in a second table
+    assert len(header) - 1 > per_table
+    assert "<tr>" + "".join(f"<td>{c}</td>" for c in rows[0][: 1 + per_table]) + "</tr>" in page
+    assert "<tr>" + "".join(f"<td>{c}</td>" for c in [rows[0][0], *rows[0][1 + per_table :]]) + "</tr>" in page
 
 
 def done_rewards(t: int) -> list[float]:
@@ -237,3 +255,111 @@ def test_profile_and_pass_at_k_equal_gyms(tmp_path, gym_venv_each):
     for agent, tasks in taskstats.by_agent(ours).items():
         for k in range(1, 6):
             assert taskstats.pass_at_k(tasks, k) == pytest.approx(gym_pass[agent].get(f"pass@{k}/accuracy")), (agent, k)
+
+
+# ---------------------------------------------------------------- what select would keep, empty panels, ticks
+
+
+def test_what_select_would_keep_is_what_its_command_writes(run, tmp_path, monkeypatch):
+    """Each preset's command line, run as it is printed, writes exactly the tasks the report counts per agent."""
+    import shlex
+
+    result = report.build_report(run)
+    page = result.html.read_text()
+    previews = report.select_previews(result.data)
+    assert [p.title for p in previews] == [
+        "drop never and always solved",
+        "mean reward within 0.2–0.8",
+        "the 2 hardest (a quarter)",
+    ]
+    monkeypatch.chdir(tmp_path)
+    for p in previews:
+        assert p.error is None and p.undecided == 0
+        assert f"<code>{p.command}</code>" in page
+        argv = shlex.split(p.command)
+        assert argv[:3] == ["shardrun", "select", str(run)]
+        res = CliRunner().invoke(app, argv[1:])
+        assert res.exit_code == 0, res.output
+        written = [orjson.loads(line) for line in (tmp_path / report.SELECT_OUTPUT).read_bytes().splitlines()]
+        agents = [r["agent_ref"]["name"] for r in written]
+        assert dict(p.kept) == {a: agents.count(a) for a in ("agent_a", "agent_b")}, p.title
+    # drop never and always solved keeps the sometimes-solved tasks: the per-agent table's middle bucket
+    assert dict(previews[0].kept) == {"agent_a": 3, "agent_b": 3}
+    assert "<td>drop never and always solved</td><td>3 of 6</td><td>3 of 4</td><td>6 of 10</td>" in page
+
+
+def test_a_panel_with_nothing_to_show_says_so(tmp_path):
+    """Every rollout with reward 0 (as a policy that never answers): no flat or one-point frame, a sentence."""
+    run_dir, _ = planned_run(tmp_path, [input_row(i) for i in range(4)], num_repeats=3, num_shards=2)
+    seal_shards(run_dir, lambda t, r: 0.0)
+    merge_run(run_dir)
+    store.report_figure_path(run_dir, "mean_hist").write_bytes(b"stale")  # from an earlier report of this run
+    result = report.build_report(run_dir)
+    page = result.html.read_text()
+    assert set(result.notes) == {"mean_hist", "mean_vs_std", "pass_at_k", "tokens_vs_reward"}
+    assert "Every one of the 4 tasks has the same mean reward, 0." in page
+    assert "All 4 tasks sit on one point: mean reward 0, std 0." in page
+    assert "Every rollout has the same reward, 0: pass@k is 0.0% at every k." in page
+    assert "Every task has the same mean reward, 0: tokens do not separate anything" in page
+    for name in result.notes:
+        assert not store.report_figure_path(run_dir, name).exists()
+        assert f"<figure id='{name}'><p class='empty'>" in page
+    assert [p.name for p in result.figures] == [f"report_{n}.png" for n in ("shard_timeline", "throughput")]
+    for p in result.figures:
+        assert_png(p)
+    assert set(re.findall(r"src='([^']+)'", page)) == {p.name for p in result.figures}
+
+
+def test_axes_that_count_things_have_integer_ticks(run, monkeypatch):
+    from shardrun.analysis import figures
+
+    saved = {}
+    real_save = figures._save
+
+    def keep(fig, path):
+        saved[path.name] = fig
+        return real_save(fig, path)
+
+    monkeypatch.setattr(figures, "_save", keep)
+    report.build_report(run)
+
+    def ticks(fig, axis, which=0):
+        ax = fig.axes[which]
+        lo, hi = sorted(ax.get_xlim() if axis == "x" else ax.get_ylim())
+        values = [v for v in (ax.get_xticks() if axis == "x" else ax.get_yticks()) if lo - 1e-9 <= v <= hi + 1e-9]
+        assert values, (axis, lo, hi)
+        return values
+
+    for name, axis, which in (
+        ("report_pass_at_k.png", "x", 0),  # k
+        ("report_shard_timeline.png", "y", 0),  # shard index
+        ("report_mean_hist.png", "y", 0),  # tasks
+        ("report_throughput.png", "y", 1),  # rollouts in sealed shards
+    ):
+        assert all(float(v).is_integer() for v in ticks(saved[name], axis, which)), (name, axis)
+    assert ticks(saved["report_shard_timeline.png"], "y") == [0, 1, 2, 3]
+    assert ticks(saved["report_pass_at_k.png"], "x") == [1, 2, 3, 4]
+
+
+def test_one_shard_gets_one_whole_tick_and_equal_tokens_a_sentence(tmp_path, monkeypatch):
+    from shardrun.analysis import figures
+
+    run_dir, _ = planned_run(tmp_path, [input_row(i) for i in range(3)], num_repeats=2, num_shards=1)
+    seal_shards(run_dir, lambda t, r: 1.0 if r < t else 0.0)
+    merge_run(run_dir)
+    rows = list(store.iter_jsonl_objects(store.merged_reward_profiling_path(run_dir)))
+    for r in rows:  # every task the same mean output tokens, as a policy that always writes two tokens
+        r.update({k: 2.0 for k in r if k.endswith("/output_tokens")})
+    store.merged_reward_profiling_path(run_dir).write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    saved = {}
+    real_save = figures._save
+    monkeypatch.setattr(figures, "_save", lambda fig, path: saved.setdefault(path.name, fig) and real_save(fig, path))
+    result = report.build_report(run_dir)
+    ax = saved["report_shard_timeline.png"].axes[0]
+    lo, hi = sorted(ax.get_ylim())
+    assert [v for v in ax.get_yticks() if lo <= v <= hi] == [0]
+    assert set(result.notes) == {"tokens_vs_reward"}
+    assert (
+        "Every task has the same mean output_tokens, 2: tokens do not separate the tasks"
+        in result.notes["tokens_vs_reward"]
+    )

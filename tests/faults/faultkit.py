@@ -221,7 +221,9 @@ def merged_outputs(run_dir: Path, *, gym: bool = False) -> dict[str, bytes]:
     return out
 
 
-TIMING_KEYS = {"timings", "run_dir", "outputs", "seal", "marker", "cost", "gpu_hours", "wall_s"}
+TIMING_KEYS = {"timings", "run_dir", "outputs", "seal", "marker", "cost", "gpu_hours", "wall_s", "fingerprint"}
+"""Keys of merge_summary.json that differ between two runs of the same rollouts: timings and paths (the plan's
+fingerprint covers the input's path, and the compared runs plan it from their own directories)."""
 
 
 def summary_essentials(run_dir: Path) -> bytes:

@@ -3,10 +3,11 @@ in CI one of Ray's, binds the port shardrun chose before Gym's head server does)
 
 `port_taken_venv(real, tmp)` builds a venv in `tmp` that is the real one (pyvenv.cfg, lib and every bin entry are
 links to it) but for the stack's entry point (`gym` for 0.7, `ng_run` for 0.4): a script that, on the first start
-of a Gym stack in the test (an atomic mkdir decides which), starts a process that listens on the head server's
-port (`+head_server.port=N` on the command line) and waits until it does, then execs the real entry point. Gym's
-own head server then fails to bind it ([Errno 98] ... address already in use), printed by Gym as it prints it. The
-port holder lives in ng_run's process group, so stopping that stack stops it too. Nothing of shardrun is faked.
+of a Gym stack in the test (an atomic mkdir decides which), starts a process that serves HTTP on the head server's
+port (`+head_server.port=N` on the command line) and waits until it listens, then execs the real entry point.
+Gym's own head server then fails to bind it ([Errno 98] ... address already in use), printed by Gym as it prints
+it. The port holder lives in ng_run's process group, so stopping that stack stops it too. Nothing of shardrun is
+faked.
 """
 
 from __future__ import annotations
@@ -18,15 +19,21 @@ from pathlib import Path
 
 from shardrun.core.gym_adapter import for_venv
 
+# answers HTTP on the port (501 to anything), as the head server of another shard's stack on the node would:
+# ng_run's own wait for its head server then passes, its servers start, and it exits with "Head server finished
+# unexpectedly!" many lines after the bind error, as in issue 20
 HOLDER = """\
-import os, socket, sys, time
-s = socket.socket()
-s.bind(("127.0.0.1", int(sys.argv[1])))
-s.listen()
+import os, sys, threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Quiet(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+server = HTTPServer(("127.0.0.1", int(sys.argv[1])), Quiet)  # bound and listening
 with open(sys.argv[2] + ".tmp", "w") as f:
     f.write(sys.argv[1])
 os.rename(sys.argv[2] + ".tmp", sys.argv[2])
-time.sleep(900)
+threading.Timer(900, server.shutdown).start()
+server.serve_forever()
 """
 
 

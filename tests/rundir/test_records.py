@@ -1,0 +1,157 @@
+"""The run directory's record models (shardrun/rundir/records.py): each record round-trips through its one writer
+and reader; a record of the wrong shape is BadRecord naming the file, the line and the field; a torn last line of
+launches.jsonl is skipped; only regular files are read (store.open_regular)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import orjson
+import pytest
+
+from shardrun.core.errors import BadRecord, NotRegularFile
+from shardrun.rundir import records, store
+
+
+def seal(**fields) -> records.Seal:
+    base = {"plan_fingerprint": "f", "shard_index": 0, "rollouts_sha256": "0", "rollouts_bytes": 0}
+    return records.Seal.model_validate(base | {"num_rollouts": 3, "num_failed": 1} | fields)
+
+
+def test_a_seal_round_trips_and_writes_only_what_it_holds(tmp_path: Path) -> None:
+    s = seal(gpu_hours=1.5, worker={"id": "w0"})
+    (tmp_path / "shards" / "00000").mkdir(parents=True)
+    records.write_seal(tmp_path, s)
+    data = orjson.loads(store.done_path(tmp_path, 0).read_bytes())
+    assert records.Seal.model_validate(data) == s
+    assert "num_skipped_decided" not in data and "num_duplicate_lines" not in data  # the older seals' layout
+    assert data["host"] is None and data["job_id"] is None
+    assert (s.rows, s.accounted, s.worker_id) == (3, 4, "w0")
+
+
+@pytest.mark.parametrize(
+    "field, value, said",
+    [
+        ("num_rollouts", "3", "'num_rollouts'"),
+        ("num_rollouts", True, "'num_rollouts'"),
+        ("num_failed", -1, "'num_failed'"),
+        ("gpu_hours", "lots", "'gpu_hours'"),
+        ("skipped_decided_tasks", [1, "2"], "'skipped_decided_tasks.1'"),
+        ("extra", [1], "'extra'"),
+    ],
+)
+def test_a_seal_of_the_wrong_type_names_its_field(field, value, said) -> None:
+    found, wrong = records.seal_problem(seal().to_json() | {field: value})
+    assert found is None and wrong.startswith(said), wrong
+
+
+def test_a_seal_without_a_field_it_needs_names_it() -> None:
+    data = seal().to_json()
+    del data["rollouts_bytes"]
+    assert records.seal_problem(data) == (None, "no 'rollouts_bytes'")
+
+
+def test_launch_records_round_trip_and_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    records.append_launch(tmp_path, {"executor": "local", "jobs": {"0": "12"}, "pid_start": {"12": None}})
+    records.append_launch(tmp_path, records.LaunchRecord(executor="slurm", jobs={"1": "7_1"}, tag="sr-a"))
+    with open(store.launches_path(tmp_path), "ab") as f:
+        f.write(b'{"executor": "slurm", "jobs": {"2":')  # a killed writer's half line
+    got = records.read_launches(tmp_path)
+    assert [r.executor for r in got] == ["local", "slurm"]
+    assert got[0].shard_jobs == {0: "12"} and got[0].pid_start == {"12": None} and got[1].tag == "sr-a"
+
+
+@pytest.mark.parametrize(
+    "line, said",
+    [
+        (b'{"jobs": {"x": "1"}}', "'jobs'"),
+        (b'{"tag": "a,b"}', "'tag'"),
+        (b'{"pid_start": {"-1": 5}}', "'pid_start'"),
+        (b'{"submitted_at": "now"}', "'submitted_at'"),
+        (b"[]", "not an object"),
+        (b"{", "not a launch record"),
+    ],
+)
+def test_a_launch_record_of_the_wrong_shape_names_file_line_and_field(tmp_path: Path, line, said) -> None:
+    store.launches_path(tmp_path).write_bytes(b'{"executor": "local"}\n' + line + b"\n")
+    with pytest.raises(BadRecord) as err:
+        records.read_launches(tmp_path)
+    assert f"{store.launches_path(tmp_path)}:2" in str(err.value) and said in str(err.value)
+
+
+def test_a_new_launch_record_of_the_wrong_shape_is_never_written(tmp_path: Path) -> None:
+    with pytest.raises(BadRecord, match="'jobs'"):
+        records.append_launch(tmp_path, {"jobs": ["7_0"]})
+    assert not store.launches_path(tmp_path).exists()
+
+
+def test_worker_state_round_trips_and_refuses_a_wrong_type_on_assignment(tmp_path: Path) -> None:
+    state = records.WorkerState(worker_id="w0", job_id=None, host="h", pid=12, pid_start=34, started_at=1.0, gpus=0)
+    state.sealed.append(3)
+    state.collecting_s["3"] = 2.5
+    store.worker_dir(tmp_path, "w0").mkdir(parents=True)
+    records.write_worker_state(tmp_path, state)
+    assert records.read_worker_states(tmp_path) == [state]
+    with pytest.raises(ValueError):
+        state.current_shard = "3"  # type: ignore[assignment]
+    store.worker_state_path(tmp_path, "w0").write_bytes(orjson.dumps(state.to_json() | {"pid": "12"}))
+    with pytest.raises(BadRecord, match="'pid'"):
+        records.read_worker_states(tmp_path)
+
+
+def test_fill_request_and_shard_failure_round_trip_and_refuse_wrong_types(tmp_path: Path) -> None:
+    assert records.read_fill(tmp_path) == records.FillRequest()
+    records.write_fill(tmp_path, records.FillRequest(tasks=[3, 1]))
+    assert orjson.loads(store.fill_path(tmp_path).read_bytes()) == {"tasks": [3, 1]}
+    store.fill_path(tmp_path).write_bytes(b'{"all": "yes"}')
+    with pytest.raises(BadRecord, match=f"{store.fill_path(tmp_path)}: invalid a fill request: 'all'"):
+        records.read_fill(tmp_path)
+    store.shard_dir(tmp_path, 0).mkdir(parents=True)
+    assert records.read_failure(tmp_path, 0) is None
+    records.write_failure(tmp_path, 0, records.ShardFailure(job_id="5", error="boom", attempt=2))
+    assert records.read_failure(tmp_path, 0) == records.ShardFailure(job_id="5", error="boom", attempt=2)
+
+
+def test_a_claim_token_is_a_file_name_part_never_a_path() -> None:
+    good = {"worker_id": "w", "host": "h", "pid": 7, "claimed_at": 1.0, "token": "0a1b"}
+    assert records.parse_claim(Path("c"), orjson.dumps(good)).token == "0a1b"
+    for token in ("../x", "a/b", "", "AB"):
+        with pytest.raises(BadRecord, match="'token'"):
+            records.parse_claim(Path("c"), orjson.dumps(good | {"token": token}))
+
+
+def test_the_plan_shape_names_the_field_at_fault() -> None:
+    shard = {"index": 0, "num_rollouts": 2, "kind": "range", "start": 0, "stop": 2}
+    plan = {
+        "planner_version": "1",
+        "input": {"path": "x", "sha256": "0", "num_lines": 1},
+        "planning": {},
+        "config": {},
+        "num_tasks": 1,
+        "num_rollouts": 2,
+        "agents": {},
+        "shards": [shard],
+        "fingerprint": "f",
+    }
+    assert records.plan_problem(plan) is None
+    assert records.plan_problem(plan | {"shards": [shard | {"index": 1}]}).startswith("'shards'")
+    assert records.plan_problem(plan | {"num_tasks": -1}).startswith("'num_tasks'")
+    assert records.plan_problem({k: v for k, v in plan.items() if k != "input"}) == "no 'input'"
+
+
+def test_only_regular_files_are_opened_and_never_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(NotRegularFile, match=f"{fifo}: a FIFO"):
+        store.read_regular(fifo)
+    if stat.S_ISCHR(os.stat("/dev/null").st_mode):  # a sandbox's /dev/null may be a regular file
+        with pytest.raises(NotRegularFile, match="a device"):
+            store.open_regular_fd(Path("/dev/null"))
+    with pytest.raises(IsADirectoryError):
+        store.open_regular(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        store.open_regular(tmp_path / "absent")
+    (tmp_path / "f").write_bytes(b"x\n")
+    assert store.read_regular(tmp_path / "f") == b"x\n"

@@ -26,7 +26,7 @@ from shardrun.rundir import store
 from shardrun.profile import intervals, taskstats
 from shardrun.core import task_rules
 from shardrun.core.errors import BadInput, ShardrunError
-from shardrun.core.terminal import shown
+from shardrun.core.terminal import shown, shown_lines
 from shardrun.plan.planner import Plan
 from shardrun.rundir.records import LaunchRecord, Seal
 from shardrun.profile.taskstats import AgentSummary, TaskStat
@@ -637,7 +637,8 @@ def build_report(run_dir: Path, embed: bool = False, use_sacct: bool = True) -> 
             srcs.append((name, title, None, got))
     page = render_html(data, srcs, time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     out = store.report_path(run_dir)
-    store.atomic_write_bytes(out, page.encode())
+    # every control character from data shown escaped, wherever on the page it lands (tabs and newlines kept)
+    store.atomic_write_bytes(out, shown_lines(page).encode())
     paths = [p for p in drawn.values() if isinstance(p, Path)]
     _shareable([out, *paths])
     return ReportResult(out, tuple(paths), data, {n: v for n, v in drawn.items() if isinstance(v, str)})

@@ -63,11 +63,13 @@ def test_a_task_index_the_merge_cannot_hold_is_refused_with_its_line(tmp_path, u
 
 
 def measured_plan(cfg: Path) -> tuple[subprocess.CompletedProcess, int]:
-    """`shardrun plan --write` in a child process: its result and its peak resident memory in MiB."""
+    """`shardrun plan --write` in a child process: its result and its peak resident memory in MiB. The peak is the
+    child's own (VmHWM of its address space): getrusage's ru_maxrss keeps the forking parent's peak across exec, so
+    it would count the test worker's memory too."""
     code = (
-        "import resource, sys\nfrom shardrun.cli import main\nsys.argv = ['shardrun', 'plan', sys.argv[1], "
-        "'--write']\ntry:\n    main()\nfinally:\n    print('maxrss', resource.getrusage(resource.RUSAGE_SELF)"
-        ".ru_maxrss, file=sys.stderr)"
+        "import re, sys\nfrom shardrun.cli import main\nsys.argv = ['shardrun', 'plan', sys.argv[1], "
+        "'--write']\ntry:\n    main()\nfinally:\n    hwm = re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read())"
+        "\n    print('maxrss', hwm.group(1), file=sys.stderr)"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, timeout=600)
     rss_kib = int(proc.stderr.rsplit("maxrss", 1)[1].split()[0])

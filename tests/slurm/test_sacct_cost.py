@@ -9,7 +9,7 @@ import time
 import pytest
 
 from shardrun.launch import scheduler
-from shardrun.rundir import cost
+from shardrun.rundir import cost, records
 
 pytestmark = pytest.mark.slurm
 
@@ -37,5 +37,10 @@ def test_query_sacct_reads_real_array_tasks(slurm_cluster):
         assert j.gpus == 0 and j.gpu_hours == 0.0  # the local cluster has no GPUs (AllocTRES without gres/gpu)
     assert set(scheduler.query_sacct([array])) == set(ids)  # an array id answers for its tasks
     gpu_hours = {job_id: job.gpu_hours for job_id, job in jobs.items()}
-    shards = cost.with_sacct(cost.shard_costs([{"shard_index": 0, "job_id": ids[0], "gpus": 0}]), gpu_hours)
+    shards = cost.with_sacct(
+        cost.shard_costs(
+            [records.Seal.model_construct(shard_index=0, job_id=ids[0], gpus=0, num_rollouts=0, num_failed=0)]
+        ),
+        gpu_hours,
+    )
     assert shards[0].sacct_gpu_hours == 0.0 and cost.run_costs(shards).sacct_gpu_hours == 0.0

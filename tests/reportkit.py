@@ -151,3 +151,37 @@ def merge_run(run_dir: Path, allow_partial: bool = False):
     from shardrun.profile import merge_and_profile
 
     return merge_and_profile.merge_and_profile(run_dir, allow_partial)
+
+
+def collect_shard(run_dir: Path, index: int, reward: Callable[[int, int], float], skip: Any = frozenset()) -> dict:
+    """What a shard job does, with the collector replaced by `reward(task, rollout)`: collect the rows of shard
+    `index` not in `skip` ((task, rollout) pairs an adaptive run skipped), then seal; returns the seal as on disk."""
+    plan = store.load_plan(run_dir)
+    rows = list(store.iter_jsonl_objects(store.materialized_path(run_dir, index)))
+    out = [
+        rollout(r, reward(r["_ng_task_index"], r["_ng_rollout_index"]), 10)
+        for r in rows
+        if (r["_ng_task_index"], r["_ng_rollout_index"]) not in skip
+    ]
+    data = b"".join(orjson.dumps(o) + b"\n" for o in out)
+    store.rollouts_path(run_dir, index).write_bytes(data)
+    marker = seal.make_marker(
+        plan,
+        index,
+        num_rollouts=len(out),
+        num_failed=0,
+        rollouts_sha256=hashlib.sha256(data).hexdigest(),
+        rollouts_bytes=len(data),
+        started_at=0.0,
+        finished_at=1.0,
+        host="h",
+        job_id=None,
+        attempt=1,
+        server_wait_s=0.0,
+        collect_s=1.0,
+        gpus=1,
+        skipped_decided_tasks=sorted({t for t, _ in skip}),
+        num_skipped_decided=len(skip),
+    )
+    seal.write_marker(run_dir, index, marker)
+    return marker.to_json()  # as the seal holds it on disk

@@ -293,10 +293,7 @@ def adaptive_reward(task: int, r: int) -> float:
 def test_an_adaptive_run_against_a_full_one(tmp_path: Path) -> None:
     """Tasks stopped early have a known bucket (sometimes: they showed a pass and a failure) but no full mean: they
     enter the flips, not the mean differences, and the summary says how many."""
-    import hashlib
-
-    from shardrun.rundir import seal
-    from reportkit import rollout
+    from reportkit import collect_shard
 
     inp = write_input(tmp_path / "input.jsonl", [input_row(i) for i in range(ADAPTIVE_TASKS)])
 
@@ -311,34 +308,7 @@ def test_an_adaptive_run_against_a_full_one(tmp_path: Path) -> None:
         return cfg.run_dir
 
     def collect(run_dir: Path, index: int, skip=frozenset()) -> None:
-        p = store.load_plan(run_dir)
-        rows = list(store.iter_jsonl_objects(store.materialized_path(run_dir, index)))
-        out = [
-            rollout(r, adaptive_reward(r["_ng_task_index"], r["_ng_rollout_index"]), 10)
-            for r in rows
-            if (r["_ng_task_index"], r["_ng_rollout_index"]) not in skip
-        ]
-        data = b"".join(orjson.dumps(o) + b"\n" for o in out)
-        store.rollouts_path(run_dir, index).write_bytes(data)
-        marker = seal.make_marker(
-            p,
-            index,
-            num_rollouts=len(out),
-            num_failed=0,
-            rollouts_sha256=hashlib.sha256(data).hexdigest(),
-            rollouts_bytes=len(data),
-            started_at=0.0,
-            finished_at=1.0,
-            host="h",
-            job_id=None,
-            attempt=1,
-            server_wait_s=0.0,
-            collect_s=1.0,
-            gpus=1,
-            skipped_decided_tasks=sorted({t for t, _ in skip}),
-            num_skipped_decided=len(skip),
-        )
-        seal.write_marker(run_dir, index, marker)
+        collect_shard(run_dir, index, adaptive_reward, skip)
 
     full = plan("full", None)
     adaptive = plan("adaptive", {"stop_when_decided": {"drop_solved": True, "drop_unsolved": True}, "wave": 2})

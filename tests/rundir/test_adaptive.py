@@ -14,6 +14,7 @@ import orjson
 import pytest
 import yaml
 
+import reportkit
 from reportkit import input_row, merge_run, rollout, write_input
 from shardrun.analysis import selection
 from shardrun.core import config
@@ -51,36 +52,8 @@ def plan_run(tmp: Path, name: str, sampling: dict | None) -> Path:
 
 
 def collect_shard(run_dir: Path, index: int, skip: set[tuple[int, int]] = frozenset()) -> dict:
-    """What a shard job does, with the collector replaced by `reward`: collect the rows not skipped, then seal."""
-    plan = store.load_plan(run_dir)
-    rows = list(store.iter_jsonl_objects(store.materialized_path(run_dir, index)))
-    out = [
-        rollout(r, reward(r["_ng_task_index"], r["_ng_rollout_index"]), 10)
-        for r in rows
-        if (r["_ng_task_index"], r["_ng_rollout_index"]) not in skip
-    ]
-    data = b"".join(orjson.dumps(o) + b"\n" for o in out)
-    store.rollouts_path(run_dir, index).write_bytes(data)
-    marker = seal.make_marker(
-        plan,
-        index,
-        num_rollouts=len(out),
-        num_failed=0,
-        rollouts_sha256=hashlib.sha256(data).hexdigest(),
-        rollouts_bytes=len(data),
-        started_at=0.0,
-        finished_at=1.0,
-        host="h",
-        job_id=None,
-        attempt=1,
-        server_wait_s=0.0,
-        collect_s=1.0,
-        gpus=1,
-        skipped_decided_tasks=sorted({t for t, _ in skip}),
-        num_skipped_decided=len(skip),
-    )
-    seal.write_marker(run_dir, index, marker)
-    return marker.to_json()  # as the seal holds it on disk
+    """What a shard job does, with the collector replaced by `reward` (reportkit.collect_shard)."""
+    return reportkit.collect_shard(run_dir, index, reward, skip)
 
 
 def select_bytes(run_dir: Path, out: Path, **rules) -> bytes:

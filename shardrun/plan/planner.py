@@ -363,6 +363,24 @@ class InputInfo:
 
 
 @dataclass(frozen=True)
+class BlendEntry:
+    """One entry of a blend (docs/blends.md), as planned: its label, where its rows came from, and which task
+    indices it holds (`tasks`: sorted, disjoint [start, stop) ranges). A plan without a blend has none."""
+
+    label: str
+    agent: str
+    data: str
+    sha256: str
+    rows_in_file: int
+    num_tasks: int
+    num_rollouts: int
+    repeats: int
+    tasks: tuple[tuple[int, int], ...]
+    configs: tuple[str, ...] = ()
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
     planner_version: str
     input: InputInfo
@@ -375,11 +393,18 @@ class Plan:
     warnings: tuple[str, ...] = ()
     fingerprint: str = ""
     gym_version: str | None = None  # the nemo-gym release of gym.venv when planned
+    blend: tuple[BlendEntry, ...] = ()  # a blend's entries in config order; () for one input file
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["shards"] = [asdict(s) for s in self.shards]
         d["warnings"] = list(self.warnings)
+        if self.blend:
+            d["blend"] = [
+                asdict(e) | {"tasks": [list(r) for r in e.tasks], "configs": list(e.configs)} for e in self.blend
+            ]
+        else:
+            del d["blend"]  # plans without a blend keep plan.json's shape (and fingerprint) as before
         return d
 
     @classmethod
@@ -388,7 +413,35 @@ class Plan:
         d["input"] = InputInfo(**d["input"])
         d["shards"] = tuple(ShardSpec(**s) for s in d["shards"])
         d["warnings"] = tuple(d.get("warnings", ()))
+        d["blend"] = tuple(
+            BlendEntry(**(e | {"tasks": tuple(tuple(r) for r in e["tasks"]), "configs": tuple(e.get("configs", ()))}))
+            for e in d.get("blend", ())
+        )
         return cls(**d)
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The blend's labels in config order; () for a plan of one input file."""
+        return tuple(e.label for e in self.blend)
+
+    def label_codes(self, task_index: Any) -> Any:
+        """Per task index (a numpy integer array), the position of its entry in `labels`; -1 for a task no entry
+        holds (every planned task has one in a blend)."""
+        import numpy as np
+
+        task_index = np.asarray(task_index, dtype=np.int64)
+        out = np.full(task_index.shape, -1, dtype=np.int64)
+        for code, entry in enumerate(self.blend):
+            for start, stop in entry.tasks:
+                out[(task_index >= start) & (task_index < stop)] = code
+        return out
+
+    def label_of(self, task_index: int) -> str | None:
+        """The label of one task index; None outside a blend."""
+        for entry in self.blend:
+            if any(start <= task_index < stop for start, stop in entry.tasks):
+                return entry.label
+        return None
 
     def shard(self, index: int) -> ShardSpec:
         return self.shards[index]
@@ -417,7 +470,7 @@ def _rollouts_payload(plan: Plan) -> dict[str, Any]:
         "num_rollouts": plan.num_rollouts,
         "agents": plan.agents,
         "shards": [asdict(s) for s in plan.shards],
-    }
+    } | ({"blend": plan.to_json()["blend"]} if plan.blend else {})
 
 
 def same_rollouts(a: Plan, b: Plan) -> bool:

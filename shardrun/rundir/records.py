@@ -386,6 +386,20 @@ class InputRecord(Record):
     num_lines: Count
 
 
+class BlendEntryRecord(Record):
+    label: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$", min_length=1)]
+    agent: str
+    data: str
+    sha256: str
+    rows_in_file: Count
+    num_tasks: Count
+    num_rollouts: Count
+    repeats: Count
+    tasks: list[list[Count]]
+    configs: list[str] = Field(default_factory=list)
+    owner: str | None = None
+
+
 class PlanRecord(Record):
     """plan.json's shape, checked before planner.Plan is built from it and its fingerprint compared
     (store.load_plan, the one reader; store.write_plan the one writer)."""
@@ -401,6 +415,7 @@ class PlanRecord(Record):
     warnings: list[str] = Field(default_factory=list)
     fingerprint: str
     gym_version: str | None = None
+    blend: list[BlendEntryRecord] = Field(default_factory=list)
 
     @field_validator("shards")
     @classmethod

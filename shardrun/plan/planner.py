@@ -691,6 +691,11 @@ def plan_differences(old: Plan, new: Plan) -> list[str]:
     for key in sorted(set(old.planning) | set(new.planning)):
         if old.planning.get(key) != new.planning.get(key):
             diffs.append(f"{key}: {old.planning.get(key)!r} -> {new.planning.get(key)!r}")
+    old_files = {e.label: e for e in old.blend}
+    for e in new.blend:
+        was = old_files.get(e.label)
+        if was is not None and was.sha256 != e.sha256:
+            diffs.append(f"entry {e.label}: its file changed (sha256 {was.sha256[:12]}… -> {e.sha256[:12]}…, {e.data})")
     if not diffs and old.shards != new.shards:
         diffs.append("shard table differs")
     return diffs or ["plan content differs"]

@@ -127,6 +127,7 @@ def test_a_missing_data_file_exits_2_naming_it_and_its_entry(tmp_path, monkeypat
     assert "two.jsonl (entry 'two', field data)" in result.output
 
 
+@pytest.mark.gym  # the nemo-gym 0.7.0 wheel's own files
 @pytest.mark.skipif(not WHEEL.is_dir(), reason="the nemo-gym 0.7.0 wheel (scripts/setup.sh gym) is not installed")
 @pytest.mark.parametrize("name", ["nemotron_3_5_super.yaml", "example_basic.yaml"])
 def test_the_manifests_shipped_with_gym_translate(name, tmp_path, monkeypatch):

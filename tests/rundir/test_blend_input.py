@@ -139,6 +139,9 @@ def test_the_fingerprint_covers_each_entry_file_and_settings(tmp_path, files):
     write_rows(files["tool"], [row(100 + i, agent="t") for i in range(5)] + [row(999, agent="t")])
     changed = store.scan_input(blend_cfg(tmp_path, files))
     assert changed.fingerprint != base.fingerprint and changed.blend[1].sha256 != base.blend[1].sha256
+    from shardrun.plan import planner
+
+    assert any(d.startswith("entry tool: its file changed") for d in planner.plan_differences(base, changed))
     write_rows(files["tool"], [row(100 + i, agent="t") for i in range(6)])
     assert store.scan_input(blend_cfg(tmp_path, files)).fingerprint == base.fingerprint
     for kw in (
@@ -196,3 +199,48 @@ def test_the_plan_table_shows_each_entry(tmp_path, files):
         "repeats": 2,
         "rollouts": 8,
     }
+
+
+def test_entries_sharing_an_agent_keep_their_own_repeats(tmp_path, files):
+    plan = store.scan_input(blend_cfg(tmp_path, files, more_math={"num_repeats": 5}))
+    assert [(e.label, e.repeats, e.num_rollouts) for e in plan.blend] == [
+        ("math", 2, 20),
+        ("tool", 2, 12),
+        ("more_math", 5, 40),
+    ]
+    assert plan.agents["m"] == {"tasks": 18, "rollouts": 60, "repeats": 5}  # the largest, with a warning
+    assert any("agent 'm' runs entries at different repeats (2, 5)" in w for w in plan.warnings)
+    assert plan.repeats_of(0, "m") == 2 and plan.repeats_of(16, "m") == 5
+
+
+GYM_VENV = Path.home() / ".cache/shardrun/gym-venv-0.7.0"
+RECIPE = GYM_VENV / "lib/python3.13/site-packages/benchmarks/nemotron_3.5_super/reward_profiling"
+
+
+@pytest.mark.gym  # the nemo-gym 0.7.0 wheel's own files
+@pytest.mark.skipif(not (RECIPE / "infra").is_dir(), reason="the nemo-gym 0.7.0 wheel (scripts/setup.sh gym) is absent")
+def test_random_sampling_picks_the_rows_nemo_gym_materialize_picks(tmp_path):
+    import subprocess
+
+    rows = [row(i, agent="m") for i in range(40)]
+    data = write_rows(tmp_path / "d.jsonl", rows[:13] + [b""] + rows[13:])  # a blank line is not a row
+    cfg = config.validate(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "entries": [{"label": "some.label", "data": str(data), "agent": "m"}],
+            "materialize": {"limit_per_entry": 7, "sample": "random", "seed": 3},
+        }
+    )
+    ours = [raw for _, raw in blend_input.lines(blend_input.layout(cfg))]
+    script = (
+        "import sys, zlib; sys.path.insert(0, sys.argv[1]); from infra.materialize import _select_random\n"
+        "with open(sys.argv[2], 'rb') as f:\n"
+        "    sys.stdout.buffer.write(b''.join(_select_random(f, 7, 3 + (zlib.crc32(b'some.label') & 0xFFFFFFFF))))"
+    )
+    theirs = subprocess.run(
+        [str(GYM_VENV / "bin" / "python"), "-c", script, str(RECIPE), str(data)],
+        capture_output=True,
+        check=True,
+        timeout=120,
+    ).stdout.splitlines()
+    assert ours == theirs and len(ours) == 7

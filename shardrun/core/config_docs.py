@@ -31,9 +31,10 @@ the `cluster` section (searched in `$SHARDRUN_CLUSTER_CONFIGS`, `./cluster_confi
 the package's own). Unknown keys are errors with a "did you mean" hint; secrets are never values: name the
 environment variable that holds them (`policy.api_key_env`).
 
-Only `input_jsonl`, `run_dir`, `num_repeats`, `agent_name`, `seed_offset` and `sharding` decide the plan;
-changing any of them (or `gym.responses_create_params`, or the input file's bytes) gives a different plan
-fingerprint, and a run directory refuses a plan that is not its own.
+Only `input_jsonl` (or a blend's `entries` and `materialize`, docs/blends.md), `run_dir`, `num_repeats`,
+`agent_name`, `seed_offset` and `sharding` decide the plan; changing any of them (or `gym.responses_create_params`,
+or the input files' bytes) gives a different plan fingerprint, and a run directory refuses a plan that is not its
+own. A NeMo Gym reward-profiling manifest is accepted in place of a run config (docs/blends.md).
 """
 
 

@@ -12,7 +12,8 @@ import orjson
 
 from shardrun.plan import planner
 from shardrun.rundir import store
-from tests.builders import Run, make_run
+from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
+from tests.builders import Run, make_run, rollout_row, seal_shard
 
 
 def blend_rows(labels: Sequence[tuple[str, str, int]]) -> list[dict[str, Any]]:
@@ -73,3 +74,39 @@ def make_blend_run(
 ) -> Run:
     run = make_run(tmp, blend_rows(labels), num_repeats=num_repeats, num_shards=num_shards, slicing=slicing)
     return with_blend(run, labels, owners)
+
+
+# ---------------------------------------------------------------- three labels, two sharing agent "a"
+
+LABELS = (("alpha", "a", 4), ("beta", "a", 3), ("gamma", "b", 2))
+REPEATS = {"a": 3, "b": 2}
+
+
+def label_of(task: int) -> str:
+    return "alpha" if task < 4 else "beta" if task < 7 else "gamma"
+
+
+def write_lane_shards(run: Run, failing: str | None = None, skip: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Every planned rollout collected (rollout_row), except those of the `failing` label (failure sidecar only)
+    and one `skip` identity (missing); sealed. Returns the rows written and the failed identities."""
+    written: list[dict[str, Any]] = []
+    failed: list[tuple[int, int]] = []
+    for i in range(run.num_shards):
+        rows, fails = [], []
+        for m in run.materialized(i):
+            ident = (m[TASK_KEY], m[ROLLOUT_KEY])
+            if label_of(ident[0]) == failing:
+                fails.append(ident)
+            elif ident != skip:
+                rows.append(rollout_row(m))
+        store.rollouts_path(run.run_dir, i).write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+        lines = [
+            {TASK_KEY: t, ROLLOUT_KEY: r, "agent_ref": {"name": "b"}, "_ng_failure_class": "http_500", "error": "x"}
+            for _ in range(3)
+            for t, r in fails
+        ]
+        store.failures_path(run.run_dir, i).write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+        seal_shard(run, i, num_failed=len(fails) + (skip is not None and skip in run.identities(i)), hours=0.25)
+        written += rows
+        failed += fails
+    return {"rows": written, "failed": failed}

@@ -4,52 +4,17 @@ merged/labels.json (per label counts, reward, rate), a failed lane named; a run 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
 import orjson
 import pytest
 from typer.testing import CliRunner
 
 from shardrun.cli import app
-from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
+from shardrun.core.gym_names import TASK_KEY
 from shardrun.profile import blend_labels
 from shardrun.profile.merge_and_profile import merge_and_profile
 from shardrun.rundir import store
-from tests.blendkit import make_blend_run
-from tests.builders import Run, input_rows, make_run, rollout_row, seal_shard, write_shard
-
-LABELS = (("alpha", "a", 4), ("beta", "a", 3), ("gamma", "b", 2))
-REPEATS = {"a": 3, "b": 2}
-
-
-def label_of(task: int) -> str:
-    return "alpha" if task < 4 else "beta" if task < 7 else "gamma"
-
-
-def write_lane_shards(run: Run, failing: str | None = None, skip: tuple[int, int] | None = None) -> dict[str, Any]:
-    """Every planned rollout collected (rollout_row), except those of the `failing` label (failure sidecar only)
-    and one `skip` identity (missing); sealed. Returns the rows written and the failed identities."""
-    written: list[dict[str, Any]] = []
-    failed: list[tuple[int, int]] = []
-    for i in range(run.num_shards):
-        rows, fails = [], []
-        for m in run.materialized(i):
-            ident = (m[TASK_KEY], m[ROLLOUT_KEY])
-            if label_of(ident[0]) == failing:
-                fails.append(ident)
-            elif ident != skip:
-                rows.append(rollout_row(m))
-        store.rollouts_path(run.run_dir, i).write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-        lines = [
-            {TASK_KEY: t, ROLLOUT_KEY: r, "agent_ref": {"name": "b"}, "_ng_failure_class": "http_500", "error": "x"}
-            for _ in range(3)
-            for t, r in fails
-        ]
-        store.failures_path(run.run_dir, i).write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
-        seal_shard(run, i, num_failed=len(fails) + (skip is not None and skip in run.identities(i)), hours=0.25)
-        written += rows
-        failed += fails
-    return {"rows": written, "failed": failed}
+from tests.blendkit import LABELS, REPEATS, label_of, make_blend_run, write_lane_shards
+from tests.builders import input_rows, make_run, write_shard
 
 
 def lines(path: Path) -> list[bytes]:

@@ -330,8 +330,68 @@ class SamplingConfig(StrictModel):
         return None if self.stop_when_decided is None else self.model_dump(mode="json")
 
 
+LABEL_PATTERN = r"^[A-Za-z0-9._-]+$"
+
+
+class EntryConfig(StrictModel):
+    """One entry of a blend (docs/blends.md): a JSONL file of tasks, the agent that runs them and the Gym configs
+    that serve that agent. Every row reaches Gym as it is in its file, with only `agent_ref: {name: agent}` added
+    where the row has none."""
+
+    label: str = Field(
+        ..., min_length=1, pattern=LABEL_PATTERN, description="The entry's name ([A-Za-z0-9._-], unique)."
+    )
+    data: Path = Field(..., description="Its tasks: a JSONL file in NeMo Gym format (relative: to the current dir).")
+    agent: str = Field(
+        ...,
+        min_length=1,
+        description="The agent of its rows (added where a row has no agent_ref; a row naming "
+        "another agent is refused).",
+    )
+    configs: list[str] = Field(
+        default_factory=list, description="Gym config paths serving this entry (unioned into gym.config_paths)."
+    )
+    num_repeats: int | None = Field(
+        None, ge=1, le=MAX_REPEATS, description="Rollouts per task of this entry (default: the run's num_repeats)."
+    )
+    limit: int | None = Field(
+        None, ge=1, le=2**40, description="Rows to take from the file (overrides materialize.limit_per_entry)."
+    )
+    owner: str | None = Field(None, description="Who to ask about this data (shown, never interpreted).")
+    notes: dict[str, Any] = Field(default_factory=dict, description="Free-form provenance, never interpreted.")
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data_not_empty(cls, v: Any) -> Any:
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("an empty path; name the entry's JSONL file")
+        return v
+
+
+class MaterializeConfig(StrictModel):
+    """Which rows of each entry enter a blend (docs/blends.md)."""
+
+    limit_per_entry: int | None = Field(
+        None, ge=1, le=2**40, description="Rows to take from every entry (an entry's own limit wins); null: all."
+    )
+    sample: Literal["head", "random"] = Field(
+        "head", description="head: the first rows; random: a uniform sample, kept in file order."
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**62,
+        description="Seed of random sampling, mixed with each entry's label (other entries never move its sample).",
+    )
+
+    def limit_for(self, entry: EntryConfig) -> int | None:
+        return entry.limit if entry.limit is not None else self.limit_per_entry
+
+
 class RunConfig(StrictModel):
-    input_jsonl: Path = Field(..., description="Input tasks, one JSON object per line (NeMo Gym format).")
+    input_jsonl: Path | None = Field(
+        None, description="Input tasks, one JSON object per line (NeMo Gym format); or give `entries`."
+    )
     run_dir: Path = Field(..., description="Run directory: plan, shards, merged results.")
     num_repeats: int | dict[str, int] = Field(
         1, description="Rollouts per task: an int, or a dict keyed by agent_ref.name with optional _default."
@@ -343,6 +403,58 @@ class RunConfig(StrictModel):
     policy: PolicyConfig | None = None
     cluster: ClusterConfig | None = None
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    entries: list[EntryConfig] | None = Field(
+        None, description="A blend: several labelled input files run as one (docs/blends.md); instead of input_jsonl."
+    )
+    materialize: MaterializeConfig = Field(default_factory=MaterializeConfig)
+    nickname: str | None = Field(None, description="The blend's name (a NeMo Gym manifest's nickname), shown.")
+    not_carried_out: list[str] = Field(
+        default_factory=list,
+        description="What a translated NeMo Gym manifest held that shardrun does not carry out (set by the "
+        "translation; each is a warning in the plan).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _blend_defaults(cls, data: Any) -> Any:
+        """A blend: its entries' Gym configs join gym.config_paths (deduplicated, order kept), and its shards mix
+        the labels (round_robin) unless sharding.slicing is set or adaptive sampling needs wave order."""
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), list) or not data["entries"]:
+            return data
+        data = dict(data)
+        extra = [c for e in data["entries"] if isinstance(e, dict) for c in (e.get("configs") or [])]
+        if extra and (data.get("gym") is None or isinstance(data.get("gym"), dict)):
+            gym = dict(data.get("gym") or {})
+            paths = list(gym.get("config_paths") or [])
+            gym["config_paths"] = list(dict.fromkeys(paths + [c for c in extra if isinstance(c, str)]))
+            data["gym"] = gym
+        sharding = data.get("sharding")
+        sampling = data.get("sampling")
+        adaptive = isinstance(sampling, dict) and sampling.get("stop_when_decided") is not None
+        if (sharding is None or isinstance(sharding, dict)) and "slicing" not in (sharding or {}) and not adaptive:
+            data["sharding"] = dict(sharding or {}) | {"slicing": "round_robin"}
+        return data
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "RunConfig":
+        if (self.input_jsonl is None) == (self.entries is None):
+            raise ValueError(
+                "give exactly one of input_jsonl (one input file) or entries (a blend of labelled files)"
+                if self.input_jsonl is None
+                else "give input_jsonl or entries, not both"
+            )
+        if self.entries is not None:
+            if not self.entries:
+                raise ValueError("entries: an empty list; a blend needs at least one entry")
+            labels = [e.label for e in self.entries]
+            twice = sorted({x for x in labels if labels.count(x) > 1})
+            if twice:
+                raise ValueError(f"entries: label(s) used more than once: {', '.join(twice)} (each must be unique)")
+            if self.agent_name is not None:
+                raise ValueError(
+                    "agent_name with entries: each entry names its agent (entries.N.agent); remove agent_name"
+                )
+        return self
 
     @field_validator("input_jsonl", "run_dir", mode="before")
     @classmethod
@@ -374,13 +486,30 @@ class RunConfig(StrictModel):
 
     def planning_view(self) -> dict[str, Any]:
         """The settings that decide which rollouts exist and what each sends: what the plan fingerprint covers."""
+        return (
+            {
+                "num_repeats": self.num_repeats,
+                "agent_name": self.agent_name,
+                "seed_offset": self.seed_offset,
+                "sharding": self.sharding.model_dump(mode="json"),
+                "responses_create_params": dict(self.gym.responses_create_params) if self.gym else {},
+            }
+            | ({"sampling": sampling} if (sampling := self.sampling.planning_view()) is not None else {})
+            | ({"blend": self.blend_view()} if self.entries else {})
+        )
+
+    def blend_view(self) -> dict[str, Any]:
+        """What decides a blend's rows besides its files' bytes: each entry's label, agent, limit and repeats, and
+        how rows are sampled (the files' hashes are in the plan's blend table)."""
+        m = self.materialize
         return {
-            "num_repeats": self.num_repeats,
-            "agent_name": self.agent_name,
-            "seed_offset": self.seed_offset,
-            "sharding": self.sharding.model_dump(mode="json"),
-            "responses_create_params": dict(self.gym.responses_create_params) if self.gym else {},
-        } | ({"sampling": sampling} if (sampling := self.sampling.planning_view()) is not None else {})
+            "sample": m.sample,
+            "seed": m.seed,
+            "entries": [
+                {"label": e.label, "agent": e.agent, "limit": m.limit_for(e), "num_repeats": e.num_repeats}
+                for e in self.entries or ()
+            ],
+        }
 
     def require(self, *sections: str) -> None:
         missing = [s for s in sections if getattr(self, s) is None]
@@ -634,6 +763,8 @@ def _walk(parts: list[str]) -> type[BaseModel] | str | None:
     dict/list/scalar field (anything below is the user's), or None for an unknown key."""
     model: type[BaseModel] = RunConfig
     for part in parts:
+        if part.isdigit():  # an item of a list of sections (entries.0.limit)
+            continue
         field = model.model_fields.get(part)
         if field is None:
             return None
@@ -659,7 +790,12 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 def load(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Compose + validate. Relative paths stay relative to the current directory (resolved by callers)."""
     cfg = validate(compose(config_file, overrides), source=str(config_file))
-    return cfg.model_copy(update={"input_jsonl": _abs(cfg.input_jsonl), "run_dir": _abs(cfg.run_dir)})
+    update: dict[str, Any] = {"run_dir": _abs(cfg.run_dir)}
+    if cfg.input_jsonl is not None:
+        update["input_jsonl"] = _abs(cfg.input_jsonl)
+    if cfg.entries is not None:
+        update["entries"] = [e.model_copy(update={"data": _abs(e.data)}) for e in cfg.entries]
+    return cfg.model_copy(update=update)
 
 
 def _abs(p: Path) -> Path:

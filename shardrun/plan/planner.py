@@ -49,6 +49,7 @@ class Task:
     task_index: int
     agent: str
     repeats: int
+    entry: int = -1  # a blend's entry (its position in BlendLayout.parts); -1 for one input file
 
 
 def parse_line(raw: bytes, line_no: int, source: str) -> dict[str, Any]:
@@ -137,6 +138,75 @@ def repeats_for(agent: str, num_repeats: int | dict[str, int]) -> int | None:
     return num_repeats.get(agent, num_repeats.get("_default"))
 
 
+# ---------------------------------------------------------------- blends
+
+
+@dataclass(frozen=True)
+class BlendPart:
+    """One entry of a blend as read from its file (rundir/blend_input.py reads it): which of its lines are in
+    the blend (`line_numbers`, 1-based file line numbers in file order) and what it is."""
+
+    label: str
+    agent: str
+    data: str
+    sha256: str  # of the whole file
+    rows_in_file: int  # its non-blank lines
+    line_numbers: Any  # a sequence of ints (array('q'))
+    repeats: int | None = None  # the entry's own num_repeats
+    configs: tuple[str, ...] = ()
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
+class BlendLayout:
+    """The blended input: every part's chosen rows, part after part. Blended line n (1-based) is row
+    n - start of the part that holds it; `locate` names the file and line it came from."""
+
+    parts: tuple[BlendPart, ...]
+    starts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        starts, at = [], 0
+        for part in self.parts:
+            starts.append(at)
+            at += len(part.line_numbers)
+        object.__setattr__(self, "starts", tuple(starts))
+
+    @property
+    def num_rows(self) -> int:
+        return self.starts[-1] + len(self.parts[-1].line_numbers) if self.parts else 0
+
+    def entry_at(self, line_no: int) -> int:
+        return bisect.bisect_right(self.starts, line_no - 1) - 1
+
+    def locate(self, line_no: int) -> tuple[str, int]:
+        """(file, line) of blended line `line_no`."""
+        e = self.entry_at(line_no)
+        part = self.parts[e]
+        offset = line_no - 1 - self.starts[e]
+        if e < 0 or offset >= len(part.line_numbers):
+            return "blend", line_no  # past the planned rows: the input changed (materialize says so)
+        return part.data, int(part.line_numbers[offset])
+
+
+def _where(layout: BlendLayout | None, source: str, line_no: int) -> str:
+    if layout is None:
+        return f"{source}:{line_no}"
+    data, line = layout.locate(line_no)
+    return f"{data}:{line}"
+
+
+def task_ranges(indices: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted, disjoint [start, stop) ranges covering exactly `indices`."""
+    out: list[list[int]] = []
+    for i in sorted(indices):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        elif not out or out[-1][1] < i:
+            out.append([i, i + 1])
+    return tuple((a, b) for a, b in out)
+
+
 # ---------------------------------------------------------------- scan (validation pass)
 
 
@@ -156,6 +226,16 @@ class InputSummary:
     num_rollouts: int = 0
     agents: dict[str, AgentCounts] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    entries: list[EntryCounts] = field(default_factory=list)  # a blend's, per part of its layout
+
+
+@dataclass
+class EntryCounts:
+    """One blend entry's tasks (their indices) and rollouts, at its repeats."""
+
+    repeats: int = 0
+    rollouts: int = 0
+    indices: list[int] = field(default_factory=list)
 
 
 class _IndexSet:
@@ -190,17 +270,33 @@ def iter_tasks(
     source: str,
     problems: list[str] | None = None,
     agent_name_overrides: bool = False,
+    layout: BlendLayout | None = None,
 ) -> Iterator[tuple[Task, dict[str, Any]]]:
     """Yield (task, row) for every non-blank line. Row problems go to `problems` (if given) or raise.
-    `agent_name_overrides`: cfg.agent_name routes every row (Gym 0.7), not only rows without an agent_ref."""
+    `agent_name_overrides`: cfg.agent_name routes every row (Gym 0.7), not only rows without an agent_ref.
+    `layout`: the lines are a blend's (each problem names the entry's file and line; a row must run its entry's
+    agent; the entry's num_repeats wins)."""
     position = 0
     for line_no, raw in lines:
         if not raw.strip():
             continue
+        entry = -1
         try:
-            row = parse_line(raw, line_no, source)
-            check_row(row, line_no, source)
-            agent = row_agent(row, line_no, source, cfg.agent_name, agent_name_overrides)
+            if layout is None:
+                where_file, where_line = source, line_no
+            else:
+                entry = layout.entry_at(line_no)
+                where_file, where_line = layout.locate(line_no)
+            row = parse_line(raw, where_line, where_file)
+            check_row(row, where_line, where_file)
+            agent = row_agent(row, where_line, where_file, cfg.agent_name, agent_name_overrides)
+            if layout is not None and 0 <= entry < len(layout.parts) and agent != layout.parts[entry].agent:
+                part = layout.parts[entry]
+                raise BadInput(
+                    f"{where_file}:{where_line}: field {AGENT_KEY}: names agent {agent!r}, but entry "
+                    f"{part.label!r} runs agent {part.agent!r}; a row reaches Gym as it is in its file, so fix the "
+                    f"row or the entry's agent"
+                )
         except BadInput as e:
             if problems is None:
                 raise
@@ -211,7 +307,7 @@ def iter_tasks(
         position += 1
         if agent is None:
             msg = (
-                f"{source}:{line_no}: field {AGENT_KEY}: missing, and no agent_name is configured "
+                f"{where_file}:{where_line}: field {AGENT_KEY}: missing, and no agent_name is configured "
                 f"(set agent_name=... or add agent_ref to the row)"
             )
             if problems is None:
@@ -222,31 +318,50 @@ def iter_tasks(
         original = (row.get(AGENT_KEY) or {}).get("name") if agent_name_overrides else None
         if original and isinstance(cfg.num_repeats, dict) and agent not in cfg.num_repeats:
             k = repeats_for(original, cfg.num_repeats)  # Gym 0.7: the row's own agent's entry, before _default
-        yield Task(line_no, index, agent, k or 0), row
+        if entry >= 0 and layout is not None and layout.parts[entry].repeats is not None:
+            k = layout.parts[entry].repeats
+        yield Task(line_no, index, agent, k or 0, entry), row
 
 
 def scan(
-    lines: Iterable[tuple[int, bytes]], cfg: RunConfig, source: str, agent_name_overrides: bool = False
+    lines: Iterable[tuple[int, bytes]],
+    cfg: RunConfig,
+    source: str,
+    agent_name_overrides: bool = False,
+    layout: BlendLayout | None = None,
 ) -> InputSummary:
-    """Validate every row and count tasks and rollouts. One BadInput lists every problem found."""
+    """Validate every row and count tasks and rollouts. One BadInput lists every problem found. `layout`: the
+    lines are a blend's (see iter_tasks); the summary then counts each entry."""
     problems: list[str] = []
     summary = InputSummary()
+    if layout is not None:
+        summary.entries = [EntryCounts() for _ in layout.parts]
     seen = _IndexSet()
     first_line: dict[int, int] = {}
-    missing_agents: dict[str, int] = {}
-    for task, _row in iter_tasks(_count(lines, summary), cfg, source, problems, agent_name_overrides):
+    missing_agents: dict[str, str] = {}
+    mixed: dict[str, set[int]] = {}
+    for task, _row in iter_tasks(_count(lines, summary), cfg, source, problems, agent_name_overrides, layout):
         if not seen.add(task.task_index):
+            line = first_line.get(task.task_index)
             problems.append(
-                f"{source}:{task.line_no}: field {TASK_KEY}: task index {task.task_index} is used by "
-                f"another row{_earlier(first_line, task.task_index)} (each task needs its own index)"
+                f"{_where(layout, source, task.line_no)}: field {TASK_KEY}: task index {task.task_index} is used by "
+                f"another row{_earlier(layout, source, line)} (each task needs its own index)"
             )
             continue
         if len(first_line) < 100_000:
             first_line[task.task_index] = task.line_no
         if task.repeats == 0:
-            missing_agents.setdefault(task.agent, task.line_no)
+            missing_agents.setdefault(task.agent, _where(layout, source, task.line_no))
             continue
         agent = summary.agents.setdefault(task.agent, AgentCounts(repeats=task.repeats))
+        if agent.repeats != task.repeats:
+            mixed.setdefault(task.agent, {agent.repeats}).add(task.repeats)
+            agent.repeats = max(agent.repeats, task.repeats)
+        if task.entry >= 0:
+            counts = summary.entries[task.entry]
+            counts.repeats = task.repeats
+            counts.rollouts += task.repeats
+            counts.indices.append(task.task_index)
         agent.tasks += 1
         agent.rollouts += task.repeats
         summary.num_tasks += 1
@@ -255,8 +370,13 @@ def scan(
         listed = sorted(k for k in cfg.num_repeats if k != "_default") if isinstance(cfg.num_repeats, dict) else []
         problems.append(
             "num_repeats: no entry for agent(s) "
-            + ", ".join(f"{a!r} (first at {source}:{ln})" for a, ln in sorted(missing_agents.items()))
+            + ", ".join(f"{a!r} (first at {where})" for a, where in sorted(missing_agents.items()))
             + f" and no '_default'; listed agents: {listed}"
+        )
+    for agent_name, values in sorted(mixed.items()):
+        summary.warnings.append(
+            f"agent {agent_name!r} runs entries at different repeats ({', '.join(map(str, sorted(values)))}); its "
+            f"line in the plan's agents shows the largest, the blend table each entry's own"
         )
     if not problems and summary.num_tasks == 0:
         problems.append(f"{source}: the input has no tasks (no non-blank lines)")
@@ -272,15 +392,16 @@ def scan(
     return summary
 
 
+def _earlier(layout: BlendLayout | None, source: str, line: int | None) -> str:
+    if not line:
+        return ""
+    return f" (line {line})" if layout is None else f" ({_where(layout, source, line)})"
+
+
 def _count(lines: Iterable[tuple[int, bytes]], summary: InputSummary) -> Iterator[tuple[int, bytes]]:
     for item in lines:
         summary.num_lines += 1
         yield item
-
-
-def _earlier(first_line: dict[int, int], index: int) -> str:
-    line = first_line.get(index)
-    return f" (line {line})" if line else ""
 
 
 # ---------------------------------------------------------------- shards
@@ -436,6 +557,13 @@ class Plan:
                 out[(task_index >= start) & (task_index < stop)] = code
         return out
 
+    def repeats_of(self, task_index: int, agent: str) -> int:
+        """The planned rollouts of one task: its entry's repeats in a blend, else its agent's."""
+        for entry in self.blend:
+            if any(start <= task_index < stop for start, stop in entry.tasks):
+                return entry.repeats
+        return repeats_for(agent, self.planning["num_repeats"]) or 0
+
     def label_of(self, task_index: int) -> str | None:
         """The label of one task index; None outside a blend."""
         for entry in self.blend:
@@ -506,10 +634,27 @@ def make_plan(
     summary: InputSummary,
     gym_version: str | None = None,
     agent_name_overrides: bool = False,
+    layout: BlendLayout | None = None,
 ) -> Plan:
     """The plan; `agent_name_overrides` (the Gym release's agent_name routes every row) is a planning setting
-    then, in the fingerprint, as it decides the rows' agents."""
+    then, in the fingerprint, as it decides the rows' agents. `layout`: a blend's (scanned into `summary`)."""
     overrides = agent_name_overrides and bool(cfg.agent_name)
+    blend = tuple(
+        BlendEntry(
+            label=part.label,
+            agent=part.agent,
+            data=part.data,
+            sha256=part.sha256,
+            rows_in_file=part.rows_in_file,
+            num_tasks=len(counts.indices),
+            num_rollouts=counts.rollouts,
+            repeats=counts.repeats,
+            tasks=task_ranges(counts.indices),
+            configs=part.configs,
+            owner=part.owner,
+        )
+        for part, counts in zip(layout.parts if layout else (), summary.entries)
+    )
     shards = make_shards(summary.num_rollouts, shard_count(summary.num_rollouts, cfg), cfg.sharding.slicing)
     plan = Plan(
         planner_version=PLANNER_VERSION,
@@ -520,8 +665,9 @@ def make_plan(
         num_rollouts=summary.num_rollouts,
         agents={a: asdict(s) for a, s in sorted(summary.agents.items())},
         shards=shards,
-        warnings=tuple(summary.warnings),
+        warnings=tuple(summary.warnings) + tuple(f"not carried out: {w}" for w in cfg.not_carried_out),
         gym_version=gym_version,
+        blend=blend,
     )
     return _with_fingerprint(plan)
 
@@ -631,7 +777,12 @@ MATERIALIZE_CHUNK = 4096
 
 
 def materialize(
-    plan: Plan, cfg: RunConfig, lines: Iterable[tuple[int, bytes]], source: str, only: set[int] | None = None
+    plan: Plan,
+    cfg: RunConfig,
+    lines: Iterable[tuple[int, bytes]],
+    source: str,
+    only: set[int] | None = None,
+    layout: BlendLayout | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """Yield (shard index, materialized lines) chunks covering every planned rollout, in input order.
 
@@ -644,7 +795,7 @@ def materialize(
     waves = WaveOrder(plan)
     ordinal = 0
     overrides = bool(plan.planning.get(AGENT_NAME_OVERRIDES))
-    for task, row in iter_tasks(lines, cfg, source, agent_name_overrides=overrides):
+    for task, row in iter_tasks(lines, cfg, source, agent_name_overrides=overrides, layout=layout):
         runs: Iterable[tuple[int, int, int]] = (
             run for first, a, b in waves.segments(ordinal, task.repeats) for run in _runs(plan, route, first, a, b)
         )
@@ -687,7 +838,11 @@ class WaveOrder:
         self.wave = sampling.wave if sampling is not None else 0
         if not self.wave:
             return
-        repeats = [(a["tasks"], a["repeats"]) for a in plan.agents.values()]
+        repeats = (
+            [(e.num_tasks, e.repeats) for e in plan.blend]  # repeats are per entry in a blend
+            if plan.blend
+            else [(a["tasks"], a["repeats"]) for a in plan.agents.values()]
+        )
         count = max((math.ceil(k / self.wave) for _, k in repeats), default=0)
         sizes = [sum(n * min(self.wave, max(0, k - v * self.wave)) for n, k in repeats) for v in range(count)]
         self.base = [0] * count  # the first ordinal of each wave

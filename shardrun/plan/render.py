@@ -20,6 +20,22 @@ def plan_rows(plan: Plan, max_array_size: int) -> list[tuple[str, str]]:
         ("tasks", f"{plan.num_tasks:,}"),
         ("rollouts", f"{plan.num_rollouts:,}"),
     ]
+    if plan.blend:
+        rows[0] = (
+            "input",
+            f"blend of {len(plan.blend)} entries -> {shown(plan.input.path)} (sha256 {plan.input.sha256[:12]}…)",
+        )
+        nickname = plan.config.get("nickname") if isinstance(plan.config, dict) else None
+        if nickname:
+            rows.insert(0, ("blend", shown(nickname)))
+        for e in plan.blend:
+            rows.append(
+                (
+                    f"  entry {shown(e.label)}",
+                    f"agent {shown(e.agent)}: {e.num_tasks:,} of {e.rows_in_file:,} rows x {e.repeats} repeats = "
+                    f"{e.num_rollouts:,}",
+                )
+            )
     for agent, s in plan.agents.items():
         rows.append((f"  agent {shown(agent)}", f"{s['tasks']:,} tasks x {s['repeats']} repeats = {s['rollouts']:,}"))
     rows += [
@@ -43,6 +59,23 @@ def plan_json(plan: Plan, max_array_size: int) -> str:
             "tasks": plan.num_tasks,
             "rollouts": plan.num_rollouts,
             "agents": plan.agents,
+            **(
+                {
+                    "entries": [
+                        {
+                            "label": e.label,
+                            "agent": e.agent,
+                            "rows_in_file": e.rows_in_file,
+                            "tasks": e.num_tasks,
+                            "repeats": e.repeats,
+                            "rollouts": e.num_rollouts,
+                        }
+                        for e in plan.blend
+                    ]
+                }
+                if plan.blend
+                else {}
+            ),
             "shards": len(plan.shards),
             "rollouts_per_shard_min": lo,
             "rollouts_per_shard_max": hi,

@@ -33,7 +33,6 @@ import orjson
 from shardrun.core import stopping
 from shardrun.core.gym_names import AGENT_KEY, ROLLOUT_KEY, TASK_KEY
 from shardrun.core.stopping import Partial
-from shardrun.plan import planner
 from shardrun.plan.planner import Plan
 from shardrun.rundir import ledger, records, seal, store
 
@@ -177,7 +176,7 @@ def decide_shard(
     for task, agent in agents.items():
         if task in filled:
             continue
-        k = planner.repeats_for(agent, plan.planning["num_repeats"]) or 0
+        k = plan.repeats_of(task, agent)
         got = by_task.get(task, [])
         bad = [(r, v) for r, v in got if stopping.out_of_range([v], sampling.metric_range)]
         if bad:

@@ -36,6 +36,7 @@ PLAN_FILE = "plan.json"
 SHARDS_DIR = "shards"
 MERGED_DIR = "merged"
 LOCK_FILE = ".shardrun.lock"
+BLEND_INPUT = "input.jsonl"  # a blend's rows, written by write_plan (blend_input_path)
 DONE = ".done"
 LOGS = "logs"
 TMP_PREFIX = ".tmp-"
@@ -435,7 +436,7 @@ def load_plan(run_dir: Path) -> Plan:
 
 def check_run_dir(run_dir: Path) -> None:
     """BadInput unless run_dir is absent, empty or a run directory (never /, the home directory, a file)."""
-    own = (SHARDS_DIR, MERGED_DIR, JOBS_DIR, LAUNCHES_FILE, LAUNCH_SETTINGS, LOCK_FILE)
+    own = (SHARDS_DIR, MERGED_DIR, JOBS_DIR, LAUNCHES_FILE, LAUNCH_SETTINGS, LOCK_FILE, BLEND_INPUT)
     safepaths.check_run_root(run_dir, PLAN_FILE, own, TMP_PREFIX)
 
 
@@ -468,15 +469,31 @@ def prepare_run_dir(run_dir: Path) -> None:
         raise RunDirError(f"run_dir: cannot use {run_dir}: {e}") from None
 
 
+def blend_input_path(run_dir: Path) -> Path:
+    """A blend's input: its entries' chosen rows as one JSONL file (rundir/blend_input.py), the plan's input."""
+    return Path(run_dir) / BLEND_INPUT
+
+
 def scan_input(cfg: RunConfig) -> Plan:
-    """Validation pass over the input (streamed) -> the plan. Writes nothing."""
-    src = cfg.input_jsonl
+    """Validation pass over the input (streamed) -> the plan. Writes nothing. A blend's input is its entries'
+    rows (rundir/blend_input.py); its plan names RUN_DIR/input.jsonl, which write_plan writes."""
     hasher = hashlib.sha256()
     version = gym_version.of_settings(cfg.gym.venv if cfg.gym else None, os.environ)
     try:
         overrides = gym_adapter.for_version(version).agent_name_overrides if version else False
     except BadInput as e:  # the venv the config names (or the environment's) holds a release shardrun cannot run
         raise BadInput(f"gym.venv: {e}") from None
+    if cfg.entries is not None:
+        from shardrun.rundir import blend_input  # it reads files through this module
+
+        layout = blend_input.layout(cfg)
+        summary = planner.scan(blend_input.lines(layout, hasher), cfg, blend_input.BLEND_SOURCE, overrides, layout)
+        info = planner.InputInfo(
+            path=str(blend_input_path(cfg.run_dir)), sha256=hasher.hexdigest(), num_lines=summary.num_lines
+        )
+        return planner.make_plan(cfg, info, summary, version, overrides, layout)
+    assert cfg.input_jsonl is not None  # the config holds one of input_jsonl and entries
+    src = cfg.input_jsonl
     summary = planner.scan(read_lines(src, hasher), cfg, str(src), overrides)
     info = planner.InputInfo(path=str(src), sha256=hasher.hexdigest(), num_lines=summary.num_lines)
     return planner.make_plan(cfg, info, summary, gym_version=version, agent_name_overrides=overrides)
@@ -565,26 +582,44 @@ def _refuse_orphan_outputs(run_dir: Path) -> None:
 
 
 def _write_shards(plan: Plan, cfg: RunConfig) -> None:
+    layout = _write_blend_input(plan, cfg) if cfg.entries is not None else None
     indices = [s.index for s in plan.shards]
     for i in indices:
         shard_dir(cfg.run_dir, i).mkdir(parents=True, exist_ok=True)
         remove_stale_temps(shard_dir(cfg.run_dir, i))
     for g in range(0, len(indices), MAX_OPEN_SHARD_FILES):
         group = indices[g : g + MAX_OPEN_SHARD_FILES]
-        _write_shard_group(plan, cfg, group)
+        _write_shard_group(plan, cfg, group, layout)
 
 
-def _write_shard_group(plan: Plan, cfg: RunConfig, group: list[int]) -> None:
+def _write_blend_input(plan: Plan, cfg: RunConfig) -> planner.BlendLayout:
+    """Write a blend's rows into RUN_DIR/input.jsonl (atomically), checked against the plan's input hash."""
+    from shardrun.rundir import blend_input
+
+    layout = blend_input.layout(cfg)
+    hasher = hashlib.sha256()
+    path = blend_input_path(cfg.run_dir)
+    with atomic_writer(path) as out:
+        for _, row in blend_input.lines(layout, hasher):
+            out.write(row + b"\n")
+        if hasher.hexdigest() != plan.input.sha256:
+            raise BadInput("the blend's entries changed while they were being planned; plan again")
+    return layout
+
+
+def _write_shard_group(plan: Plan, cfg: RunConfig, group: list[int], layout: planner.BlendLayout | None) -> None:
     with contextlib.ExitStack() as stack:
         buffering = max(1 << 14, (64 << 20) // len(group))  # at most ~64 MiB buffered over all open shards
         writers = {i: stack.enter_context(atomic_writer(materialized_path(cfg.run_dir, i), buffering)) for i in group}
         hasher = hashlib.sha256()
-        lines = read_lines(cfg.input_jsonl, hasher)
+        source = Path(plan.input.path) if layout is not None else cfg.input_jsonl
+        assert source is not None
+        lines = read_lines(source, hasher)
         only = set(group) if len(group) < len(plan.shards) else None
-        for shard_index, chunk in planner.materialize(plan, cfg, lines, str(cfg.input_jsonl), only):
+        for shard_index, chunk in planner.materialize(plan, cfg, lines, str(source), only, layout):
             writers[shard_index].write(chunk)
         if hasher.hexdigest() != plan.input.sha256:
-            raise BadInput(f"{cfg.input_jsonl}: the input changed while it was being planned; plan again")
+            raise BadInput(f"{source}: the input changed while it was being planned; plan again")
 
 
 def iter_jsonl_objects(path: Path) -> Iterable[dict]:

@@ -605,16 +605,76 @@ _CLUSTER_PICK = re.compile(r"^\+{0,2}cluster=([A-Za-z0-9_.\-]+)$")
 
 
 def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """Compose the YAML file with Hydra overrides into a plain dict (cluster=<name> resolved to its YAML)."""
+    """Compose the YAML file with Hydra overrides into a plain dict (cluster=<name> resolved to its YAML). A NeMo
+    Gym reward-profiling manifest is translated first (core/sweep_manifest.py); the overrides apply after, in
+    run-config keys."""
+    path = Path(config_file)
+    check_yaml_file(path)
+    refuse_secret_overrides(overrides)
+    manifest = _manifest_config(path)
+    if manifest is None:
+        return _smoke_cap(_compose(path, path, overrides), overrides)
+    import tempfile
+
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="shardrun-manifest-") as d:
+        translated = Path(d) / "manifest.yaml"
+        translated.write_text(yaml.safe_dump(_escape_interpolations(manifest), sort_keys=False))
+        return _smoke_cap(_compose(translated, path, overrides), overrides)
+
+
+def _smoke_cap(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """`materialize.limit_per_entry=N` on the command line caps every entry of a blend at N rows, its own `limit`
+    included (a smoke run reaches every entry with at most N rows, as NeMo Gym's LIMIT_PER_ENTRY); in the file, an
+    entry's own limit wins over limit_per_entry."""
+    given = [o for o in overrides if o.lstrip("+").partition("=")[0].strip() == "materialize.limit_per_entry"]
+    materialize = data.get("materialize")
+    cap = materialize.get("limit_per_entry") if given and isinstance(materialize, dict) else None
+    if not isinstance(cap, int) or isinstance(cap, bool) or not isinstance(data.get("entries"), list):
+        return data
+    for entry in data["entries"]:
+        if isinstance(entry, dict) and isinstance(entry.get("limit"), int) and entry["limit"] > cap:
+            entry["limit"] = cap
+    return data
+
+
+def _manifest_config(path: Path) -> dict[str, Any] | None:
+    """The run config a NeMo Gym reward-profiling manifest at `path` means (core/sweep_manifest.py); None when the
+    file is a run config."""
+    import yaml
+
+    from shardrun.core import sweep_manifest
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: not valid YAML: {redact(str(e))}") from None
+    return sweep_manifest.translate(data, str(path)) if sweep_manifest.is_manifest(data) else None
+
+
+def _escape_interpolations(data: Any, escape: bool = False) -> Any:
+    """The translated manifest for Hydra: the Gym overrides are passed on as they are, so an interpolation in them
+    (`${judge_api_key}`) is Gym's to resolve, not ours."""
+    if isinstance(data, dict):
+        return {
+            k: _escape_interpolations(v, escape or k in ("overrides", "collect_overrides")) for k, v in data.items()
+        }
+    if isinstance(data, list):
+        return [_escape_interpolations(v, escape) for v in data]
+    if escape and isinstance(data, str):
+        return data.replace("${", "\\${")
+    return data
+
+
+def _compose(path: Path, shown_path: Path, overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Compose the YAML file at `path` (a run config; `shown_path` is what the user named) with the overrides."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    path = Path(config_file)
-    check_yaml_file(path)
-    refuse_secret_overrides(overrides)
     cluster_name = None
     rest = []
     for o in overrides:
@@ -631,14 +691,14 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
         with initialize_config_dir(config_dir=str(path.resolve().parent), version_base=None):
             cfg = hydra_compose(config_name=path.stem, overrides=rest)
     except Exception as e:  # hydra raises several types; all mean "your overrides or YAML are wrong"
-        raise BadInput(f"{path}: cannot compose config: {redact(str(e))}") from None
+        raise BadInput(f"{shown_path}: cannot compose config: {redact(str(e))}") from None
     finally:
         GlobalHydra.instance().clear()
 
     OmegaConf.set_struct(cfg, False)
     picked = cluster_name or (cfg.get("cluster") if isinstance(cfg.get("cluster"), str) else None)
     if picked:
-        cluster_file = find_cluster_config(picked, path)
+        cluster_file = find_cluster_config(picked, shown_path)
         check_yaml_file(cluster_file, "cluster config")
         try:
             cfg.cluster = OmegaConf.load(cluster_file)
@@ -656,7 +716,7 @@ def compose(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()
     try:
         data = OmegaConf.to_container(cfg, resolve=True)
     except Exception as e:
-        raise BadInput(f"{path}: cannot resolve config: {e}") from None
+        raise BadInput(f"{shown_path}: cannot resolve config: {e}") from None
     return _parse_scalars(data)
 
 

@@ -82,8 +82,13 @@ def test_overrides_reach_entries_and_materialize(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "blend.yaml"
     path.write_text(yaml.safe_dump(blend(entries=entries("one", "two"), materialize={"limit_per_entry": 4})))
-    cfg = config.load(path, ["materialize.limit_per_entry=2", "materialize.sample=random", "entries.1.limit=3"])
-    assert cfg.materialize.limit_per_entry == 2 and cfg.materialize.sample == "random"
+    cfg = config.load(path, ["materialize.sample=random", "entries.1.limit=3"])
+    assert cfg.materialize.limit_per_entry == 4 and cfg.materialize.sample == "random"
+    assert cfg.entries is not None and cfg.entries[1].limit == 3 and cfg.entries[0].limit is None
+    # on the command line, limit_per_entry caps every entry, its own limit included (a smoke run)
+    cfg = config.load(path, ["materialize.limit_per_entry=2", "entries.1.limit=3"])
+    assert cfg.materialize.limit_per_entry == 2 and cfg.entries is not None and cfg.entries[1].limit == 2
+    cfg = config.load(path, ["materialize.limit_per_entry=5", "entries.1.limit=3"])
     assert cfg.entries is not None and cfg.entries[1].limit == 3
     assert cfg.entries[0].data == tmp_path / "one.jsonl"  # relative to the current directory, as input_jsonl
     assert config.load(path, ["materialize.limit_per_entry=null"]).materialize.limit_per_entry is None

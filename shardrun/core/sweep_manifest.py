@@ -1,0 +1,194 @@
+"""NeMo Gym's reward-profiling manifest (benchmarks/nemotron_3.5_super/reward_profiling in the nemo-gym wheel),
+translated into a run config (docs/blends.md has the mapping table). Pure: a parsed YAML mapping in, a run-config
+mapping out.
+
+Carried out: nickname, num_shards, entries, materialize, gym_env_start (config_paths; every other key, a Gym
+config overlay, as a `++key=value` override of ng_run), gym_eval_run (num_repeats, num_samples_in_parallel; the
+rest as `++key=value` overrides of the collection), sbatch (account, partition, qos, timelimit; other keys as
+extra sbatch parameters), vllm.model. Named and skipped (a warning in the plan): vllm's P/D and launcher settings,
+vllm_router, srun, gym_eval_profile. Refused: agent_ref_override (it would rewrite rows; shardrun sends every row
+as it is in its file) and any other key (a typo would otherwise be dropped).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from typing import Any
+
+from shardrun.core.errors import BadInput
+
+MANIFEST_ONLY = ("gym_env_start", "gym_eval_run", "gym_eval_profile", "num_shards", "sbatch", "srun", "vllm_router")
+KNOWN = (
+    "nickname",
+    "num_shards",
+    "entries",
+    "materialize",
+    "gym_env_start",
+    "gym_eval_run",
+    "gym_eval_profile",
+    "sbatch",
+    "srun",
+    "vllm",
+    "vllm_router",
+)
+RUN_CONFIG_ONLY = ("run_dir", "input_jsonl", "sharding", "gym", "policy", "cluster", "sampling", "num_repeats")
+SBATCH_KEYS = {"account": "account", "partition": "partition", "qos": "qos", "timelimit": "time_limit"}
+ENTRY_KEYS = ("label", "data", "agent", "configs", "num_repeats", "limit", "owner", "notes")
+_ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def is_manifest(data: Any) -> bool:
+    """A Gym reward-profiling manifest (not a run config): it has a key only a manifest has, or entries and a
+    nickname and none of a run config's own keys."""
+    if not isinstance(data, dict):
+        return False
+    if any(k in data for k in MANIFEST_ONLY):
+        return True
+    return "entries" in data and "nickname" in data and not any(k in data for k in RUN_CONFIG_ONLY)
+
+
+def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The run config a manifest means. BadInput names what cannot be carried out safely; what is skipped is
+    listed in `not_carried_out` (a warning in the plan and on the terminal)."""
+    unknown = [k for k in data if k not in KNOWN]
+    if unknown:
+        raise BadInput(
+            f"{source}: not a key of a NeMo Gym reward-profiling manifest",
+            [_unknown(k, KNOWN) for k in unknown],
+        )
+    skipped: list[str] = []
+    nickname = data.get("nickname")
+    out: dict[str, Any] = {"run_dir": f"runs/{nickname}" if isinstance(nickname, str) and nickname else "runs/blend"}
+    if nickname is not None:
+        out["nickname"] = nickname
+    if data.get("num_shards") is not None:
+        out["sharding"] = {"num_shards": data["num_shards"]}
+    out["entries"] = [_entry(e, i, source) for i, e in enumerate(_list(data.get("entries"), "entries", source))]
+    if data.get("materialize") is not None:
+        out["materialize"] = data["materialize"]
+
+    gym: dict[str, Any] = {}
+    start = _mapping(data.get("gym_env_start"), "gym_env_start", source)
+    if start.get("config_paths") is not None:
+        gym["config_paths"] = start["config_paths"]
+    for key, value in start.items():
+        if key == "config_paths":
+            continue
+        rendered = _override(key, value)
+        if rendered is None:
+            skipped.append(f"gym_env_start.{key} (cannot be written as a Gym override; put it in a Gym config file)")
+        else:
+            gym.setdefault("overrides", []).append(rendered)
+    run = _mapping(data.get("gym_eval_run"), "gym_eval_run", source)
+    for key, value in run.items():
+        if key == "num_repeats":
+            out["num_repeats"] = value
+        elif key == "num_samples_in_parallel":
+            gym["num_samples_in_parallel"] = value
+        else:
+            rendered = _override(key, value)
+            if rendered is None:
+                skipped.append(f"gym_eval_run.{key} (cannot be written as an override of the collection)")
+            else:
+                gym.setdefault("collect_overrides", []).append(rendered)
+    if gym:
+        out["gym"] = gym
+
+    sbatch = _mapping(data.get("sbatch"), "sbatch", source)
+    if sbatch:
+        cluster: dict[str, Any] = {"executor": "slurm"}
+        for key, value in sbatch.items():
+            if key in SBATCH_KEYS:
+                cluster[SBATCH_KEYS[key]] = value
+            else:
+                cluster.setdefault("additional_parameters", {})[key] = value
+        out["cluster"] = cluster
+
+    vllm = _mapping(data.get("vllm"), "vllm", source)
+    if vllm.get("model") is not None:
+        out["policy"] = {"vllm": {"model": vllm["model"]}}
+    rest = sorted(k for k in vllm if k != "model")
+    if rest:
+        skipped.append(
+            f"vllm.{', vllm.'.join(rest)} (the P/D split and NVIDIA's launcher settings; shardrun serves one "
+            f"vLLM per shard, configured under policy.vllm)"
+        )
+    for block, why in (
+        ("vllm_router", "the P/D router; shardrun's policy is one vLLM per shard or an endpoint (policy.base_url)"),
+        ("srun", "containers and the sandbox tier; set cluster.containers / cluster.mounts, start a sandbox yourself"),
+        ("gym_eval_profile", "the profiler's settings; merge-and-profile profiles what was collected"),
+    ):
+        if data.get(block):
+            skipped.append(f"{block}: {', '.join(sorted(_mapping(data[block], block, source)))} ({why})")
+    if skipped:
+        out["not_carried_out"] = skipped
+    return out
+
+
+def _entry(entry: Any, i: int, source: str) -> dict[str, Any]:
+    where = f"entries.{i}"
+    e = _mapping(entry, where, source)
+    label = e.get("label", f"#{i}")
+    if e.get("agent_ref_override") is not None:
+        raise BadInput(
+            f"{source}: {where}.agent_ref_override (entry {label!r}): shardrun sends every row as it is in its "
+            f"file and does not rewrite agent_ref; give the entry the agent its rows name, or rewrite the data"
+        )
+    unknown = [k for k in e if k not in ENTRY_KEYS and k != "agent_ref_override"]
+    if unknown:
+        raise BadInput(
+            f"{source}: {where} (entry {label!r}): not a key of a manifest entry",
+            [_unknown(k, ENTRY_KEYS) for k in unknown],
+        )
+    return {k: v for k, v in e.items() if k != "agent_ref_override"}
+
+
+def _override(key: str, value: Any) -> str | None:
+    """`++key=value` in Hydra's override grammar (what ng_run and ng_collect_rollouts parse), or None when the
+    key or a nested key is not a plain identifier."""
+    rendered = _value(value)
+    return None if rendered is None or not _ID.match(key) else f"++{key}={rendered}"
+
+
+def _value(v: Any) -> str | None:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return json.dumps(v)
+    if isinstance(v, str):
+        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(v, list):
+        items = [_value(x) for x in v]
+        return None if any(x is None for x in items) else "[" + ",".join(items) + "]"  # type: ignore[arg-type]
+    if isinstance(v, dict):
+        parts = []
+        for k, x in v.items():
+            rendered = _value(x)
+            if not isinstance(k, str) or not _ID.match(k) or rendered is None:
+                return None
+            parts.append(f"{k}:{rendered}")
+        return "{" + ",".join(parts) + "}"
+    return None
+
+
+def _mapping(v: Any, where: str, source: str) -> dict[str, Any]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise BadInput(f"{source}: {where}: must be a mapping, got {type(v).__name__}")
+    return v
+
+
+def _list(v: Any, where: str, source: str) -> list[Any]:
+    if not isinstance(v, list) or not v:
+        raise BadInput(f"{source}: {where}: a manifest needs a non-empty list of entries")
+    return v
+
+
+def _unknown(key: Any, known: tuple[str, ...]) -> str:
+    hint = difflib.get_close_matches(str(key), known, n=1)
+    return f"{key}: unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(known)})")

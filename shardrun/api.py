@@ -34,6 +34,7 @@ from shardrun.rundir import store
 
 INDEX = "task_index"
 COUNTS = ("agent", "num_rollouts", "expected_num_rollouts")
+LABEL = "label"  # a blend's runs only
 
 
 def load_plan(run_dir: str | Path) -> Plan:
@@ -58,7 +59,8 @@ def profile_frame(run_dir: str | Path, fields: Sequence[str] = ()) -> pd.DataFra
     """The per-task reward profile (`merged/rollouts_reward_profiling.jsonl`) as a DataFrame, one row per profiled
     task, indexed by task index in ascending order.
 
-    Columns: `agent`, `num_rollouts`, `expected_num_rollouts`, then each of `fields` (taken from the task's planned
+    Columns: `agent`, then for a blend `label` (the task's entry in the run config, from the plan; a run without
+    a blend has no `label` column), `num_rollouts`, `expected_num_rollouts`, then each of `fields` (taken from the task's planned
     input row, the profile's `sample`; None where a task's row lacks it), then every statistic of the profile,
     `mean/reward`, `std/reward`, `min/reward`, `max/reward`, `median/reward` first and the other numeric rollout
     fields after (e.g. `mean/output_tokens`). `mean/reward` is 0-1.
@@ -69,8 +71,10 @@ def profile_frame(run_dir: str | Path, fields: Sequence[str] = ()) -> pd.DataFra
     fields = list(dict.fromkeys([fields] if isinstance(fields, str) else fields))
     tasks = taskstats.load_profile(run_dir, fields)
     stats = _stat_columns(tasks)
+    plan = store.load_plan(run_dir)
+    own = [INDEX, *COUNTS] if not plan.blend else [INDEX, COUNTS[0], LABEL, *COUNTS[1:]]
     for f in fields:
-        if f in (INDEX, *COUNTS, *stats):
+        if f in (*own, *stats):
             raise BadInput(
                 f"fields: {f!r} is the name of one of the profile's own columns; it cannot be an input field"
             )
@@ -80,6 +84,7 @@ def profile_frame(run_dir: str | Path, fields: Sequence[str] = ()) -> pd.DataFra
         {
             INDEX: t.task_index,
             "agent": t.agent,
+            **({LABEL: plan.label_of(t.task_index)} if plan.blend else {}),
             "num_rollouts": t.num_rollouts,
             "expected_num_rollouts": t.expected_num_rollouts,
             **{f: t.inputs.get(f) for f in fields},
@@ -87,7 +92,7 @@ def profile_frame(run_dir: str | Path, fields: Sequence[str] = ()) -> pd.DataFra
         }
         for t in tasks
     ]
-    frame = pd.DataFrame(rows, columns=[INDEX, *COUNTS, *fields, *stats])
+    frame = pd.DataFrame(rows, columns=[*own, *fields, *stats])
     return frame.set_index(INDEX)
 
 

@@ -83,6 +83,9 @@ def select_cmd(
     run_dir: Path = typer.Argument(..., help="Run directory with a merged reward profile."),
     output: Path = typer.Option(..., "--output", "-o", help="Where to write the chosen input rows (JSONL)."),
     agent: Optional[list[str]] = typer.Option(None, "--agent", help="Keep tasks of this agent (repeatable)."),
+    label: Optional[list[str]] = typer.Option(
+        None, "--label", help="A blend: keep tasks of this label (repeatable; docs/blends.md)."
+    ),
     min_mean: Optional[float] = typer.Option(None, "--min-mean", help="Keep tasks with mean metric >= this."),
     max_mean: Optional[float] = typer.Option(None, "--max-mean", help="Keep tasks with mean metric <= this."),
     min_std: Optional[float] = typer.Option(None, "--min-std", help="Keep tasks with std of the metric >= this."),
@@ -125,6 +128,7 @@ def select_cmd(
     rules = selection.Rules(
         metric=metric,
         agents=tuple(agent or ()),
+        labels=tuple(label or ()),
         min_mean=min_mean,
         max_mean=max_mean,
         min_std=min_std,

@@ -530,6 +530,56 @@ def _agents_html(data: ReportData) -> str:
     return _table(header, rows)
 
 
+def label_summaries(plan: Plan, tasks: Sequence[TaskStat]) -> list[tuple[str, str, AgentSummary | None, int]]:
+    """A blend's labels in config order: (label, agent, the summary of its profiled tasks as the per-agent table
+    makes one, None when it has none, its planned rollouts). Empty for a run without a blend."""
+    if not plan.blend:
+        return []
+    groups: dict[str, list[TaskStat]] = {}
+    for t in tasks:
+        label = plan.label_of(t.task_index)
+        if label is not None:
+            groups.setdefault(label, []).append(t)
+    return [
+        (
+            e.label,
+            e.agent,
+            taskstats.agent_summary(e.label, groups[e.label]) if e.label in groups else None,
+            e.num_rollouts,
+        )
+        for e in plan.blend
+    ]
+
+
+FAILED_LANE = "collected nothing: that lane failed"
+
+
+def label_rows(plan: Plan, tasks: Sequence[TaskStat]) -> list[list[str]]:
+    """One row per label: its agent, then the per-agent table's columns (agent_rows) over the label's tasks; a label
+    with no profiled task is named as a failed lane."""
+    rows = []
+    for label, agent, summary, planned in label_summaries(plan, tasks):
+        if summary is None:
+            rows.append([label, agent, "0", f"0 / {planned:,}", FAILED_LANE, *["—"] * (len(AGENT_HEADER) - 4)])
+        else:
+            rows.append([label, agent, *agent_rows([summary], {label: planned})[0][1:]])
+    return rows
+
+
+LABEL_HEADER = ["label", *AGENT_HEADER]
+
+
+def _labels_html(data: ReportData) -> str:
+    """A blend's per-label table (none for a run without a blend)."""
+    if not data.plan.blend:
+        return ""
+    return (
+        "<h2>Per label</h2><p class='note'>A blend's entries (docs/blends.md): each label's tasks, from the plan's "
+        "task ranges, with the per-agent table's columns; a label with no rollout is a failed lane.</p>"
+        + _table(LABEL_HEADER, label_rows(data.plan, data.tasks))
+    )
+
+
 def _select_html(data: ReportData) -> str:
     agents = taskstats.agents(data.tasks)
     if not agents:
@@ -596,6 +646,7 @@ def render_html(data: ReportData, figure_srcs: Sequence[tuple[str, str, str | No
             "<p class='note'>pass@k at k = the most rollouts a task of the agent has, over the tasks with that many. "
             f"95% intervals (CI): {html.escape(intervals.METHOD)}. Never / sometimes / always solved: no rollout, "
             "some rollouts, every rollout of the task has reward &ge; 1; shares of the agent's tasks.</p>",
+            _labels_html(data),
             _key_metrics_html(data.key_metrics),
             _select_html(data),
             "<h2>Figures</h2>",
@@ -661,6 +712,19 @@ def summary_rows(result: ReportResult) -> list[tuple[str, str]]:
                 f"  agent {s.agent}",
                 f"mean reward {_num(s.mean_reward)}, pass@1 {_with_interval(s.pass_at_1, s.pass_at_1_ci)}, "
                 f"pass@{s.k} {_with_interval(s.pass_at_k, s.pass_at_k_ci)}; solved never {never}, "
+                f"sometimes {sometimes}, always {always}",
+            )
+        )
+    for label, _, ls, _ in label_summaries(result.data.plan, result.data.tasks):
+        if ls is None:
+            rows.append((f"  label {label}", FAILED_LANE))
+            continue
+        never, sometimes, always = bucket_cells(ls.buckets)
+        rows.append(
+            (
+                f"  label {label}",
+                f"mean reward {_num(ls.mean_reward)}, pass@1 {_with_interval(ls.pass_at_1, ls.pass_at_1_ci)}, "
+                f"pass@{ls.k} {_with_interval(ls.pass_at_k, ls.pass_at_k_ci)}; solved never {never}, "
                 f"sometimes {sometimes}, always {always}",
             )
         )

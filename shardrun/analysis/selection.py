@@ -1,7 +1,7 @@
 """Curriculum selection: choose tasks by their reward statistics and write their ORIGINAL input rows.
 
 The rules are pure functions over TaskStats and are applied in a fixed order, each to what the previous one
-kept: profiled (has stats) -> agent -> min mean -> max mean -> min std -> drop unsolved -> drop solved ->
+kept: profiled (has stats) -> label (a blend's) -> agent -> min mean -> max mean -> min std -> drop unsolved -> drop solved ->
 top-k hardest. A task is *solved* by a rollout whose metric reaches `solved_threshold` (1.0 by default):
 `drop_unsolved` drops tasks no rollout solved (max < threshold), `drop_solved` drops tasks every rollout solved
 (min >= threshold). `top_k_hardest` keeps the k tasks with the lowest mean (ties: higher std, then lower task
@@ -22,7 +22,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import orjson
 
@@ -42,6 +42,7 @@ class Rules(TaskRules):
 
     min_std: float | None = None
     top_k_hardest: int | None = None
+    labels: tuple[str, ...] = ()  # a blend's labels whose tasks are kept (empty: every task)
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,28 @@ def _std(t: TaskStat, metric: str) -> float:
     return 0.0 if s is None else s
 
 
-def _filters(rules: Rules) -> list[tuple[str, Any]]:
+def check_labels(rules: Rules, plan: Plan) -> None:
+    """BadInput for a --label the run's blend does not have (listing its labels), or any on a run without one."""
+    if not rules.labels:
+        return
+    if not plan.blend:
+        raise BadInput(f"--label {rules.labels[0]!r}: this run is not a blend (its config has no entries): no labels")
+    for label in rules.labels:
+        if label not in plan.labels:
+            hint = difflib.get_close_matches(label, plan.labels, n=1)
+            raise BadInput(
+                f"--label {label!r}: the blend has no such label"
+                + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                + f"; its labels: {', '.join(plan.labels)}"
+            )
+
+
+def _filters(rules: Rules, label_of: Callable[[int], str | None] | None = None) -> list[tuple[str, Any]]:
     m = rules.metric
     th = rules.solved_threshold
     steps: list[tuple[str, Any]] = [(f"profiled (has mean/{m})", lambda t: t.stat("mean", m) is not None)]
+    if rules.labels and label_of is not None:
+        steps.append((f"--label {','.join(rules.labels)}", lambda t: label_of(t.task_index) in rules.labels))
     if rules.agents:
         steps.append((f"--agent {','.join(rules.agents)}", lambda t: rules.allows_agent(t.agent)))
     if rules.min_mean is not None:
@@ -140,12 +159,18 @@ def hardest(tasks: Sequence[TaskStat], k: int, metric: str = "reward") -> list[T
     return sorted(by_difficulty(tasks, metric)[:k], key=lambda t: t.task_index)
 
 
-def choose(tasks: Sequence[TaskStat], rules: Rules, planned_tasks: int | None = None) -> Selection:
-    """Apply the rules in order; each Step says how many tasks the rule saw and kept."""
+def choose(
+    tasks: Sequence[TaskStat],
+    rules: Rules,
+    planned_tasks: int | None = None,
+    label_of: Callable[[int], str | None] | None = None,
+) -> Selection:
+    """Apply the rules in order; each Step says how many tasks the rule saw and kept (`label_of`: a blend's label
+    of a task index, for `rules.labels`)."""
     check_rules(rules, tasks)
     current = list(tasks)
     steps = []
-    for i, (name, keep) in enumerate(_filters(rules)):
+    for i, (name, keep) in enumerate(_filters(rules, label_of)):
         before = planned_tasks if i == 0 and planned_tasks is not None else len(current)
         current = [t for t in current if keep(t)]
         steps.append(Step(name, before, len(current)))
@@ -349,7 +374,8 @@ def run_selection(
     stopped tasks these rules are not decided on. Those are left out (as `--undecided drop`), or kept with
     `undecided="keep"`; `select_run` refuses to write anything when there are some and `undecided` is not given."""
     open_tasks = undecided_tasks(tasks, rules, plan, stopped)
-    selection = choose([t for t in tasks if t.task_index not in set(open_tasks)], rules, plan.num_tasks)
+    check_labels(rules, plan)
+    selection = choose([t for t in tasks if t.task_index not in set(open_tasks)], rules, plan.num_tasks, plan.label_of)
     if open_tasks and undecided == "keep":
         extra = [t for t in tasks if t.task_index in set(open_tasks)]
         kept = tuple(sorted((*selection.kept, *extra), key=lambda t: t.task_index))
@@ -404,7 +430,9 @@ def fill_tasks(run_dir: Path, rules: Rules) -> list[int]:
     tasks = taskstats.load_profile(run_dir)
     stopped = stopped_tasks(run_dir, plan)
     open_tasks = set(undecided_tasks(tasks, rules, plan, stopped))
-    kept = {t.task_index for t in choose([t for t in tasks if t.task_index not in open_tasks], rules).kept}
+    check_labels(rules, plan)
+    rest = [t for t in tasks if t.task_index not in open_tasks]
+    kept = {t.task_index for t in choose(rest, rules, label_of=plan.label_of).kept}
     return sorted(stopped & (kept | open_tasks))
 
 

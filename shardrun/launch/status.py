@@ -25,7 +25,7 @@ from shardrun.rundir import cost, ledger, records
 from shardrun.rundir import seal
 from shardrun.rundir.records import LaunchRecord, Seal, ShardFailure
 from shardrun.shard import processes
-from shardrun.launch import backends, scheduler, slurm
+from shardrun.launch import backends, label_progress, scheduler, slurm
 from shardrun.launch.launcher import Live
 from shardrun.rundir import store
 from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
@@ -85,6 +85,7 @@ class RunStatus:
     worker_cost: dict = field(default_factory=dict)  # cost.workers_row: start-up, collecting, idle GPU-hours
     skipped_decided: int = 0  # rollouts never run because their task was decided (adaptive sampling)
     saved_gpu_hours: float | None = None  # what they would have cost at the sealed shards' GPU-hours per rollout
+    labels: list[dict] = field(default_factory=list)  # a blend: progress per label (launch/label_progress.py)
 
     @property
     def complete(self) -> bool:
@@ -389,6 +390,7 @@ def collect(
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))),
         skipped_decided=sum(s.skipped_decided for s in shards),
         saved_gpu_hours=saved_gpu_hours(shards),
+        labels=label_progress.label_rows(run_dir, plan, (f.task for f in failed)),
     )
 
 
@@ -614,6 +616,10 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
         ]
     elif st.counts[FAILED] or st.counts[NEVER_STARTED] or st.counts[DAMAGED]:
         out += ["", "run `shardrun resume RUN_DIR` to resubmit the failed, damaged and never-started shards"]
+    out += label_progress.render_rows(st.labels, progress_bar)
+    silent = [r["label"] for r in st.labels if r["silent"]]
+    if silent:
+        out.append(f"warning: label(s) {', '.join(shown(x) for x in silent)} collected nothing: that lane is failing")
     out += render_workers(st)
     for w in st.warnings:
         out.append(f"warning: {shown(w)}")
@@ -647,6 +653,8 @@ def render_workers(st: RunStatus) -> list[str]:
 def render_json(st: RunStatus) -> str:
     data = asdict(st)
     data["complete"] = st.complete
+    if not st.labels:  # a run without a blend: the JSON as before blends
+        del data["labels"]
     for s in data["shards"]:
         s["done"] = s["rollouts"] + s["failed_rollouts"]
     return orjson.dumps(data, option=orjson.OPT_INDENT_2).decode()

@@ -250,6 +250,47 @@ class MergedTable:
         table.columns, table.blocks = _reorder_columns(table)
         return table
 
+    def subset(self, ranks: np.ndarray) -> "MergedTable":
+        """The table of some tasks only (`ranks`: positions in `tasks`, ascending), as if only their rows had been
+        merged: their planned and kept rows, keys renumbered over the tasks kept, columns in the order of first
+        appearance among their rows (a blend's label: profile/blend_labels.py). Call before release_planned."""
+        ranks = np.asarray(ranks, np.int64)
+        inside = np.zeros(len(self.tasks), bool)
+        inside[ranks] = True
+        new_rank = np.full(len(self.tasks), -1, np.int64)
+        new_rank[ranks] = np.arange(len(ranks))
+        p_keep, r_keep = inside[self.p_key // self.stride], inside[self.r_key // self.stride]
+
+        def rekey(keys: np.ndarray) -> np.ndarray:
+            return new_rank[keys // self.stride] * self.stride + keys % self.stride
+
+        def rows(a: np.ndarray | None, which: np.ndarray) -> np.ndarray | None:
+            return None if a is None else a[which]
+
+        table = MergedTable(
+            self.tasks[ranks],
+            self.stride,
+            self.agents,
+            rekey(self.p_key[p_keep]),
+            self.p_shard[p_keep],
+            self.p_offset[p_keep],
+            self.p_length[p_keep],
+            self.p_agent[p_keep],
+            rekey(self.r_key[r_keep]),
+            rows(self.r_shard, r_keep),  # type: ignore[arg-type]
+            rows(self.r_offset, r_keep),  # type: ignore[arg-type]
+            rows(self.r_length, r_keep),  # type: ignore[arg-type]
+            self.r_block[r_keep],
+            self.r_pos[r_keep],
+            rows(self.r_renumbered, r_keep),  # type: ignore[arg-type]
+            rows(self.r_answers, r_keep),
+            self.r_masked[r_keep],
+            self.blocks,
+            self.columns,
+        )
+        table.columns, table.blocks = _reorder_columns(table)
+        return table
+
     def has_rollout(self, key: np.ndarray) -> np.ndarray:
         if not len(self.r_key):
             return np.zeros(len(key), bool)

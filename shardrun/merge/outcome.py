@@ -83,6 +83,9 @@ class MergeSummary:
     outputs: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    labels: list[dict[str, Any]] = field(default_factory=list)  # a blend's labels (profile/blend_labels.py)
+    failed_lanes: list[str] = field(default_factory=list)  # a blend's labels that collected nothing
+    failed_ids: list[tuple[int, int]] = field(default_factory=list, repr=False)  # every failed identity
 
     @property
     def duplicates(self) -> int:
@@ -115,6 +118,9 @@ class MergeSummary:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["failed_ids"]  # `failed` lists them (the first MAX_LISTED_FAILED)
+        if not self.labels:  # a run without a blend: merge_summary.json as before blends existed
+            del d["labels"], d["failed_lanes"]
         for shard, row in zip(self.shards, d["shards"]):
             row["marker"] = shard.marker.to_json() if shard.marker is not None else None
         d.update(
@@ -213,9 +219,37 @@ def render(s: MergeSummary) -> str:
             out.append(f"  {x.index:05d}: {shown(x.reason)}")
         if len(unsealed) > SHOWN_FAILED:
             out.append(f"  ... and {len(unsealed) - SHOWN_FAILED:,} more")
+    if s.labels:
+        out += ["", *label_lines(s)]
     for w in s.warnings:
         out.append(f"warning: {shown(w)}")
     out.append("")
     out.append("outputs:")
     out += [f"  {p}" for p in s.outputs.values()]
+    if s.labels:
+        out.append(f"  {s.run_dir}/merged/labels.json and merged/by_label/<label>/ ({len(s.labels):,} labels)")
     return "\n".join(out)
+
+
+def label_lines(s: MergeSummary) -> list[str]:
+    """A blend's labels (merged/labels.json's rows) for the terminal, each failed lane named."""
+    rows = [("label", "agent", "rollouts", "failed", "skipped", "tasks c/p/m", "mean reward", "pass@1", "per GPU-h")]
+    for r in s.labels:
+        mean, pass1, rate = r.get("mean_reward"), r.get("pass_at_1"), (r.get("rate") or {}).get("rollouts_per_gpu_hour")
+        rows.append(
+            (
+                shown(r["label"]),
+                shown(r["agent"]),
+                f"{r['collected']:,}/{r['rollouts_planned']:,}",
+                f"{r['failed']:,}",
+                f"{r['skipped']:,}",
+                f"{r['tasks_complete']:,}/{r['tasks_partial']:,}/{r['tasks_missing']:,}",
+                "—" if mean is None else f"{mean:.4f}",
+                "—" if pass1 is None else f"{pass1:.4f}",
+                "—" if rate is None else f"{rate:,.1f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = ["labels:"] + ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    out += [f"error: label {shown(label)} collected nothing: that lane failed" for label in s.failed_lanes]
+    return out

@@ -182,3 +182,4 @@ def write_failures(
     )
     summary.failed_total = len(failed)
     summary.failed = failed[:MAX_LISTED_FAILED]
+    summary.failed_ids = [(f.task, f.rollout) for f in failed]

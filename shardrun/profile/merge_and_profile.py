@@ -36,7 +36,7 @@ from shardrun.merge.merged_table import MergedTable
 from shardrun.merge.outcome import AgentResult, MergeSummary
 from shardrun.merge.shard_merge import RowFiles
 from shardrun.plan.planner import Plan
-from shardrun.profile import denominator, repeat_metrics, writers
+from shardrun.profile import blend_labels, denominator, repeat_metrics, writers
 from shardrun.profile.writers import TaskInfo
 from shardrun.core.gym_names import ROLLOUT_KEY, ROLLOUTS, TASK_KEY
 from shardrun.rundir import store
@@ -95,22 +95,117 @@ def merge_and_profile(
                     mask_field=release.mask_field,
                 )
                 summary.outputs = {k: str(p) for k, p in outputs.items()}
-                tasks = TaskInfo(table)  # completion: every collected rollout, masked or not
-                imputed = _without_result(table, tasks, _skipped(run_dir, table, states)) if policy == "zero" else None
-                masked = _masked(table, tasks)
-                _count_tasks(summary, table, tasks, plan, masked)
-                table.release_locations()
-                table = table.measured()  # the statistics: measured rollouts only (itself when none is masked)
-                tasks = TaskInfo(table) if masked else tasks
-                table.release_planned()
                 tick = time.monotonic()
-                _profile(run_dir, plan, table, tasks, summary, out, release, imputed, stopped_tasks(states), masked)
+                if plan.blend:  # each label's profile first, from the table before anything is released
+                    _profile_labels(run_dir, plan, table, states, summary, stack, release, policy)
+                _profile_part(run_dir, plan, table, states, summary, out, release, policy)
                 summary.timings["profile_s"] = time.monotonic() - tick
                 summary.timings["total_s"] = time.monotonic() - started
                 out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
         finally:
             store.remove_stale_temps(store.merged_dir(run_dir))
     return summary
+
+
+def _profile_part(
+    run_dir: Path,
+    plan: Plan,
+    table: MergedTable,
+    states: Sequence[SealState],
+    summary: MergeSummary,
+    out: dict[str, IO[bytes]],
+    release: gym_adapter.GymAdapter,
+    policy: str,
+    scratch: str = "groups-",
+) -> list[dict[str, Any]]:
+    """Count and profile one merged table (the run's, or one label's): `summary` gets its counts, `out` its profile
+    files; the table's locations and planned rows are released. Returns its aggregate-metrics entries."""
+    tasks = TaskInfo(table)  # completion: every collected rollout, masked or not
+    imputed = _without_result(table, tasks, _skipped(run_dir, table, states)) if policy == "zero" else None
+    masked = _masked(table, tasks)
+    _count_tasks(summary, table, tasks, plan, masked)
+    table.release_locations()
+    table = table.measured()  # the statistics: measured rollouts only (itself when none is masked)
+    tasks = TaskInfo(table) if masked else tasks
+    table.release_planned()
+    return _profile(run_dir, plan, table, tasks, summary, out, release, imputed, stopped_tasks(states), masked, scratch)
+
+
+def label_output_paths(run_dir: Path, release: gym_adapter.GymAdapter, label: str) -> dict[str, Path]:
+    """A label's profile files in merged/by_label/<label>/, named as the run's are."""
+    merged = store.merged_dir(run_dir)
+    whole = output_paths(run_dir, release)
+    names = ("reward_profiling", "agent_metrics", "aggregate_metrics", "repeat_level_metrics")
+    return {k: blend_labels.by_label_dir(run_dir, label) / whole[k].relative_to(merged) for k in names if k in whole}
+
+
+def _profile_labels(
+    run_dir: Path,
+    plan: Plan,
+    table: MergedTable,
+    states: Sequence[SealState],
+    summary: MergeSummary,
+    stack: contextlib.ExitStack,
+    release: gym_adapter.GymAdapter,
+    policy: str,
+) -> None:
+    """Each label's profile files (merged/by_label/<label>/) and merged/labels.json, written atomically with the
+    run's other outputs (renamed when the stack closes); the labels' results go to `summary.labels`."""
+    markers = [s.marker if s.sealed else None for s in states]
+    whole = blend_labels.shard_share(table, len(plan.shards))
+    failed = np.array([t for t, _ in summary.failed_ids], np.int64)
+    skipped = table.task_of_key(_skipped(run_dir, table, states))
+    results = []
+    for entry, ranks in zip(plan.blend, blend_labels.task_ranks(plan, table)):
+        paths = label_output_paths(run_dir, release, entry.label)
+        for p in paths.values():
+            p.parent.mkdir(parents=True, exist_ok=True)
+            store.remove_stale_temps(p.parent)
+        out = {k: stack.enter_context(store.atomic_writer(p)) for k, p in paths.items()}
+        sub = table.subset(ranks)
+        mine = blend_labels.shard_share(sub, len(plan.shards))
+        part = MergeSummary(summary.run_dir, summary.fingerprint, summary.allow_partial)
+        entries = _profile_part(
+            run_dir,
+            blend_labels.label_plan(plan, entry),
+            sub,
+            states,
+            part,
+            out,
+            release,
+            policy,
+            f"groups-{entry.label}-",
+        )
+        metrics: dict[str, Any] = next(
+            (e["agent_metrics"] for e in entries if e["agent_ref"]["name"] == entry.agent), {}
+        )
+        pass1 = metrics.get("pass@1/accuracy")
+        in_label = np.isin(plan.label_codes(failed), [plan.labels.index(entry.label)])
+        result = blend_labels.LabelResult(
+            entry.label,
+            entry.agent,
+            entry.owner,
+            entry.num_tasks,
+            entry.num_rollouts,
+            collected=part.rollouts,
+            masked=part.masked_rollouts,
+            failed=int(in_label.sum()),
+            skipped=int((plan.label_codes(skipped) == plan.labels.index(entry.label)).sum()),
+            tasks_complete=part.tasks_complete,
+            tasks_partial=part.tasks_partial,
+            tasks_missing=entry.num_tasks - part.tasks_complete - part.tasks_partial,
+            mean_reward=metrics.get("mean/reward"),
+            pass_at_1=None if pass1 is None else pass1 / 100.0,
+            rate=blend_labels.label_rate(mine, whole, markers),
+            profile=str(paths["reward_profiling"].parent.relative_to(store.merged_dir(run_dir))),
+        )
+        result.missing = result.rollouts_planned - result.collected - result.failed - result.skipped
+        results.append(result)
+    summary.labels = [r.to_json() for r in results]
+    summary.failed_lanes = [r.label for r in results if r.failed_lane]
+    document = blend_labels.labels_document(run_dir, plan, results)
+    out_labels = stack.enter_context(store.atomic_writer(blend_labels.labels_path(run_dir)))
+    out_labels.write(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
 
 
 MAX_FIELDS_LISTED = 40
@@ -222,8 +317,10 @@ def _profile(
     imputed: dict[int, np.ndarray] | None = None,
     stopped: frozenset[int] = frozenset(),
     masked: dict[int, np.ndarray] | None = None,
-) -> None:
-    """The profile files from the measured table and its tasks; `masked`: per agent code, its masked keys."""
+    scratch: str = "groups-",
+) -> list[dict[str, Any]]:
+    """The profile files from the measured table and its tasks; `masked`: per agent code, its masked keys. Returns
+    the aggregate-metrics entries (without their group rows)."""
     masked = masked or {}
     agents = writers.AgentStats(table, tasks)
     agent_rows = writers.agent_metric_rows(table, agents)
@@ -241,11 +338,12 @@ def _profile(
         out["aggregate_metrics"],
         entries,
         writers.entry_codes(table, agents, masked),
-        lambda a: store.merge_scratch(run_dir, f"groups-{a}.json"),
+        lambda a: store.merge_scratch(run_dir, f"{scratch}{a}.json"),
     )
     materialized = [store.materialized_path(run_dir, s.index) for s in plan.shards]
     writers.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized, stopped)
     groups.close()
+    return entries
 
 
 def _summarize_agents(summary: MergeSummary, entries: list[dict[str, Any]]) -> None:

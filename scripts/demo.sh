@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: install what is needed, collect the bundled example (examples/arith: 36 tasks
 # x 4 repeats in 4 shards on the local executor, at most 2 at once) with a REAL policy -- each warm worker starts
-# the vLLM CPU build serving SmolLM2-135M-Instruct -- then merge the shards, print the reward profile summary,
-# write the HTML report and print how long it all took.
+# the vLLM CPU build serving SmolLM2-135M-Instruct -- then merge the shards, print the reward profile summary and
+# whether the per-task mean rewards have a spread (scripts/demo_spread.py), write the HTML report and print how
+# long it all took.
 #
 # Usage: scripts/demo.sh [--policy-url URL [--model NAME] [--api-key-env VAR]] [--run-dir DIR] [OVERRIDE ...]
 #   --policy-url URL   use an existing OpenAI-compatible endpoint (.../v1) instead of starting vLLM per shard
@@ -23,7 +24,7 @@ while [ $# -gt 0 ]; do
     --model) model=${2:?--model needs a name}; shift 2 ;;
     --api-key-env) key_env=${2:?--api-key-env needs a variable name}; shift 2 ;;
     --run-dir) run_dir=${2:?--run-dir needs a directory}; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) overrides+=("$1"); shift ;;
   esac
 done
@@ -59,7 +60,12 @@ echo "collected in $(elapsed "$t0")"
 say "merge and profile: shardrun merge-and-profile $run_dir"
 .venv/bin/shardrun merge-and-profile "$run_dir"
 
+say "spread: the per-task mean rewards of $run_dir/merged/*_reward_profiling.jsonl"
+spread=0
+.venv/bin/python scripts/demo_spread.py "$run_dir"/merged/*_reward_profiling.jsonl || spread=$?
+
 say "report: shardrun report $run_dir"
 .venv/bin/shardrun report "$run_dir"
 
 say "done in $(elapsed "$start"), set-up included: $run_dir/merged/report.html"
+[ "$spread" -eq 0 ] || echo "warning: the profile has no spread (see 'spread' above)" >&2

@@ -41,8 +41,8 @@ def write_input(path: Path) -> Path:
     for i in range(len(SHARES)):
         row = json.loads(json.dumps(template))
         question = f"What is {i + 2} + 3?"
-        row["responses_create_params"]["input"][0]["content"] = (
-            row["responses_create_params"]["input"][0]["content"].rsplit("\n\n", 1)[0] + "\n\n" + question
+        row["responses_create_params"]["input"][-1]["content"] = (
+            row["responses_create_params"]["input"][-1]["content"].rsplit("\n\n", 1)[0] + "\n\n" + question
         )
         row["question"], row["expected_answer"] = question, str(i + 5)
         lines.append(json.dumps(row))

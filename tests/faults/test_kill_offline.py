@@ -251,10 +251,10 @@ def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path
     )
     phases = phase_starts(run_dir, tmp_path / "watched.log")
     profile_at = phases.get("mid-profile", phases["end"] / 2)
-    renaming_at = max(phases.get("while renaming outputs", phases["end"]), profile_at + 0.05)
     lock = store.merged_dir(run_dir) / ".merge.lock"
 
     rng = faultkit.seeded(606)
+    max_looks = 40  # frozen looks into profiling a kill may wait for (halved whenever one overshoots it)
     landed: Counter = Counter()
     recoveries = kills = 0
     for it in range(8 * KILLS):
@@ -270,9 +270,22 @@ def test_sigkill_mid_merge_and_mid_profile_then_rerun_is_byte_identical(tmp_path
         faultkit.wait_for(lock.exists, 60, "the merge to take its lock", interval=0.001, proc=proc)
         if target == "mid-merge":
             time.sleep(rng.uniform(0, profile_at))
-        else:  # from the moment it starts profiling, a random part of how long profiling took
-            faultkit.wait_for(lambda: merge_phase(run_dir) != "mid-merge", 60, "profiling", interval=0.001, proc=proc)
-            time.sleep(rng.uniform(0, renaming_at - profile_at))
+        elif faultkit.freeze(proc.pid):
+            # profiling is a fraction of a second: step the frozen merge in short slices and kill it at a seeded
+            # frozen look among those showing it profiling, so where the kill lands does not hang on the load
+            looks = rng.randint(1, max_looks)
+            seen: Counter = Counter()
+
+            def at_target() -> bool:
+                phase = merge_phase(run_dir)
+                if not seen["mid-merge"] and phase != "mid-merge":  # a killed merge's temps, not yet cleared
+                    return False
+                seen[phase] += 1
+                return phase == "while renaming outputs" or seen["mid-profile"] >= looks
+
+            faultkit.step_until(proc.pid, at_target)
+            if merge_phase(run_dir) != "mid-profile":  # stepped past profiling: aim earlier next time
+                max_looks = max(1, max_looks // 2)
         if proc.poll() is not None:
             assert proc.returncode == 0, (tmp_path / "chaos.log").read_text()[-3000:]
             landed["finished before the kill"] += 1

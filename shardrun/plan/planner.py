@@ -598,12 +598,13 @@ def _rollouts_payload(plan: Plan) -> dict[str, Any]:
         "num_rollouts": plan.num_rollouts,
         "agents": plan.agents,
         "shards": [asdict(s) for s in plan.shards],
-    } | ({"blend": plan.to_json()["blend"]} if plan.blend else {})
+    } | ({"blend": [{k: v for k, v in e.items() if k != "data"} for e in plan.to_json()["blend"]]} if plan.blend else {})
 
 
 def same_rollouts(a: Plan, b: Plan) -> bool:
     """True when two plans decide the same rollouts (planner version, input bytes, planning settings, shard
-    table): a run directory holding `a` may be launched or resumed for `b`. Where the input lies, the Gym release
+    table; a blend's entries with their files' bytes): a run directory holding `a` may be launched or resumed for
+    `b`. Where the input or an entry's file lies, the Gym release
     found and the rest of the config may differ; the plan in the run directory stays what it recorded."""
     return _rollouts_payload(a) == _rollouts_payload(b)
 
@@ -619,7 +620,7 @@ def fingerprint(plan: Plan) -> str:
         "gym_version": plan.gym_version,
         "warnings": list(plan.warnings),
         "config": config,
-    }
+    } | ({"blend": plan.to_json()["blend"]} if plan.blend else {})  # with each entry's file, as plan.json has it
     return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
@@ -696,6 +697,8 @@ def plan_differences(old: Plan, new: Plan) -> list[str]:
         was = old_files.get(e.label)
         if was is not None and was.sha256 != e.sha256:
             diffs.append(f"entry {e.label}: its file changed (sha256 {was.sha256[:12]}… -> {e.sha256[:12]}…, {e.data})")
+    if not diffs and [e.label for e in old.blend] != [e.label for e in new.blend]:
+        diffs.append(f"blend entries {[e.label for e in old.blend]} -> {[e.label for e in new.blend]}")
     if not diffs and old.shards != new.shards:
         diffs.append("shard table differs")
     return diffs or ["plan content differs"]

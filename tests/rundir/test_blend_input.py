@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from shardrun.core import config
-from shardrun.core.errors import BadInput
+from shardrun.core.errors import BadInput, ShardrunError
 from shardrun.rundir import blend_input, store
 from tests.planning_helpers import row
 
@@ -157,6 +157,21 @@ def test_the_fingerprint_covers_each_entry_file_and_settings(tmp_path, files):
         update={"entries": [e.model_copy(update={"label": e.label + "_x"}) for e in renamed.entries or ()]}
     )
     assert store.scan_input(renamed).fingerprint != base.fingerprint
+
+
+def test_a_moved_entry_file_with_the_same_bytes_keeps_the_run_directory(tmp_path, files):
+    """Where an entry's file lies does not decide the rollouts (its bytes do): a run directory planned from it is
+    resumed from the file's new place, as a run planned from a moved input_jsonl is; other bytes are refused."""
+    plan, written = store.write_plan(blend_cfg(tmp_path, files))
+    assert written
+    moved = tmp_path / "elsewhere" / "tool.jsonl"
+    moved.parent.mkdir()
+    files["tool"].rename(moved)
+    again, written = store.write_plan(blend_cfg(tmp_path, files | {"tool": moved}))
+    assert written is False and again == plan  # the run directory keeps the plan it recorded
+    write_rows(moved, [row(100 + i, agent="t") for i in range(5)] + [row(999, agent="t")])
+    with pytest.raises(ShardrunError, match="other settings"):
+        store.write_plan(blend_cfg(tmp_path, files | {"tool": moved}))
 
 
 def test_adaptive_sampling_plans_a_blend_wave_major(tmp_path, files):

@@ -598,7 +598,12 @@ def _rollouts_payload(plan: Plan) -> dict[str, Any]:
         "num_rollouts": plan.num_rollouts,
         "agents": plan.agents,
         "shards": [asdict(s) for s in plan.shards],
-    } | ({"blend": [{k: v for k, v in e.items() if k != "data"} for e in plan.to_json()["blend"]]} if plan.blend else {})
+    } | ({"blend": [_without_data(e) for e in plan.to_json()["blend"]]} if plan.blend else {})
+
+
+def _without_data(entry: dict[str, Any]) -> dict[str, Any]:
+    """A blend entry less where its file lies (its bytes are in it, by sha256)."""
+    return {k: v for k, v in entry.items() if k != "data"}
 
 
 def same_rollouts(a: Plan, b: Plan) -> bool:
@@ -620,7 +625,9 @@ def fingerprint(plan: Plan) -> str:
         "gym_version": plan.gym_version,
         "warnings": list(plan.warnings),
         "config": config,
-    } | ({"blend": plan.to_json()["blend"]} if plan.blend else {})  # with each entry's file, as plan.json has it
+    }
+    if plan.blend:  # each entry with where its file lies, as plan.json has it
+        payload["blend"] = plan.to_json()["blend"]
     return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 

@@ -204,6 +204,14 @@ class ClusterConfig(StrictModel):
         description="Warm workers: this many jobs that start their servers once and claim shards until none are "
         "left (docs/workers.md); null: one job per shard.",
     )
+    pipeline_shards: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Shards a warm worker collects at once: it claims the next while the current drains, and their "
+        "rollouts share gym.num_samples_in_parallel policy slots through the worker's slot gate "
+        "(docs/workers.md); 1: one shard after another.",
+    )
     claim_heartbeat_s: float = Field(30.0, gt=0, le=86400, description="Seconds between a worker's claim renewals.")
     claim_lease_s: float = Field(
         180.0, gt=0, le=7 * 86400, description="A claim not renewed for this long is stale and taken over."

@@ -28,7 +28,7 @@ from shardrun.core import gym_adapter
 from shardrun.shard import gym_stack
 from shardrun.rundir import decided
 from shardrun.rundir import ledger
-from shardrun.shard import policy
+from shardrun.shard import policy, slot_gate
 from shardrun.rundir import records, seal
 from shardrun.rundir import store
 from shardrun.shard import watchdog
@@ -210,9 +210,10 @@ class Servers:
     stack: gym_stack.GymStack
     ready_s: float  # seconds from the start to both being ready
     up_since: float  # Unix time they became ready
+    gate: slot_gate.Gate | None = None  # a warm worker's: the stack talks to the policy through it
 
     def problem(self) -> str | None:
-        return self.endpoint.problem() or self.stack.problem()
+        return self.endpoint.problem() or (self.gate.problem() if self.gate else None) or self.stack.problem()
 
     def groups(self) -> list[tuple[int, int]]:
         """The process groups of the servers started here (processes.Proc.group): a worker records them so that
@@ -224,29 +225,48 @@ class Servers:
         try:
             self.stack.stop()
         finally:
-            self.endpoint.stop()
+            try:
+                if self.gate is not None:
+                    self.gate.stop()
+            finally:
+                self.endpoint.stop()
 
 
 def start_servers(
-    policy_cfg: PolicyConfig, gym: GymConfig, run_dir: Path, place: gym_stack.StackPlace, log: Callable[[str], None]
+    policy_cfg: PolicyConfig,
+    gym: GymConfig,
+    run_dir: Path,
+    place: gym_stack.StackPlace,
+    log: Callable[[str], None],
+    gated: bool = False,
 ) -> Servers:
-    """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running."""
+    """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running. `gated` (a
+    warm worker): the stack reaches the policy through a slot gate admitting gym.num_samples_in_parallel requests at
+    once (shard/slot_gate.py)."""
     t0 = time.monotonic()
     endpoint = policy.open_policy(policy_cfg, place.home)
+    gate = None
     try:
         for note in endpoint.notes:
             log(f"note: {note}")
         log(
             f"policy ready in {time.monotonic() - t0:.1f} s: {', '.join(endpoint.base_urls)} model {endpoint.model_name}"
         )
+        urls = list(endpoint.base_urls)
+        if gated:
+            gate = slot_gate.Gate(urls, gym.num_samples_in_parallel)
+            urls = gate.urls
+            log(f"slot gate at {', '.join(urls)}: {gym.num_samples_in_parallel or 'unlimited'} request(s) at once")
         stack, waited = gym_stack.start_ready(
-            run_dir, -1, gym, endpoint.base_urls, endpoint.api_key, endpoint.model_name, place=place
+            run_dir, -1, gym, urls, endpoint.api_key, endpoint.model_name, place=place
         )
     except BaseException:
+        if gate is not None:
+            gate.stop()
         endpoint.stop()
         raise
     log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
-    return Servers(endpoint, stack, time.monotonic() - t0, time.time())
+    return Servers(endpoint, stack, time.monotonic() - t0, time.time(), gate)
 
 
 class Shard:

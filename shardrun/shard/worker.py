@@ -150,6 +150,17 @@ class Worker:
         if previous:
             self.state.sealed, self.state.collecting_s = previous.sealed, previous.collecting_s
             self.state.server_starts, self.state.startup_s = previous.server_starts, previous.startup_s
+        if previous:
+            self.state.holding_s, self.state.request_s = previous.holding_s, previous.request_s
+        self.depth = self.cluster.pipeline_shards
+        self.state.slots = self.gym.num_samples_in_parallel
+        self.lock = threading.RLock()  # the worker's record, written from the shards' threads
+        self.running: dict[int, threading.Thread] = {}  # shard -> its thread
+        self.finished = threading.Event()  # a shard's thread ended
+        self.stopping = threading.Event()  # the worker stops: the shards in flight are released
+        self.errors: list[BaseException] = []  # what a shard's thread raised that stops the worker
+        self.held_since: float | None = None  # monotonic: since when at least one shard is held
+        self.gate_seen = 0.0  # the slot gate's request-seconds already in the record
         self.servers: runtime.Servers | None = None
         self.warm = False  # the servers have already collected a shard
         self.restarts = 0
@@ -168,11 +179,15 @@ class Worker:
         print(line, flush=True)
 
     def save(self, **changes: Any) -> None:
-        for k, v in changes.items():
-            setattr(self.state, k, v)
-        self.state.updated_at = time.time()
-        with contextlib.suppress(OSError):
-            records.write_worker_state(self.run_dir, self.state)
+        with self.lock:
+            for k, v in changes.items():
+                setattr(self.state, k, v)
+            held = sorted(self.running)
+            self.state.current_shards = held
+            self.state.current_shard = held[0] if held else None
+            self.state.updated_at = time.time()
+            with contextlib.suppress(OSError):
+                records.write_worker_state(self.run_dir, self.state)
 
     def time_left(self) -> float | None:
         return None if self.deadline is None else self.deadline - self.clock()
@@ -208,24 +223,90 @@ class Worker:
         return self.state
 
     def loop(self) -> None:
-        """Claim and collect until nothing is left, the time limit is near, or the servers died too often."""
+        """Claim and collect until nothing is left, the time limit is near, or the servers died too often. Up to
+        `cluster.pipeline_shards` shards at once, each in its own thread (their collectors share the slot gate's
+        slots): a new one is claimed as soon as fewer are held, so the next shard's collector starts while the
+        current one drains."""
+        try:
+            self.pipeline()
+        finally:
+            self.stopping.set()  # a signal or an error in this thread: the shards in flight stop, claims released
+            for t in list(self.running.values()):
+                t.join()
+            self.account()
+
+    def pipeline(self) -> None:
         while True:
+            self.reap_finished()
             left = self.time_left()
             if left is not None and left <= self.drain_s:
                 self.log("the time limit is near: not claiming another shard")
                 self.save(state=DRAINING, exit_reason="time limit")
+                self.wait_all()
                 break
-            found, _, dead = self.candidates()
-            if found or dead:
-                self.ensure_servers()
-                claim = self.next_claim()  # servers first: a claim must not lapse while they start
-            else:
-                claim = None
-            if claim is None:
+            if self.running and (self.servers is None or self.servers.problem()):
+                self.wait_all()  # the shards in flight end on their own watchdogs before the servers restart
+            claim = None
+            if len(self.running) < self.depth:
+                found, _, dead = self.candidates()
+                if found or dead:
+                    self.ensure_servers()
+                    claim = self.next_claim(wait=not self.running)  # servers first: a claim must not lapse
+            if claim is not None:
+                self.start_collecting(claim)
+                continue
+            if not self.running:
                 self.log("nothing left to claim")
                 self.save(exit_reason="nothing left")
                 break
-            self.collect(claim)  # a server failure is seen (and the servers restarted) at the top
+            self.finished.wait(WAIT_POLL_S)  # a shard ended, or poll for a shard that became claimable
+
+    def start_collecting(self, claim: claims.Claim) -> None:
+        def run() -> None:
+            try:
+                self.collect(claim)
+            except BaseException as e:  # collect handles a shard's failures; this is what must stop the worker
+                self.errors.append(e)
+            finally:
+                self.finished.set()
+
+        with self.lock:
+            if not self.running:
+                self.held_since = time.monotonic()
+            t = threading.Thread(target=run, name=f"shard-{claim.index}", daemon=True)
+            self.running[claim.index] = t
+        t.start()
+
+    def reap_finished(self) -> None:
+        self.finished.clear()
+        for index, t in list(self.running.items()):
+            if not t.is_alive():
+                t.join()
+                with self.lock:
+                    self.running.pop(index, None)
+        self.account()
+        if self.errors:
+            raise self.errors[0]
+
+    def wait_all(self) -> None:
+        for t in list(self.running.values()):
+            while t.is_alive():
+                t.join(WAIT_POLL_S)
+        self.reap_finished()
+
+    def account(self) -> None:
+        """Time with a shard held, and the slot gate's request-seconds, into the worker's record."""
+        with self.lock:
+            now = time.monotonic()
+            if self.held_since is not None:
+                self.state.holding_s += now - self.held_since
+                self.held_since = now if self.running else None
+            gate = self.servers.gate if self.servers is not None else None
+            if gate is not None:
+                busy = gate.slots.busy_s()
+                self.state.request_s += busy - self.gate_seen
+                self.gate_seen = busy
+        self.save()
 
     def ensure_servers(self) -> None:
         """Servers up: started the first time; restarted when they died (or a start failed), at most
@@ -254,7 +335,8 @@ class Worker:
     def start_servers(self) -> None:
         self.save(state=STARTING)
         t0 = time.monotonic()
-        self.servers = runtime.start_servers(self.policy, self.gym, self.run_dir, self.place, self.log)
+        self.servers = runtime.start_servers(self.policy, self.gym, self.run_dir, self.place, self.log, gated=True)
+        self.gate_seen = 0.0
         self.warm = False
         self.save(
             server_starts=self.state.server_starts + 1,
@@ -268,6 +350,7 @@ class Worker:
         if self.servers is None:
             return
         self.log(f"stopping servers: {why}")
+        self.account()
         servers, self.servers = self.servers, None
         servers.stop()
         self.save(servers_up_since=None, server_groups=[])
@@ -317,8 +400,9 @@ class Worker:
             out.append(Candidate(spec.index, spec.num_rollouts, min(done, spec.num_rollouts), attempts))
         return out, markers, dead
 
-    def next_claim(self) -> claims.Claim | None:
-        """Claim the next shard; wait for claims of dead workers on this host to go stale; None when none is left."""
+    def next_claim(self, wait: bool = True) -> claims.Claim | None:
+        """Claim the next shard; wait for claims of dead workers on this host to go stale (unless not `wait`: a
+        worker with shards in flight polls again later); None when none is left."""
         while True:
             found, markers, dead = self.candidates()
             rate = rate_per_s(markers)
@@ -342,12 +426,12 @@ class Worker:
                             f"host {t.host}, last heartbeat {self.clock() - t.renewed_at:.0f} s ago)"
                         )
                     return claim
-            if not dead:
+            if not dead or not wait:
                 return None
             self.reap_leftovers(records.read_worker_states(self.run_dir))
             self.save(state=IDLE, current_shard=None)
-            wait = min(max(0.0, self.book.lease_s - min(i.age(self.clock()) for i in dead)) + 0.5, WAIT_POLL_S)
-            time.sleep(wait)
+            pause = min(max(0.0, self.book.lease_s - min(i.age(self.clock()) for i in dead)) + 0.5, WAIT_POLL_S)
+            time.sleep(pause)
 
     # ------------------------------------------------------------ one shard
 
@@ -365,6 +449,8 @@ class Worker:
                     return
 
         def claim_check() -> str | None:
+            if self.stopping.is_set():
+                raise ShardReleased(f"shard {index}: the worker is stopping; completed rollouts kept")
             if lost.is_set() or not self.book.held(claim):
                 raise ShardReleased(f"shard {index}: the claim was lost (not renewed within the lease)")
             left = self.time_left()
@@ -380,7 +466,7 @@ class Worker:
             "servers_warm": self.warm,
             "servers_up_since": self.servers.up_since,
         }
-        self.save(state=COLLECTING, current_shard=index)
+        self.save(state=COLLECTING)
         self.log(f"shard {index}: claimed (attempt {attempt}, servers {'warm' if self.warm else 'just started'})")
         heart = threading.Thread(target=beat, name=f"claim-heartbeat-{index}", daemon=True)
         heart.start()
@@ -400,7 +486,8 @@ class Worker:
             )
             if result.state == "sealed":
                 self.warm = True
-                self.state.sealed.append(index)
+                with self.lock:
+                    self.state.sealed.append(index)
             outcome = result.state
             self.log(f"shard {index}: {result.state}")
         except runtime.ShardInterrupted:
@@ -426,10 +513,15 @@ class Worker:
         finally:
             stop_beat.set()
             heart.join()
-            self.state.collecting_s[str(index)] = self.state.collecting_s.get(str(index), 0.0) + (time.monotonic() - t0)
+            with self.lock:
+                self.state.collecting_s[str(index)] = self.state.collecting_s.get(str(index), 0.0) + (
+                    time.monotonic() - t0
+                )
             if not self.book.release(claim):
                 self.log(f"shard {index}: its claim was no longer ours to release")
-            self.save(state=IDLE, current_shard=None)
+            with self.lock:
+                self.running.pop(index, None)
+                self.save(state=COLLECTING if self.running else IDLE)
         return outcome
 
 

@@ -131,6 +131,7 @@ def main() -> int:
     default_depth = ClusterConfig.model_fields["pipeline_shards"].default
     ap.add_argument("--pipeline-shards", type=int, default=default_depth, help="cluster.pipeline_shards")
     ap.add_argument("--case", choices=("small", "large", "both"), default="small")
+    ap.add_argument("--only", choices=("pipeline", "baseline"), help="run only one of the two settings")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     gym_venv = Path(os.environ.get("SHARDRUN_GYM_VENV") or str(Path.home() / ".cache/shardrun/gym-venv"))
@@ -138,7 +139,8 @@ def main() -> int:
         sys.exit(f"no NeMo Gym venv at {gym_venv}; run ./scripts/setup.sh gym")
     load = os.getloadavg()[0]
     cases = {"small": [args.shards], "large": [1], "both": [args.shards, 1]}[args.case]
-    results = [one_run(n, d, args, gym_venv) for n in cases for d in (args.pipeline_shards, 1)]
+    depths = {"pipeline": [args.pipeline_shards], "baseline": [1], None: [args.pipeline_shards, 1]}[args.only]
+    results = [one_run(n, d, args, gym_venv) for n in cases for d in depths]
     print(
         f"\none worker, {args.shards * args.rollouts} rollouts, {args.slots} slots; answers {args.delay_s:g} s, "
         f"1 in {1 / args.tail_share:g} takes {args.tail_s:g} s more; load average {load:.1f}"

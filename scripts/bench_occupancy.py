@@ -17,7 +17,7 @@ more. The stand-in writes every answered request's start and end, so what is pri
     worker occ. the worker's own figure (worker.json: its slot gate's request-seconds / (slots x time a shard was
                 held)), what `shardrun status` and the report show
 
-each for cluster.pipeline_shards = `--pipeline-shards` (default: the config's default) and = 1 (today's behaviour
+each for cluster.pipeline_shards = `--pipeline-shards` (default 2) and = 1 (today's behaviour
 before the pipeline: one shard after another). `--case large`: the same rollouts in one shard (the pipeline must be
 no worse); `both` runs both cases.
 Target (issue #22): occupancy >= 0.85 with the pipeline on the small case; on the large case no worse than 1.
@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 
 import yaml
 
-from shardrun.core.config import ClusterConfig
 from shardrun.rundir import records
 from tests.fakes import harness
 from tests.faults import gymkit
@@ -128,8 +127,7 @@ def main() -> int:
     ap.add_argument("--delay-s", type=float, default=0.15, help="seconds per answer")
     ap.add_argument("--tail-share", type=float, default=0.125, help="share of answers that take --tail-s more")
     ap.add_argument("--tail-s", type=float, default=3.0)
-    default_depth = ClusterConfig.model_fields["pipeline_shards"].default
-    ap.add_argument("--pipeline-shards", type=int, default=default_depth, help="cluster.pipeline_shards")
+    ap.add_argument("--pipeline-shards", type=int, default=2, help="cluster.pipeline_shards of the pipelined run")
     ap.add_argument("--case", choices=("small", "large", "both"), default="small")
     ap.add_argument("--only", choices=("pipeline", "baseline"), help="run only one of the two settings")
     ap.add_argument("--json", type=Path, help="also write the results here")

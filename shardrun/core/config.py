@@ -205,12 +205,12 @@ class ClusterConfig(StrictModel):
         "left (docs/workers.md); null: one job per shard.",
     )
     pipeline_shards: int = Field(
-        2,
+        1,
         ge=1,
         le=64,
         description="Shards a warm worker collects at once: it claims the next while the current drains, and their "
         "rollouts share gym.num_samples_in_parallel policy slots through the worker's slot gate "
-        "(docs/workers.md); 1: one shard after another.",
+        "(docs/workers.md); 1 (the default): one shard after another.",
     )
     claim_heartbeat_s: float = Field(30.0, gt=0, le=86400, description="Seconds between a worker's claim renewals.")
     claim_lease_s: float = Field(

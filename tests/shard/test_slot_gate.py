@@ -36,7 +36,7 @@ class Upstream:
                 with up.lock:
                     event = up.go.setdefault(name, threading.Event())
                     up.arrived.append(name)
-                event.wait(60)
+                event.wait(300)
                 data = json.dumps({"name": name, "path": self.path, "auth": self.headers.get("Authorization")})
                 self.send_response(201)
                 self.send_header("X-Upstream", "yes")
@@ -63,7 +63,7 @@ def upstream() -> Iterator[Upstream]:
     up.server.shutdown()
 
 
-def wait_until(what: str, check, timeout: float = 60.0) -> None:
+def wait_until(what: str, check, timeout: float = 300.0) -> None:
     t0 = time.monotonic()
     while not check():
         if time.monotonic() - t0 > timeout:
@@ -78,7 +78,7 @@ def post(url: str, name: str, out: dict) -> None:
         headers={"Content-Type": "application/json", "Authorization": "Bearer k"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
+        with urllib.request.urlopen(req, timeout=300) as resp:
             out[name] = (resp.status, resp.headers.get("X-Upstream"), json.loads(resp.read()))
     except urllib.error.HTTPError as e:
         out[name] = (e.code, None, e.read())
@@ -110,7 +110,7 @@ def test_at_most_slots_requests_reach_the_policy_and_the_rest_wait_in_order(upst
         for name in "cde":
             upstream.release(name)
         for t in threads:
-            t.join(60)
+            t.join(300)
         assert upstream.arrived == list("abcde")
         for name in "abcde":  # status, headers and body as the policy sent them; the path and key forwarded
             assert out[name] == (201, "yes", {"name": name, "path": "/v1/chat/completions", "auth": "Bearer k"})
@@ -131,7 +131,7 @@ def test_no_limit_without_num_samples_in_parallel_and_502_when_the_policy_is_gon
         for n in "xyz":
             upstream.release(n)
         for t in threads:
-            t.join(60)
+            t.join(300)
         assert sorted(out) == ["x", "y", "z"] and all(v[0] == 201 for v in out.values())
         upstream.server.shutdown()
         upstream.server.server_close()

@@ -125,6 +125,7 @@ def handler_for(scheme: str, netloc: str, slots: Slots) -> type[BaseHTTPRequestH
             try:
                 resp, data = self.ask(body, headers)
             except (OSError, http.client.HTTPException) as e:
+                slots.release(ticket)  # before answering: the slot is free once the client hears back
                 data = f'{{"error": {{"message": "slot gate: policy unreachable: {type(e).__name__}"}}}}'.encode()
                 self.send_response(502)
                 self.send_header("Content-Type", "application/json")
@@ -132,8 +133,10 @@ def handler_for(scheme: str, netloc: str, slots: Slots) -> type[BaseHTTPRequestH
                 self.end_headers()
                 self.wfile.write(data)
                 return
-            finally:
+            except BaseException:
                 slots.release(ticket)
+                raise
+            slots.release(ticket)
             self.send_response(resp.status, resp.reason)
             for k, v in resp.getheaders():
                 if k.lower() not in HOP_HEADERS and k.lower() != "content-length":

@@ -205,12 +205,17 @@ class ClusterConfig(StrictModel):
         "left (docs/workers.md); null: one job per shard.",
     )
     pipeline_shards: int = Field(
-        1,
+        2,
         ge=1,
         le=64,
-        description="Shards a warm worker collects at once: it claims the next while the current drains, and their "
-        "rollouts share gym.num_samples_in_parallel policy slots through the worker's slot gate "
-        "(docs/workers.md); 1 (the default): one shard after another.",
+        description="Shards a warm worker holds at once: it claims the next while the current drains, and their "
+        "rollouts share gym.num_samples_in_parallel slots (docs/workers.md); 1: one shard after another.",
+    )
+    collector_service: bool = Field(
+        True,
+        description="Warm workers: collect every shard through one long-lived Gym collector per worker, whose "
+        "gym.num_samples_in_parallel rollouts in flight the shards it holds share (docs/workers.md); false: a "
+        "collector process per shard.",
     )
     claim_heartbeat_s: float = Field(30.0, gt=0, le=86400, description="Seconds between a worker's claim renewals.")
     claim_lease_s: float = Field(

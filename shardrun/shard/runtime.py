@@ -28,7 +28,7 @@ from shardrun.core import gym_adapter
 from shardrun.shard import gym_stack
 from shardrun.rundir import decided
 from shardrun.rundir import ledger
-from shardrun.shard import policy, slot_gate
+from shardrun.shard import collector_service, policy, slot_gate
 from shardrun.rundir import records, seal
 from shardrun.rundir import store
 from shardrun.shard import watchdog
@@ -211,17 +211,31 @@ class Servers:
     ready_s: float  # seconds from the start to both being ready
     up_since: float  # Unix time they became ready
     gate: slot_gate.Gate | None = None  # a warm worker's: the stack talks to the policy through it
+    service: collector_service.CollectorService | None = None  # a warm worker's: collects shard after shard
 
     def problem(self) -> str | None:
-        return self.endpoint.problem() or (self.gate.problem() if self.gate else None) or self.stack.problem()
+        return (
+            self.endpoint.problem()
+            or (self.gate.problem() if self.gate else None)
+            or self.stack.problem()
+            or (self.service.problem() if self.service else None)
+        )
 
     def groups(self) -> list[tuple[int, int]]:
         """The process groups of the servers started here (processes.Proc.group): a worker records them so that
         another worker on its host can reap them if it is SIGKILLed."""
         procs = [self.stack.proc] + ([self.endpoint.server.proc] if self.endpoint.server is not None else [])
+        procs += [self.service.proc] if self.service is not None else []
         return [g for g in (p.group for p in procs) if g is not None]
 
     def stop(self) -> None:
+        try:
+            if self.service is not None:
+                self.service.stop()
+        finally:
+            self._stop_servers()
+
+    def _stop_servers(self) -> None:
         try:
             self.stack.stop()
         finally:
@@ -239,10 +253,12 @@ def start_servers(
     place: gym_stack.StackPlace,
     log: Callable[[str], None],
     gated: bool = False,
+    service: bool = False,
 ) -> Servers:
     """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running. `gated` (a
     warm worker): the stack reaches the policy through a slot gate admitting gym.num_samples_in_parallel requests at
-    once (shard/slot_gate.py)."""
+    once (shard/slot_gate.py); `service` (a warm worker's, unless cluster.collector_service is off): a collector
+    service (shard/collector_service.py) collects shard after shard."""
     t0 = time.monotonic()
     endpoint = policy.open_policy(policy_cfg, place.home)
     gate = None
@@ -266,7 +282,16 @@ def start_servers(
         endpoint.stop()
         raise
     log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
-    return Servers(endpoint, stack, time.monotonic() - t0, time.time(), gate)
+    servers = Servers(endpoint, stack, time.monotonic() - t0, time.time(), gate)
+    if service:
+        try:
+            venv = gym_stack.gym_venv(gym, os.environ)
+            servers.service = collector_service.start(gym_adapter.for_venv(venv), venv, stack, gym, place.home)
+        except BaseException:
+            servers.stop()
+            raise
+        log(f"collector service started (pid {servers.service.proc.pid}): shard after shard, one budget of slots")
+    return servers
 
 
 class Shard:
@@ -466,7 +491,11 @@ class Shard:
         self.log(f"collector round {round_no}: {pending} rollouts")
         t0 = time.monotonic()
         view = collector.skipping_view(self.run_dir, self.index, self.skipped) if self.skipped else None
-        proc = collector.start(adapter, venv, stack, self.run_dir, self.index, self.gym, view=view)
+        proc: watchdog.Watched
+        if self.servers is not None and self.servers.service is not None:
+            proc = self.servers.service.submit(self.run_dir, self.index, view)
+        else:
+            proc = collector.start(adapter, venv, stack, self.run_dir, self.index, self.gym, view=view)
         try:
             rc = watchdog.watch(
                 proc,

@@ -335,7 +335,15 @@ class Worker:
     def start_servers(self) -> None:
         self.save(state=STARTING)
         t0 = time.monotonic()
-        self.servers = runtime.start_servers(self.policy, self.gym, self.run_dir, self.place, self.log, gated=True)
+        self.servers = runtime.start_servers(
+            self.policy,
+            self.gym,
+            self.run_dir,
+            self.place,
+            self.log,
+            gated=True,
+            service=self.cluster.collector_service,
+        )
         self.gate_seen = 0.0
         self.warm = False
         self.save(

@@ -33,7 +33,7 @@ from shardrun.rundir import records, seal
 from shardrun.rundir import store
 from shardrun.shard import watchdog
 from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
-from shardrun.core.errors import BadInput, ShardFailed, ShardrunError
+from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
 from shardrun.rundir.records import Seal
 
@@ -461,6 +461,9 @@ class Shard:
                 return
             after = progress_mark(book)
             if rc != 0 and not failed:
+                down = endpoint.problem() or stack.problem()
+                if down:  # the collector gave up because a server died under it: the servers' failure, not Gym's
+                    raise ServerFailure(f"{down}; the collector exited with code {rc}")
                 raise ShardFailed(
                     f"ng_collect_rollouts exited with code {rc} and named no failed rollout; "
                     f"{len(book.pending)} rollouts still pending. Last lines of "

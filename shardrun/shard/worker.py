@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from shardrun.core.config import RunConfig
 from shardrun.core.errors import ServerFailure, ShardFailed, ShardrunError
+from shardrun.plan import planner
 from shardrun.plan.planner import Plan
 from shardrun.rundir import claims, decided, records, seal, store
 from shardrun.rundir.records import COLLECTING, DRAINING, FAILED, IDLE, STARTING, STOPPED, Seal, WorkerState
@@ -408,6 +409,17 @@ class Worker:
             out.append(Candidate(spec.index, spec.num_rollouts, min(done, spec.num_rollouts), attempts))
         return out, markers, dead
 
+    def behind_a_wave(self, index: int) -> bool:
+        """Adaptive sampling: shard `index` begins a later wave than a shard this worker still collects, so it must
+        wait for that one to seal (its start decides from the earlier waves' rollouts on disk)."""
+        waves = planner.WaveOrder(self.plan)
+        mine = waves.waves_of(self.plan.shards[index])
+        if mine is None:
+            return False
+        with self.lock:
+            held = [i for i in self.running if i != index]
+        return any((w := waves.waves_of(self.plan.shards[i])) is not None and w[1] < mine[0] for i in held)
+
     def next_claim(self, wait: bool = True) -> claims.Claim | None:
         """Claim the next shard; wait for claims of dead workers on this host to go stale (unless not `wait`: a
         worker with shards in flight polls again later); None when none is left."""
@@ -418,6 +430,8 @@ class Worker:
             room = None if left is None else left - self.drain_s
             adaptive = self.plan.sampling is not None and self.plan.sampling.stop_when_decided is not None
             for c in order(found, by_wave=adaptive):
+                if adaptive and self.behind_a_wave(c.index):
+                    continue
                 if not fits(c, rate, room):
                     self.log(f"shard {c.index}: {c.pending} rollouts would not finish before the time limit; skipped")
                     continue

@@ -2,7 +2,8 @@
 which records every request it gets (and when it answered it).
 
 - Across a shard boundary: the first request of shard 0 is held in the model; the worker's next shard is claimed
-  and its requests reach the policy while shard 0's last request is still open, and every identity is answered
+  and its requests reach the policy while shard 0's last request is still open (through the worker's collector
+  service), the policy never has more than num_samples_in_parallel requests open, and every identity is answered
   once. The worker's record carries its slot occupancy.
 - SIGKILL a worker while it holds two shards (two workers; the first request of each of shards 4 to 7 is held in
   the model, so once 0 to 3 are sealed each worker holds two): the sealed shards stay as they were, the other
@@ -41,6 +42,16 @@ def env(tmp_path: Path, gym_venv: Path, monkeypatch) -> str:
 
 def answers(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def max_open(answered: list[dict]) -> int:
+    """The most requests the policy had open at once (from the answer log's start and end times)."""
+    events = sorted([(a["t0"], 1) for a in answered] + [(a["t1"], -1) for a in answered], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def question_of(input_jsonl: Path, task: int) -> str:
@@ -83,6 +94,8 @@ def test_the_next_shard_s_requests_start_before_the_last_request_of_the_previous
     assert sorted(keys) == sorted(set(keys)) and len(keys) == SHARDS * REPEATS  # every identity once
     pairs = [(a["prompt"], a["seed"]) for a in answered]
     assert len(pairs) == len(set(pairs)) == SHARDS * REPEATS  # the model answered each rollout once
+    assert all("in the collector service" in store.collector_log_path(run_dir, i).read_text() for i in range(SHARDS))
+    assert max_open(answered) <= 2  # two shards at once, one budget: never more than num_samples_in_parallel
     [state] = records.read_worker_states(run_dir)
     assert state.slots == 2 and state.request_s > 0 and state.holding_s > 0
     assert sorted(state.sealed) == list(range(SHARDS)) and state.current_shards == []

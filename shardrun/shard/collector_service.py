@@ -35,6 +35,7 @@ from shardrun.shard.gym_stack import GymStack
 PROGRAM = Path(__file__).with_name("collector_service_gym.py")
 POLL_S = 0.05
 CANCELLED_RC = -15
+STOP_GRACE_S = 10.0  # a cancelled round unwinds within the service's LEFTOVER_S (3 s); past this, the service is stopped
 _names = itertools.count()
 
 
@@ -77,13 +78,13 @@ class Round:
         return rc
 
     def stop(self, grace: float = 10.0) -> int | None:
-        """Cancel the round (its rows already written stay); if the service does not report it within `grace`,
-        the service is stopped, which ends every round in it."""
+        """Cancel the round (its rows already written stay); if the service does not report it within `grace` (at
+        least STOP_GRACE_S), the service is stopped, which ends every round in it."""
         if self.poll() is not None:
             return self.rc
         (self.service.spool / f"{self.name}.cancel").touch()
         try:
-            return self.wait(grace)
+            return self.wait(max(grace, STOP_GRACE_S))
         except subprocess.TimeoutExpired:
             self.service.stop()
             return self.poll()

@@ -36,6 +36,7 @@ from typing import Any
 
 POLL_S = 0.05
 CANCELLED_RC = -15
+LEFTOVER_S = 3.0  # how long a round's cancelled rollouts may take to unwind before its end is reported
 _log: contextvars.ContextVar[Any] = contextvars.ContextVar("shard_log", default=None)
 _tasks: contextvars.ContextVar[set | None] = contextvars.ContextVar("shard_tasks", default=None)
 
@@ -115,7 +116,7 @@ async def run_round(rc: Any, base: Any, name: str, job: dict, spool: Path, inner
     for t in left:  # what Gym started for this shard and left running (a raised /run leaves the others in flight)
         t.cancel()
     if left:
-        await asyncio.wait(left, timeout=30)
+        await asyncio.wait(left, timeout=LEFTOVER_S)
     log = _log.get()
     if log is not None:
         log.flush()

@@ -35,7 +35,9 @@ from shardrun.shard.gym_stack import GymStack
 PROGRAM = Path(__file__).with_name("collector_service_gym.py")
 POLL_S = 0.05
 CANCELLED_RC = -15
-STOP_GRACE_S = 10.0  # a cancelled round unwinds within the service's LEFTOVER_S (3 s); past this, the service is stopped
+STOP_GRACE_S = (
+    10.0  # a cancelled round unwinds within the service's LEFTOVER_S (3 s); past this, the service is stopped
+)
 _names = itertools.count()
 
 

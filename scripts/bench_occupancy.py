@@ -19,7 +19,7 @@ more. The stand-in writes every answered request's start and end, so what is pri
                 held)), what `shardrun status` and the report show
 
 each for the worker as it is (cluster.collector_service on, cluster.pipeline_shards = `--pipeline-shards`,
-default 2) and as it was (`collector_service: false`, `pipeline_shards: 1`: a collector process per shard, one
+default the config's default) and as it was (`collector_service: false`, `pipeline_shards: 1`: a collector process per shard, one
 shard after another; shown as pipeline 0). `--case large`: the same rollouts in one shard (the pipeline must be
 no worse); `both` runs both cases.
 Target (issue #22): occupancy >= 0.85 with the pipeline on the small case; on the large case no worse than today (pipeline 0).
@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml
 
+from shardrun.core.config import ClusterConfig
 from shardrun.rundir import records
 from tests.fakes import harness
 from tests.faults import gymkit
@@ -134,7 +135,12 @@ def main() -> int:
     ap.add_argument("--delay-s", type=float, default=0.15, help="seconds per answer")
     ap.add_argument("--tail-share", type=float, default=0.125, help="share of answers that take --tail-s more")
     ap.add_argument("--tail-s", type=float, default=3.0)
-    ap.add_argument("--pipeline-shards", type=int, default=2, help="cluster.pipeline_shards of the pipelined run")
+    ap.add_argument(
+        "--pipeline-shards",
+        type=int,
+        default=ClusterConfig().pipeline_shards,
+        help="cluster.pipeline_shards of the pipelined run (default: the config's)",
+    )
     ap.add_argument("--case", choices=("small", "large", "both"), default="small")
     ap.add_argument("--only", choices=("pipeline", "baseline"), help="run only one of the two settings")
     ap.add_argument("--json", type=Path, help="also write the results here")

@@ -205,11 +205,12 @@ class ClusterConfig(StrictModel):
         "left (docs/workers.md); null: one job per shard.",
     )
     pipeline_shards: int = Field(
-        2,
+        4,
         ge=1,
         le=64,
-        description="Shards a warm worker holds at once: it claims the next while the current drains, and their "
-        "rollouts share gym.num_samples_in_parallel slots (docs/workers.md); 1: one shard after another.",
+        description="Shards a warm worker holds at most at once: it claims a further one while those it holds "
+        "leave a policy slot free (they drain their slowest rollouts), and all their rollouts share "
+        "gym.num_samples_in_parallel slots (docs/workers.md); 1: one shard after another.",
     )
     collector_service: bool = Field(
         True,

@@ -41,6 +41,15 @@ STOP_GRACE_S = (
 _names = itertools.count()
 
 
+@dataclass(frozen=True)
+class Slots:
+    """The service's budget as a worker reads it before claiming a further shard."""
+
+    idle_s: float  # seconds a slot has been free with no rollout waiting for one (0 while none is)
+    drained_s: float  # seconds no rollout has waited for a slot (0 while one waits)
+    started: set[int]  # the shards whose rounds' rollouts have asked for a slot
+
+
 @dataclass
 class Round:
     """One shard round in the service (what a collector process is for a shard run on its own)."""
@@ -102,6 +111,19 @@ class CollectorService:
 
     def problem(self) -> str | None:
         return None if self.alive() else f"the collector service {self.proc.describe_exit()}"
+
+    def slots(self) -> Slots:
+        """What the service's slots.json says (nothing yet, or garbled: nothing known to be free)."""
+        try:
+            data = orjson.loads((self.spool / "slots.json").read_bytes())
+            now = time.time()
+            idle, drained = (
+                0.0 if t is None else max(0.0, now - float(t)) for t in (data["idle_since"], data["drained_since"])
+            )
+            shards = {int(name.split("-")[1]) for name in data["started"] if isinstance(name, str)}
+        except (FileNotFoundError, orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError):
+            return Slots(0.0, 0.0, set())
+        return Slots(idle, drained, shards)
 
     def submit(self, run_dir: Path, index: int, view: Path | None = None) -> Round:
         """Start a round of shard `index` (`view`: collector.skipping_view, when rows are skipped)."""

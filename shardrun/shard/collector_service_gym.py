@@ -20,6 +20,11 @@ The spool directory is the whole protocol (files written whole by rename):
   NAME.run.json    {"input": ..., "output": ..., "log": ...}: collect one shard round (shardrun writes it)
   NAME.cancel      stop that round: its tasks are cancelled, its rows already written stay
   NAME.exit.json   {"rc": N}: the round is over (0: Gym returned; 1: it raised, traceback in the log; -15: cancelled)
+  slots.json       {"budget": N, "idle_since": T, "drained_since": T, "started": [NAME...]} (written when it
+                   changes): since when (time.time()) a slot of the budget has been free with no rollout waiting for
+                   one (null while all are taken or one waits), since when no rollout has waited for a slot (null
+                   while one waits), and the rounds whose rollouts have asked for a slot; from it the worker knows
+                   when the shards it holds will not keep the slots full, and claims another
   stop             end the service
 """
 
@@ -30,14 +35,16 @@ import contextvars
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 POLL_S = 0.05
 CANCELLED_RC = -15
 LEFTOVER_S = 3.0  # how long a round's cancelled rollouts may take to unwind before its end is reported
 _log: contextvars.ContextVar[Any] = contextvars.ContextVar("shard_log", default=None)
+_round: contextvars.ContextVar[str | None] = contextvars.ContextVar("shard_round", default=None)
 _tasks: contextvars.ContextVar[set | None] = contextvars.ContextVar("shard_tasks", default=None)
 
 
@@ -61,6 +68,36 @@ class Routed:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._default, name)
+
+
+class Budget(asyncio.Semaphore):
+    """The one budget of `num_samples_in_parallel` slots that every round's rollouts take (Gym's own semaphore,
+    shared), counting the rollouts holding a slot and those waiting for one, and the rounds that have asked."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.n, self.held, self.waiting = n, 0, 0
+        self.asked: set[str] = set()
+
+    async def acquire(self) -> Literal[True]:
+        name = _round.get()
+        if name is not None:
+            self.asked.add(name)
+        self.waiting += 1
+        try:
+            await super().acquire()
+        finally:
+            self.waiting -= 1
+        self.held += 1
+        return True
+
+    def release(self) -> None:
+        self.held -= 1
+        super().release()
+
+    def busy(self) -> bool:
+        """Every slot taken, or a rollout waiting for one: the rounds in the service fill the budget."""
+        return self.waiting > 0 or self.held >= self.n
 
 
 def write_whole(path: Path, data: dict) -> None:
@@ -136,13 +173,18 @@ async def serve(spool: Path) -> None:
         if not hasattr(rc, "Semaphore"):
             print("[collector service] this nemo-gym has no rollout_collection.Semaphore", file=sys.stderr)
             sys.exit(3)
-        shared = asyncio.Semaphore(int(budget))
+        shared: Budget | None = Budget(int(budget))
         rc.Semaphore = lambda _n: shared  # every shard's run_from_config takes its slots from one budget
+    else:
+        shared = None
     print(f"[collector service] ready: {budget or 'unlimited'} rollout(s) in flight across shards", flush=True)
     write_whole(spool / "ready.json", {"pid": os.getpid(), "budget": budget})
     running: dict[str, asyncio.Task] = {}  # round name -> the task that runs and reports it
     inner: dict[str, asyncio.Future] = {}  # round name -> its collection (Gym's run_from_config), what cancel stops
     cancelled: set[str] = set()
+    idle_since: float | None = time.time()
+    drained_since: float | None = idle_since
+    told: dict | None = None
     while not (spool / "stop").exists():
         for path in sorted(spool.glob("*.run.json")):
             name = path.name[: -len(".run.json")]
@@ -152,6 +194,7 @@ async def serve(spool: Path) -> None:
             ctx = contextvars.copy_context()
             ctx.run(_log.set, open(job["log"], "a", buffering=1))
             ctx.run(_tasks.set, set())
+            ctx.run(_round.set, name)
             running[name] = loop.create_task(run_round(rc, base, name, job, spool, inner), context=ctx)
         for name, task in list(running.items()):
             if task.done():
@@ -162,6 +205,16 @@ async def serve(spool: Path) -> None:
             elif name not in cancelled and name in inner and (spool / f"{name}.cancel").exists():
                 cancelled.add(name)
                 inner[name].cancel()
+        if shared is not None:
+            now = time.time()
+            idle_since = None if shared.busy() else idle_since or now
+            drained_since = None if shared.waiting else drained_since or now
+            shared.asked &= set(running)
+        asked = sorted(shared.asked) if shared is not None else sorted(running)
+        news = {"budget": budget, "idle_since": idle_since, "drained_since": drained_since, "started": asked}
+        if news != told:
+            write_whole(spool / "slots.json", news)
+            told = news
         await asyncio.sleep(POLL_S)
     for name in running:
         if name in inner:

@@ -45,6 +45,7 @@ from shardrun.rundir.records import COLLECTING, DRAINING, FAILED, IDLE, STARTING
 from shardrun.shard import gym_stack, processes, runtime, watchdog
 
 WAIT_POLL_S = 2.0
+SETTLE_S = 0.25  # a further shard is claimed once the budget has gone unfilled this long
 
 
 class ShardReleased(BaseException):
@@ -87,6 +88,15 @@ def order(candidates: list[Candidate], by_wave: bool = False) -> list[Candidate]
     if by_wave:
         return sorted(candidates, key=lambda c: (c.done == 0, c.index))
     return sorted(candidates, key=lambda c: (c.done == 0, -c.pending, c.index))
+
+
+def room_for_another(held: int, depth: int, waited_s: float, look_due: bool) -> bool:
+    """Does a worker holding `held` shards claim a further one? Always when it holds none. Otherwise while it holds
+    fewer than `depth` (cluster.pipeline_shards), once the held shards have left its collector service's budget
+    unfilled for SETTLE_S (`waited_s`: no rollout waiting for a slot, or a slot free), when its next look is due."""
+    if held == 0:
+        return True
+    return held < depth and look_due and waited_s >= SETTLE_S
 
 
 def rate_per_s(markers: list[Seal]) -> float | None:
@@ -161,6 +171,9 @@ class Worker:
         self.stopping = threading.Event()  # the worker stops: the shards in flight are released
         self.errors: list[BaseException] = []  # what a shard's thread raised that stops the worker
         self.held_since: float | None = None  # monotonic: since when at least one shard is held
+        self.next_look = 0.0  # monotonic: not before then does the worker look for a further shard again
+        self.plenty = True  # at the last look, more shards were left to claim than other workers to claim them
+        self.seen_sealed: dict[int, Seal] = {}  # shards found sealed (checked once; merging checks them again)
         self.gate_seen = 0.0  # the slot gate's request-seconds already in the record
         self.servers: runtime.Servers | None = None
         self.warm = False  # the servers have already collected a shard
@@ -248,11 +261,14 @@ class Worker:
             if self.running and (self.servers is None or self.servers.problem()):
                 self.wait_all()  # the shards in flight end on their own watchdogs before the servers restart
             claim = None
-            if len(self.running) < self.depth:
+            if self.room_for_another():
                 found, _, dead = self.candidates()
+                self.plenty = len(found) > self.other_live_workers()
                 if found or dead:
                     self.ensure_servers()
                     claim = self.next_claim(wait=not self.running)  # servers first: a claim must not lapse
+                # after a claim, look again once its rollouts have asked for slots; after finding none, later
+                self.next_look = time.monotonic() + (SETTLE_S if claim is not None else WAIT_POLL_S)
             if claim is not None:
                 self.start_collecting(claim)
                 continue
@@ -260,7 +276,35 @@ class Worker:
                 self.log("nothing left to claim")
                 self.save(exit_reason="nothing left")
                 break
-            self.finished.wait(WAIT_POLL_S)  # a shard ended, or poll for a shard that became claimable
+            # a shard ended, or look again: for free slots, or for a shard that became claimable
+            self.finished.wait(SETTLE_S / 2 if len(self.running) < self.depth else WAIT_POLL_S)
+
+    def other_live_workers(self) -> int:
+        """The run's other workers that have not ended (a worker's pid is checked only on its own host)."""
+        return sum(
+            1
+            for w in records.read_worker_states(self.run_dir)
+            if w.worker_id != self.worker_id
+            and w.state not in (STOPPED, FAILED)
+            and not (w.host == self.state.host and gone(w))
+        )
+
+    def room_for_another(self) -> bool:
+        service = self.servers.service if self.servers is not None else None
+        with self.lock:
+            held = set(self.running)
+        if service is None:  # a collector process per shard: what it leaves free is not known; fill the pipeline
+            return len(held) < self.depth
+        look = service.slots()
+        # plenty of shards left: queue the next one as soon as nothing waits for a slot, so that its rollouts take
+        # the slots the held ones free; near the end, only once a slot is free (an idle worker may take it instead)
+        waited = look.drained_s if self.plenty else look.idle_s
+        return room_for_another(
+            held=len(held),
+            depth=self.depth,
+            waited_s=waited if held <= look.started else 0.0,  # a held shard's rollouts have not asked yet
+            look_due=time.monotonic() >= self.next_look,
+        )
 
     def start_collecting(self, claim: claims.Claim) -> None:
         def run() -> None:
@@ -391,8 +435,12 @@ class Worker:
         markers: list[Seal] = []
         dead: list[claims.ClaimInfo] = []
         for spec in self.plan.shards:
+            if spec.index in self.seen_sealed:
+                markers.append(self.seen_sealed[spec.index])
+                continue
             st = seal.check(self.run_dir, self.plan, spec.index)
             if st.sealed and st.marker is not None:
+                self.seen_sealed[spec.index] = st.marker  # a seal is final: not read again at every look
                 markers.append(st.marker)
                 continue
             attempts = failed_attempts(self.run_dir, spec.index)

@@ -312,3 +312,15 @@ def test_slot_occupancy_counts_overlapping_shards_once_per_worker_and_for_the_ru
     text = dict(cost.workers_rows(row))
     assert text["slot occupancy"] == "0.80 of the policy's slots busy while collecting (a 0.90, b 0.50)"
     assert "slot occupancy" not in dict(cost.workers_rows(cost.workers_row([wc])))
+
+
+def test_a_further_shard_is_claimed_only_when_the_held_ones_leave_the_budget_unfilled() -> None:
+    """The pipeline (cluster.pipeline_shards): the first shard always; a further one only below the depth, once the
+    held shards have left the collector service's budget unfilled for SETTLE_S, when a look is due."""
+    s = worker.SETTLE_S
+    assert worker.room_for_another(held=0, depth=1, waited_s=0.0, look_due=False)
+    assert not worker.room_for_another(held=1, depth=1, waited_s=60.0, look_due=True)
+    assert worker.room_for_another(held=1, depth=4, waited_s=s, look_due=True)
+    assert not worker.room_for_another(held=1, depth=4, waited_s=s / 2, look_due=True)  # the budget is full: no
+    assert not worker.room_for_another(held=2, depth=4, waited_s=60.0, look_due=False)  # just looked: wait
+    assert not worker.room_for_another(held=4, depth=4, waited_s=60.0, look_due=True)

@@ -42,7 +42,7 @@ _names = itertools.count()
 
 
 @dataclass(frozen=True)
-class Slots:
+class BudgetLook:
     """The service's budget as a worker reads it before claiming a further shard."""
 
     idle_s: float  # seconds a slot has been free with no rollout waiting for one (0 while none is)
@@ -112,7 +112,7 @@ class CollectorService:
     def problem(self) -> str | None:
         return None if self.alive() else f"the collector service {self.proc.describe_exit()}"
 
-    def slots(self) -> Slots:
+    def budget(self) -> BudgetLook:
         """What the service's slots.json says (nothing yet, or garbled: nothing known to be free)."""
         try:
             data = orjson.loads((self.spool / "slots.json").read_bytes())
@@ -122,8 +122,8 @@ class CollectorService:
             )
             shards = {int(name.split("-")[1]) for name in data["started"] if isinstance(name, str)}
         except (FileNotFoundError, orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError):
-            return Slots(0.0, 0.0, set())
-        return Slots(idle, drained, shards)
+            return BudgetLook(0.0, 0.0, set())
+        return BudgetLook(idle, drained, shards)
 
     def submit(self, run_dir: Path, index: int, view: Path | None = None) -> Round:
         """Start a round of shard `index` (`view`: collector.skipping_view, when rows are skipped)."""

@@ -295,7 +295,7 @@ class Worker:
             held = set(self.running)
         if service is None:  # a collector process per shard: what it leaves free is not known; fill the pipeline
             return len(held) < self.depth
-        look = service.slots()
+        look = service.budget()
         # plenty of shards left: queue the next one as soon as nothing waits for a slot, so that its rollouts take
         # the slots the held ones free; near the end, only once a slot is free (an idle worker may take it instead)
         waited = look.drained_s if self.plenty else look.idle_s

@@ -65,16 +65,16 @@ def test_the_budget_counts_held_and_waiting_slots_and_the_rounds_that_asked() ->
 
 def test_the_worker_reads_the_service_s_slots_file(tmp_path: Path) -> None:
     service = collector_service.CollectorService(proc=None, spool=tmp_path)  # only its spool is read here
-    nothing = collector_service.Slots(0.0, 0.0, set())
-    assert service.slots() == nothing  # nothing written yet: not known to be free
+    nothing = collector_service.BudgetLook(0.0, 0.0, set())
+    assert service.budget() == nothing  # nothing written yet: not known to be free
     (tmp_path / "slots.json").write_text(
         '{"budget": 2, "idle_since": null, "drained_since": null, "started": ["shard-3-0"]}'
     )
-    assert service.slots() == collector_service.Slots(0.0, 0.0, {3})
+    assert service.budget() == collector_service.BudgetLook(0.0, 0.0, {3})
     (tmp_path / "slots.json").write_text(
         '{"budget": 2, "idle_since": null, "drained_since": 1.0, "started": ["shard-3-0", "shard-12-5"]}'
     )
-    look = service.slots()
+    look = service.budget()
     assert look.idle_s == 0.0 and look.drained_s > 1000 and look.started == {3, 12}
     (tmp_path / "slots.json").write_text('{"budget": 2, "idle_since": "x", "drained_since": 1, "started": 7}')
-    assert service.slots() == nothing  # a garbled file is not trusted
+    assert service.budget() == nothing  # a garbled file is not trusted

@@ -204,6 +204,20 @@ class ClusterConfig(StrictModel):
         description="Warm workers: this many jobs that start their servers once and claim shards until none are "
         "left (docs/workers.md); null: one job per shard.",
     )
+    pipeline_shards: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Shards a warm worker holds at most at once: it claims a further one while those it holds "
+        "leave a policy slot free (they drain their slowest rollouts), and all their rollouts share "
+        "gym.num_samples_in_parallel slots (docs/workers.md); 1: one shard after another.",
+    )
+    collector_service: bool = Field(
+        True,
+        description="Warm workers: collect every shard through one long-lived Gym collector per worker, whose "
+        "gym.num_samples_in_parallel rollouts in flight the shards it holds share (docs/workers.md); false: a "
+        "collector process per shard.",
+    )
     claim_heartbeat_s: float = Field(30.0, gt=0, le=86400, description="Seconds between a worker's claim renewals.")
     claim_lease_s: float = Field(
         180.0, gt=0, le=7 * 86400, description="A claim not renewed for this long is stale and taken over."

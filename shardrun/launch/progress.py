@@ -76,7 +76,9 @@ def view(st: status.RunStatus) -> Any:
     if st.workers:
         table = Table("worker", "job", "host", "state", "shard", "sealed", box=None, pad_edge=False)
         for w in st.workers:
-            shard = "-" if w["current_shard"] is None else str(w["current_shard"])
+            shard = ",".join(map(str, w.get("current_shards") or [])) or (
+                "-" if w["current_shard"] is None else str(w["current_shard"])
+            )
             cells = (w["worker_id"], w["job_id"] or "-", w["host"], w["state"], shard, str(w["sealed"]))
             table.add_row(*(Text(shown(c)) for c in cells))  # Text: data is never read as rich markup
         parts.append(table)

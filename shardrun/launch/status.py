@@ -439,6 +439,9 @@ def worker_view(
                 "host": w.host,
                 "state": w.state if alive or w.state in (records.STOPPED, records.FAILED) else "gone",
                 "current_shard": w.current_shard if alive else None,
+                "current_shards": (w.current_shards or ([] if w.current_shard is None else [w.current_shard]))
+                if alive
+                else [],
                 "sealed": len(w.sealed),
                 "servers_up_since": w.servers_up_since if alive else None,
                 "server_starts": w.server_starts,
@@ -636,7 +639,9 @@ def render_workers(st: RunStatus) -> list[str]:
         ]
         for w in st.workers:
             since = datetime.fromtimestamp(w["servers_up_since"]).strftime("%H:%M:%S") if w["servers_up_since"] else "-"
-            shard = "-" if w["current_shard"] is None else str(w["current_shard"])
+            shard = ",".join(map(str, w.get("current_shards") or [])) or (
+                "-" if w["current_shard"] is None else str(w["current_shard"])
+            )
             out.append(
                 f"{shown(w['worker_id']):<22} {shown(w['job_id'] or '-'):<14} {shown(w['host']):<16} "
                 f"{shown(w['state']):<11} {shard:>5} {w['sealed']:>6}  {since}"

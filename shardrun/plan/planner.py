@@ -865,6 +865,13 @@ class WaveOrder:
             self.base[v] = self.base[v - 1] + sizes[v - 1]
         self.seen = [0] * count  # rollouts of each wave given to earlier tasks
 
+    def waves_of(self, spec: ShardSpec) -> tuple[int, int] | None:
+        """The first and last wave a shard's rollouts belong to (adaptive sampling cuts contiguous shards over the
+        wave-major ordinals); None when the plan is not wave-major or the shard is a stride."""
+        if not self.wave or spec.kind != "range" or spec.stop <= spec.start:
+            return None
+        return bisect.bisect_right(self.base, spec.start) - 1, bisect.bisect_right(self.base, spec.stop - 1) - 1
+
     def segments(self, ordinal: int, k: int) -> list[tuple[int, int, int]]:
         """(first ordinal, from, to): the task's rollouts from..to-1 have the ordinals first, first + 1, ...
         `ordinal` is the task's first ordinal in input order (used when not wave-major)."""

@@ -218,6 +218,15 @@ class WorkerCost:
     collecting_s: float
     sealed: int
     server_starts: int
+    slots: int | None = None  # gym.num_samples_in_parallel: its slot gate's limit
+    request_s: float = 0.0  # policy request-seconds through its slot gate
+
+    @property
+    def occupancy(self) -> float | None:
+        """Slot occupancy: request-seconds in flight / (slots x collecting time); None when unknown."""
+        if not self.slots or self.collecting_s <= 0 or not self.request_s:
+            return None
+        return self.request_s / (self.slots * self.collecting_s)
 
     @property
     def gpu_hours(self) -> float:
@@ -245,9 +254,13 @@ def worker_cost(state: WorkerState, now: float) -> WorkerCost:
         gpus=state.gpus,
         wall_s=max(0.0, (ended if ended is not None else now) - state.started_at),
         startup_s=state.startup_s,
-        collecting_s=sum(state.collecting_s.values()),
+        # the time with a shard held: shards held at once (cluster.pipeline_shards) overlap; older records have
+        # only the per-shard times
+        collecting_s=state.holding_s or sum(state.collecting_s.values()),
         sealed=len(state.sealed),
         server_starts=state.server_starts,
+        slots=state.slots,
+        request_s=state.request_s,
     )
 
 
@@ -273,7 +286,16 @@ def workers_row(workers: Sequence[WorkerCost]) -> dict[str, Any]:
         "startup_s": sum(w.startup_s for w in workers),
         "collecting_s": sum(w.collecting_s for w in workers),
         "utilization": sum(w.collecting_s for w in workers) / wall if wall > 0 else None,
+        "occupancy": run_occupancy(workers),
+        "worker_occupancy": {w.worker_id: w.occupancy for w in workers},
     }
+
+
+def run_occupancy(workers: Sequence[WorkerCost]) -> float | None:
+    """The run's slot occupancy: its workers' request-seconds over their slot-seconds of collecting."""
+    known = [w for w in workers if w.occupancy is not None]
+    slot_s = sum((w.slots or 0) * w.collecting_s for w in known)
+    return sum(w.request_s for w in known) / slot_s if slot_s > 0 else None
 
 
 def workers_rows(row: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -292,7 +314,19 @@ def workers_rows(row: Mapping[str, Any]) -> list[tuple[str, str]]:
             f"{hours(row['job_s'])} in jobs: start-up {hours(row['startup_s'])}, collecting "
             f"{hours(row['collecting_s'])} (utilization {_fmt(row['utilization'], '.2f')})",
         ),
+        *occupancy_rows(row),
     ]
+
+
+def occupancy_rows(row: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Slot occupancy for the run and per worker (rows absent when no worker measured it)."""
+    per = {w: o for w, o in (row.get("worker_occupancy") or {}).items() if o is not None}
+    if row.get("occupancy") is None:
+        return []
+    text = f"{_fmt(row['occupancy'], '.2f')} of the policy's slots busy while collecting"
+    if len(per) > 1:
+        text += " (" + ", ".join(f"{w} {o:.2f}" for w, o in sorted(per.items())) + ")"
+    return [("slot occupancy", text)]
 
 
 # ---------------------------------------------------------------- text

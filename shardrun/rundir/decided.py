@@ -23,6 +23,7 @@ read show, starts the reading over).
 from __future__ import annotations
 
 import os
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,7 @@ class RunRollouts:
 
     def __init__(self, run_dir: Path, plan: Plan, metric: str):
         self.run_dir, self.plan, self.metric = Path(run_dir), plan, metric
+        self.lock = threading.RLock()  # a warm worker starts shards from several threads (cluster.pipeline_shards)
         self.reset()
 
     def reset(self) -> None:
@@ -160,19 +162,20 @@ def decide_shard(
         return out
     if known is None or known.metric != rules.metric:
         known = RunRollouts(run_dir, plan, rules.metric)
-    known.refresh()
     values: dict[Key, Any] = {}
     by_task: dict[int, list[Any]] = {}
     failed: set[Key] = set()
     failed_per_task: dict[int, int] = defaultdict(int)
-    for t in agents:
-        seen = known.values.get(t, {})
-        by_task[t] = sorted(seen.items())
-        values.update(((t, r), v) for r, v in seen.items())
-        for r, rows in known.failures.get(t, {}).items():
-            if r not in seen and ledger.failed_for_good(rows, attempts):
-                failed.add((t, r))
-                failed_per_task[t] += 1
+    with known.lock:
+        known.refresh()
+        for t in agents:
+            seen = dict(known.values.get(t, {}))
+            by_task[t] = sorted(seen.items())
+            values.update(((t, r), v) for r, v in seen.items())
+            for r, rows in known.failures.get(t, {}).items():
+                if r not in seen and ledger.failed_for_good(rows, attempts):
+                    failed.add((t, r))
+                    failed_per_task[t] += 1
     for task, agent in agents.items():
         if task in filled:
             continue

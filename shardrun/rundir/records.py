@@ -295,6 +295,10 @@ class WorkerState(BaseModel):
     startup_s: Finite = 0.0  # seconds spent starting servers, every start
     sealed: list[Count] = Field(default_factory=list)
     collecting_s: dict[str, Finite] = Field(default_factory=dict)  # shard -> seconds from claim to release
+    current_shards: list[Count] = Field(default_factory=list)  # every shard held now (cluster.pipeline_shards)
+    holding_s: Finite = 0.0  # seconds with at least one shard held (shards held at once overlap)
+    slots: Count | None = None  # gym.num_samples_in_parallel: the policy requests its slot gate admits at once
+    request_s: Finite = 0.0  # policy request-seconds through its slot gate, summed over requests
     failed_attempts: Count = 0
     ended_at: Finite | None = None
     exit_reason: str = ""

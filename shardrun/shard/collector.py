@@ -30,6 +30,22 @@ from shardrun.shard.gym_stack import HEAD_HOST, GymStack, stack_env
 ATTEMPTS_ENV = "NEMO_GYM_MAX_ROLLOUT_ATTEMPTS"  # read by Gym's resume (0.4 and 0.7): the retry cap per identity
 
 
+def overrides(adapter: GymAdapter, stack_port: int, gym: GymConfig) -> list[str]:
+    """The collector's Hydra overrides but its input and output: the stack to use, resume from the materialized
+    file, no aggregation, the release's own flags, the concurrency, the user's collect_overrides."""
+    out = [
+        f"+head_server.host={HEAD_HOST}",
+        f"+head_server.port={stack_port}",
+        "+resume_from_cache=true",
+        "+disable_aggregation=true",
+        "+upload_rollouts_to_wandb=false",
+        *adapter.collect_flags(),
+    ]
+    if gym.num_samples_in_parallel:
+        out.append(f"+num_samples_in_parallel={gym.num_samples_in_parallel}")
+    return out + list(gym.collect_overrides)
+
+
 def command(
     adapter: GymAdapter,
     venv: Path,
@@ -42,20 +58,19 @@ def command(
     """The collector's command line; `view` (a `skipping_view`) in place of the shard directory when rows are
     skipped."""
     where = view or store.shard_dir(run_dir, index)
-    cmd = [
+    return [
         *adapter.collect_command(venv),
-        f"+head_server.host={HEAD_HOST}",
-        f"+head_server.port={stack_port}",
         f"+input_jsonl_fpath={where / MATERIALIZED}",
         f"+output_jsonl_fpath={where / ROLLOUTS}",
-        "+resume_from_cache=true",
-        "+disable_aggregation=true",
-        "+upload_rollouts_to_wandb=false",
-        *adapter.collect_flags(),
+        *overrides(adapter, stack_port, gym),
     ]
-    if gym.num_samples_in_parallel:
-        cmd.append(f"+num_samples_in_parallel={gym.num_samples_in_parallel}")
-    return cmd + list(gym.collect_overrides)
+
+
+def environment(base: Mapping[str, str], venv: Path, stack: GymStack, gym: GymConfig) -> dict[str, str]:
+    """The collector's environment: the stack's, and Gym's retry cap per identity."""
+    out = stack_env(base, venv, stack.ray_tmp, gym.server_venvs == "shared")
+    out[ATTEMPTS_ENV] = str(gym.max_rollout_attempts)
+    return out
 
 
 def start(
@@ -69,15 +84,12 @@ def start(
     view: Path | None = None,
 ) -> processes.Proc:
     """Start one collector round (after the caller repaired a torn tail of rollouts.jsonl)."""
-    base = dict(os.environ if env is None else env)
-    cmd_env = stack_env(base, venv, stack.ray_tmp, gym.server_venvs == "shared")
-    cmd_env[ATTEMPTS_ENV] = str(gym.max_rollout_attempts)
     return processes.start(
         command(adapter, venv, stack.port, run_dir, index, gym, view),
         store.collector_log_path(run_dir, index),
         name="ng_collect_rollouts",
         cwd=store.gym_dir(run_dir, index),
-        env=cmd_env,
+        env=environment(dict(os.environ if env is None else env), venv, stack, gym),
     )
 
 

@@ -58,6 +58,13 @@ class Proc:
     def returncode(self) -> int | None:
         return self.popen.poll()
 
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code; subprocess.TimeoutExpired if it still runs after `timeout` seconds."""
+        return self.popen.wait(timeout=timeout)
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        return stop(self, grace=grace)
+
     def tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.log_path, lines)
 

@@ -28,12 +28,12 @@ from shardrun.core import gym_adapter
 from shardrun.shard import gym_stack
 from shardrun.rundir import decided
 from shardrun.rundir import ledger
-from shardrun.shard import policy
+from shardrun.shard import collector_service, policy, slot_gate
 from shardrun.rundir import records, seal
 from shardrun.rundir import store
 from shardrun.shard import watchdog
 from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
-from shardrun.core.errors import BadInput, ShardFailed, ShardrunError
+from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
 from shardrun.rundir.records import Seal
 
@@ -210,43 +210,88 @@ class Servers:
     stack: gym_stack.GymStack
     ready_s: float  # seconds from the start to both being ready
     up_since: float  # Unix time they became ready
+    gate: slot_gate.Gate | None = None  # a warm worker's: the stack talks to the policy through it
+    service: collector_service.CollectorService | None = None  # a warm worker's: collects shard after shard
 
     def problem(self) -> str | None:
-        return self.endpoint.problem() or self.stack.problem()
+        return (
+            self.endpoint.problem()
+            or (self.gate.problem() if self.gate else None)
+            or self.stack.problem()
+            or (self.service.problem() if self.service else None)
+        )
 
     def groups(self) -> list[tuple[int, int]]:
         """The process groups of the servers started here (processes.Proc.group): a worker records them so that
         another worker on its host can reap them if it is SIGKILLed."""
         procs = [self.stack.proc] + ([self.endpoint.server.proc] if self.endpoint.server is not None else [])
+        procs += [self.service.proc] if self.service is not None else []
         return [g for g in (p.group for p in procs) if g is not None]
 
     def stop(self) -> None:
         try:
+            if self.service is not None:
+                self.service.stop()
+        finally:
+            self._stop_servers()
+
+    def _stop_servers(self) -> None:
+        try:
             self.stack.stop()
         finally:
-            self.endpoint.stop()
+            try:
+                if self.gate is not None:
+                    self.gate.stop()
+            finally:
+                self.endpoint.stop()
 
 
 def start_servers(
-    policy_cfg: PolicyConfig, gym: GymConfig, run_dir: Path, place: gym_stack.StackPlace, log: Callable[[str], None]
+    policy_cfg: PolicyConfig,
+    gym: GymConfig,
+    run_dir: Path,
+    place: gym_stack.StackPlace,
+    log: Callable[[str], None],
+    gated: bool = False,
+    service: bool = False,
 ) -> Servers:
-    """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running."""
+    """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running. `gated` (a
+    warm worker): the stack reaches the policy through a slot gate admitting gym.num_samples_in_parallel requests at
+    once (shard/slot_gate.py); `service` (a warm worker's, unless cluster.collector_service is off): a collector
+    service (shard/collector_service.py) collects shard after shard."""
     t0 = time.monotonic()
     endpoint = policy.open_policy(policy_cfg, place.home)
+    gate = None
     try:
         for note in endpoint.notes:
             log(f"note: {note}")
         log(
             f"policy ready in {time.monotonic() - t0:.1f} s: {', '.join(endpoint.base_urls)} model {endpoint.model_name}"
         )
+        urls = list(endpoint.base_urls)
+        if gated:
+            gate = slot_gate.Gate(urls, gym.num_samples_in_parallel)
+            urls = gate.urls
+            log(f"slot gate at {', '.join(urls)}: {gym.num_samples_in_parallel or 'unlimited'} request(s) at once")
         stack, waited = gym_stack.start_ready(
-            run_dir, -1, gym, endpoint.base_urls, endpoint.api_key, endpoint.model_name, place=place
+            run_dir, -1, gym, urls, endpoint.api_key, endpoint.model_name, place=place
         )
     except BaseException:
+        if gate is not None:
+            gate.stop()
         endpoint.stop()
         raise
     log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
-    return Servers(endpoint, stack, time.monotonic() - t0, time.time())
+    servers = Servers(endpoint, stack, time.monotonic() - t0, time.time(), gate)
+    if service:
+        try:
+            venv = gym_stack.gym_venv(gym, os.environ)
+            servers.service = collector_service.start(gym_adapter.for_venv(venv), venv, stack, gym, place.home)
+        except BaseException:
+            servers.stop()
+            raise
+        log(f"collector service started (pid {servers.service.proc.pid}): shard after shard, one budget of slots")
+    return servers
 
 
 class Shard:
@@ -416,6 +461,9 @@ class Shard:
                 return
             after = progress_mark(book)
             if rc != 0 and not failed:
+                down = endpoint.problem() or stack.problem()
+                if down:  # the collector gave up because a server died under it: the servers' failure, not Gym's
+                    raise ServerFailure(f"{down}; the collector exited with code {rc}")
                 raise ShardFailed(
                     f"ng_collect_rollouts exited with code {rc} and named no failed rollout; "
                     f"{len(book.pending)} rollouts still pending. Last lines of "
@@ -446,7 +494,11 @@ class Shard:
         self.log(f"collector round {round_no}: {pending} rollouts")
         t0 = time.monotonic()
         view = collector.skipping_view(self.run_dir, self.index, self.skipped) if self.skipped else None
-        proc = collector.start(adapter, venv, stack, self.run_dir, self.index, self.gym, view=view)
+        proc: watchdog.Watched
+        if self.servers is not None and self.servers.service is not None:
+            proc = self.servers.service.submit(self.run_dir, self.index, view)
+        else:
+            proc = collector.start(adapter, venv, stack, self.run_dir, self.index, self.gym, view=view)
         try:
             rc = watchdog.watch(
                 proc,

@@ -11,12 +11,24 @@ from __future__ import annotations
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
 
-from shardrun.shard import processes
 from shardrun.core.errors import ServerFailure, ShardFailed
 
 STRIKES = 2
+
+
+class Watched(Protocol):
+    """A running collector: a process (processes.Proc) or a round in a worker's collector service."""
+
+    log_path: Path
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def alive(self) -> bool: ...
+
+    def stop(self, grace: float = 10.0) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -26,7 +38,7 @@ class Check:
 
 
 def watch(
-    proc: processes.Proc,
+    proc: Watched,
     *,
     checks: Sequence[Check],
     progress: Callable[[], object],
@@ -35,7 +47,7 @@ def watch(
     log: Callable[[str], None] = lambda _m: None,
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
-    """Wait for `proc` to exit and return its exit code, or stop it and raise ServerFailure / ShardFailed."""
+    """Wait for `proc` (a collector) to exit and return its exit code, or stop it and raise ServerFailure / ShardFailed."""
     interval = max(0.2, min(interval_s, stall_timeout_s / 4))
     last = progress()
     last_change = clock()
@@ -43,7 +55,7 @@ def watch(
     try:
         while True:
             try:
-                return proc.popen.wait(timeout=interval)
+                return proc.wait(timeout=interval)
             except subprocess.TimeoutExpired:
                 pass
             now_progress = progress()
@@ -64,5 +76,5 @@ def watch(
     except BaseException as e:
         if proc.alive():
             log(f"stopping the collector: {e}")
-            processes.stop(proc, grace=5.0)
+            proc.stop(grace=5.0)
         raise

@@ -38,12 +38,14 @@ from typing import Any, Callable
 
 from shardrun.core.config import RunConfig
 from shardrun.core.errors import ServerFailure, ShardFailed, ShardrunError
+from shardrun.plan import planner
 from shardrun.plan.planner import Plan
 from shardrun.rundir import claims, decided, records, seal, store
 from shardrun.rundir.records import COLLECTING, DRAINING, FAILED, IDLE, STARTING, STOPPED, Seal, WorkerState
 from shardrun.shard import gym_stack, processes, runtime, watchdog
 
 WAIT_POLL_S = 2.0
+SETTLE_S = 0.25  # a further shard is claimed once the budget has gone unfilled this long
 
 
 class ShardReleased(BaseException):
@@ -86,6 +88,15 @@ def order(candidates: list[Candidate], by_wave: bool = False) -> list[Candidate]
     if by_wave:
         return sorted(candidates, key=lambda c: (c.done == 0, c.index))
     return sorted(candidates, key=lambda c: (c.done == 0, -c.pending, c.index))
+
+
+def room_for_another(held: int, depth: int, waited_s: float, look_due: bool) -> bool:
+    """Does a worker holding `held` shards claim a further one? Always when it holds none. Otherwise while it holds
+    fewer than `depth` (cluster.pipeline_shards), once the held shards have left its collector service's budget
+    unfilled for SETTLE_S (`waited_s`: no rollout waiting for a slot, or a slot free), when its next look is due."""
+    if held == 0:
+        return True
+    return held < depth and look_due and waited_s >= SETTLE_S
 
 
 def rate_per_s(markers: list[Seal]) -> float | None:
@@ -150,6 +161,20 @@ class Worker:
         if previous:
             self.state.sealed, self.state.collecting_s = previous.sealed, previous.collecting_s
             self.state.server_starts, self.state.startup_s = previous.server_starts, previous.startup_s
+        if previous:
+            self.state.holding_s, self.state.request_s = previous.holding_s, previous.request_s
+        self.depth = self.cluster.pipeline_shards
+        self.state.slots = self.gym.num_samples_in_parallel
+        self.lock = threading.RLock()  # the worker's record, written from the shards' threads
+        self.running: dict[int, threading.Thread] = {}  # shard -> its thread
+        self.finished = threading.Event()  # a shard's thread ended
+        self.stopping = threading.Event()  # the worker stops: the shards in flight are released
+        self.errors: list[BaseException] = []  # what a shard's thread raised that stops the worker
+        self.held_since: float | None = None  # monotonic: since when at least one shard is held
+        self.next_look = 0.0  # monotonic: not before then does the worker look for a further shard again
+        self.plenty = True  # at the last look, more shards were left to claim than other workers to claim them
+        self.seen_sealed: dict[int, Seal] = {}  # shards found sealed (checked once; merging checks them again)
+        self.gate_seen = 0.0  # the slot gate's request-seconds already in the record
         self.servers: runtime.Servers | None = None
         self.warm = False  # the servers have already collected a shard
         self.restarts = 0
@@ -168,11 +193,15 @@ class Worker:
         print(line, flush=True)
 
     def save(self, **changes: Any) -> None:
-        for k, v in changes.items():
-            setattr(self.state, k, v)
-        self.state.updated_at = time.time()
-        with contextlib.suppress(OSError):
-            records.write_worker_state(self.run_dir, self.state)
+        with self.lock:
+            for k, v in changes.items():
+                setattr(self.state, k, v)
+            held = sorted(self.running)
+            self.state.current_shards = held
+            self.state.current_shard = held[0] if held else None
+            self.state.updated_at = time.time()
+            with contextlib.suppress(OSError):
+                records.write_worker_state(self.run_dir, self.state)
 
     def time_left(self) -> float | None:
         return None if self.deadline is None else self.deadline - self.clock()
@@ -208,24 +237,121 @@ class Worker:
         return self.state
 
     def loop(self) -> None:
-        """Claim and collect until nothing is left, the time limit is near, or the servers died too often."""
+        """Claim and collect until nothing is left, the time limit is near, or the servers died too often. Up to
+        `cluster.pipeline_shards` shards at once, each in its own thread (their collectors share the slot gate's
+        slots): a new one is claimed as soon as fewer are held, so the next shard's collector starts while the
+        current one drains."""
+        try:
+            self.pipeline()
+        finally:
+            self.stopping.set()  # a signal or an error in this thread: the shards in flight stop, claims released
+            for t in list(self.running.values()):
+                t.join()
+            self.account()
+
+    def pipeline(self) -> None:
         while True:
+            self.reap_finished()
             left = self.time_left()
             if left is not None and left <= self.drain_s:
                 self.log("the time limit is near: not claiming another shard")
                 self.save(state=DRAINING, exit_reason="time limit")
+                self.wait_all()
                 break
-            found, _, dead = self.candidates()
-            if found or dead:
-                self.ensure_servers()
-                claim = self.next_claim()  # servers first: a claim must not lapse while they start
-            else:
-                claim = None
-            if claim is None:
+            if self.running and (self.servers is None or self.servers.problem()):
+                self.wait_all()  # the shards in flight end on their own watchdogs before the servers restart
+            claim = None
+            if self.room_for_another():
+                found, _, dead = self.candidates()
+                self.plenty = len(found) > self.other_live_workers()
+                if found or dead:
+                    self.ensure_servers()
+                    claim = self.next_claim(wait=not self.running)  # servers first: a claim must not lapse
+                # after a claim, look again once its rollouts have asked for slots; after finding none, later
+                self.next_look = time.monotonic() + (SETTLE_S if claim is not None else WAIT_POLL_S)
+            if claim is not None:
+                self.start_collecting(claim)
+                continue
+            if not self.running:
                 self.log("nothing left to claim")
                 self.save(exit_reason="nothing left")
                 break
-            self.collect(claim)  # a server failure is seen (and the servers restarted) at the top
+            # a shard ended, or look again: for free slots, or for a shard that became claimable
+            self.finished.wait(SETTLE_S / 2 if len(self.running) < self.depth else WAIT_POLL_S)
+
+    def other_live_workers(self) -> int:
+        """The run's other workers that have not ended (a worker's pid is checked only on its own host)."""
+        return sum(
+            1
+            for w in records.read_worker_states(self.run_dir)
+            if w.worker_id != self.worker_id
+            and w.state not in (STOPPED, FAILED)
+            and not (w.host == self.state.host and gone(w))
+        )
+
+    def room_for_another(self) -> bool:
+        service = self.servers.service if self.servers is not None else None
+        with self.lock:
+            held = set(self.running)
+        if service is None:  # a collector process per shard: what it leaves free is not known; fill the pipeline
+            return len(held) < self.depth
+        look = service.budget()
+        # plenty of shards left: queue the next one as soon as nothing waits for a slot, so that its rollouts take
+        # the slots the held ones free; near the end, only once a slot is free (an idle worker may take it instead)
+        waited = look.drained_s if self.plenty else look.idle_s
+        return room_for_another(
+            held=len(held),
+            depth=self.depth,
+            waited_s=waited if held <= look.started else 0.0,  # a held shard's rollouts have not asked yet
+            look_due=time.monotonic() >= self.next_look,
+        )
+
+    def start_collecting(self, claim: claims.Claim) -> None:
+        def run() -> None:
+            try:
+                self.collect(claim)
+            except BaseException as e:  # collect handles a shard's failures; this is what must stop the worker
+                self.errors.append(e)
+            finally:
+                self.finished.set()
+
+        with self.lock:
+            if not self.running:
+                self.held_since = time.monotonic()
+            t = threading.Thread(target=run, name=f"shard-{claim.index}", daemon=True)
+            self.running[claim.index] = t
+        t.start()
+
+    def reap_finished(self) -> None:
+        self.finished.clear()
+        for index, t in list(self.running.items()):
+            if not t.is_alive():
+                t.join()
+                with self.lock:
+                    self.running.pop(index, None)
+        self.account()
+        if self.errors:
+            raise self.errors[0]
+
+    def wait_all(self) -> None:
+        for t in list(self.running.values()):
+            while t.is_alive():
+                t.join(WAIT_POLL_S)
+        self.reap_finished()
+
+    def account(self) -> None:
+        """Time with a shard held, and the slot gate's request-seconds, into the worker's record."""
+        with self.lock:
+            now = time.monotonic()
+            if self.held_since is not None:
+                self.state.holding_s += now - self.held_since
+                self.held_since = now if self.running else None
+            gate = self.servers.gate if self.servers is not None else None
+            if gate is not None:
+                busy = gate.slots.busy_s()
+                self.state.request_s += busy - self.gate_seen
+                self.gate_seen = busy
+        self.save()
 
     def ensure_servers(self) -> None:
         """Servers up: started the first time; restarted when they died (or a start failed), at most
@@ -254,7 +380,16 @@ class Worker:
     def start_servers(self) -> None:
         self.save(state=STARTING)
         t0 = time.monotonic()
-        self.servers = runtime.start_servers(self.policy, self.gym, self.run_dir, self.place, self.log)
+        self.servers = runtime.start_servers(
+            self.policy,
+            self.gym,
+            self.run_dir,
+            self.place,
+            self.log,
+            gated=True,
+            service=self.cluster.collector_service,
+        )
+        self.gate_seen = 0.0
         self.warm = False
         self.save(
             server_starts=self.state.server_starts + 1,
@@ -268,6 +403,7 @@ class Worker:
         if self.servers is None:
             return
         self.log(f"stopping servers: {why}")
+        self.account()
         servers, self.servers = self.servers, None
         servers.stop()
         self.save(servers_up_since=None, server_groups=[])
@@ -299,8 +435,12 @@ class Worker:
         markers: list[Seal] = []
         dead: list[claims.ClaimInfo] = []
         for spec in self.plan.shards:
+            if spec.index in self.seen_sealed:
+                markers.append(self.seen_sealed[spec.index])
+                continue
             st = seal.check(self.run_dir, self.plan, spec.index)
             if st.sealed and st.marker is not None:
+                self.seen_sealed[spec.index] = st.marker  # a seal is final: not read again at every look
                 markers.append(st.marker)
                 continue
             attempts = failed_attempts(self.run_dir, spec.index)
@@ -317,8 +457,20 @@ class Worker:
             out.append(Candidate(spec.index, spec.num_rollouts, min(done, spec.num_rollouts), attempts))
         return out, markers, dead
 
-    def next_claim(self) -> claims.Claim | None:
-        """Claim the next shard; wait for claims of dead workers on this host to go stale; None when none is left."""
+    def behind_a_wave(self, index: int) -> bool:
+        """Adaptive sampling: shard `index` begins a later wave than a shard this worker still collects, so it must
+        wait for that one to seal (its start decides from the earlier waves' rollouts on disk)."""
+        waves = planner.WaveOrder(self.plan)
+        mine = waves.waves_of(self.plan.shards[index])
+        if mine is None:
+            return False
+        with self.lock:
+            held = [i for i in self.running if i != index]
+        return any((w := waves.waves_of(self.plan.shards[i])) is not None and w[1] < mine[0] for i in held)
+
+    def next_claim(self, wait: bool = True) -> claims.Claim | None:
+        """Claim the next shard; wait for claims of dead workers on this host to go stale (unless not `wait`: a
+        worker with shards in flight polls again later); None when none is left."""
         while True:
             found, markers, dead = self.candidates()
             rate = rate_per_s(markers)
@@ -326,6 +478,8 @@ class Worker:
             room = None if left is None else left - self.drain_s
             adaptive = self.plan.sampling is not None and self.plan.sampling.stop_when_decided is not None
             for c in order(found, by_wave=adaptive):
+                if adaptive and self.behind_a_wave(c.index):
+                    continue
                 if not fits(c, rate, room):
                     self.log(f"shard {c.index}: {c.pending} rollouts would not finish before the time limit; skipped")
                     continue
@@ -342,12 +496,12 @@ class Worker:
                             f"host {t.host}, last heartbeat {self.clock() - t.renewed_at:.0f} s ago)"
                         )
                     return claim
-            if not dead:
+            if not dead or not wait:
                 return None
             self.reap_leftovers(records.read_worker_states(self.run_dir))
             self.save(state=IDLE, current_shard=None)
-            wait = min(max(0.0, self.book.lease_s - min(i.age(self.clock()) for i in dead)) + 0.5, WAIT_POLL_S)
-            time.sleep(wait)
+            pause = min(max(0.0, self.book.lease_s - min(i.age(self.clock()) for i in dead)) + 0.5, WAIT_POLL_S)
+            time.sleep(pause)
 
     # ------------------------------------------------------------ one shard
 
@@ -365,6 +519,8 @@ class Worker:
                     return
 
         def claim_check() -> str | None:
+            if self.stopping.is_set():
+                raise ShardReleased(f"shard {index}: the worker is stopping; completed rollouts kept")
             if lost.is_set() or not self.book.held(claim):
                 raise ShardReleased(f"shard {index}: the claim was lost (not renewed within the lease)")
             left = self.time_left()
@@ -380,7 +536,7 @@ class Worker:
             "servers_warm": self.warm,
             "servers_up_since": self.servers.up_since,
         }
-        self.save(state=COLLECTING, current_shard=index)
+        self.save(state=COLLECTING)
         self.log(f"shard {index}: claimed (attempt {attempt}, servers {'warm' if self.warm else 'just started'})")
         heart = threading.Thread(target=beat, name=f"claim-heartbeat-{index}", daemon=True)
         heart.start()
@@ -400,7 +556,8 @@ class Worker:
             )
             if result.state == "sealed":
                 self.warm = True
-                self.state.sealed.append(index)
+                with self.lock:
+                    self.state.sealed.append(index)
             outcome = result.state
             self.log(f"shard {index}: {result.state}")
         except runtime.ShardInterrupted:
@@ -426,10 +583,15 @@ class Worker:
         finally:
             stop_beat.set()
             heart.join()
-            self.state.collecting_s[str(index)] = self.state.collecting_s.get(str(index), 0.0) + (time.monotonic() - t0)
+            with self.lock:
+                self.state.collecting_s[str(index)] = self.state.collecting_s.get(str(index), 0.0) + (
+                    time.monotonic() - t0
+                )
             if not self.book.release(claim):
                 self.log(f"shard {index}: its claim was no longer ours to release")
-            self.save(state=IDLE, current_shard=None)
+            with self.lock:
+                self.running.pop(index, None)
+                self.save(state=COLLECTING if self.running else IDLE)
         return outcome
 
 

@@ -176,7 +176,15 @@ def test_a_worker_killed_mid_way(world, tmp_path: Path) -> None:
     ) as fake:
         cfg = config_for(tmp, input_jsonl, "killed", fake.base_url, 4, {"stop_when_decided": RULES})
         data = yaml.safe_load(cfg.read_text())
-        data["cluster"] |= {"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "max_attempts": 3}
+        # one shard at a time: the killed worker holds only shard 0, so the model answers each rollout once (a
+        # worker killed with two shards in flight: tests/e2e/test_pipeline_local.py)
+        data["cluster"] |= {
+            "workers": 2,
+            "claim_heartbeat_s": 1,
+            "claim_lease_s": 10,
+            "max_attempts": 3,
+            "pipeline_shards": 1,
+        }
         cfg.write_text(yaml.safe_dump(data))
         run_dir = tmp / "killed"
         proc = subprocess.Popen(

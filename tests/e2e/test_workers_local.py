@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shardrun.core import config
 from shardrun.rundir import records, store
 from shardrun.shard import gym_stack, worker
 from tests.fakes import harness
@@ -95,9 +96,11 @@ def test_two_workers_over_eight_shards_equal_one_unsharded_gym_run(tmp_path: Pat
     assert sorted(i for s in states for i in s.sealed) == list(range(SHARDS))
     sealed_by = {m["shard_index"]: m["worker"] for m in markers(run_dir)}
     assert {w["id"] for w in sealed_by.values()} == {s.worker_id for s in states}
-    for s in states:  # the first shard a worker sealed started its servers; the rest found them warm
+    depth = config.ClusterConfig().pipeline_shards
+    for s in states:  # the shards claimed before a worker's first seal (up to cluster.pipeline_shards at once)
+        # found its servers just started; the rest found them warm
         warm = [sealed_by[i]["servers_warm"] for i in s.sealed]
-        assert warm == [False] + [True] * (len(warm) - 1), (s.worker_id, warm)
+        assert warm[0] is False and warm.count(False) <= depth, (s.worker_id, warm)
     assert all(m["server_wait_s"] == 0 for m in markers(run_dir))
     for i in range(SHARDS):
         assert not store.claim_path(run_dir, i).exists()
@@ -134,7 +137,9 @@ def test_a_sigkilled_worker_s_shard_is_taken_over_after_the_lease(tmp_path: Path
     run_dir = tmp_path / "run"
     question = json.loads(input_jsonl.read_text().splitlines()[1])["question"]  # shard 1: task 1's 3 rollouts
     with harness.fake_policy(tmp_path, "--fault", f"hang:match={question},seed=2") as fake:
-        cfg_path = write_config(tmp_path, input_jsonl, run_dir, fake.base_url)
+        # one shard at a time: the killed worker holds only shard 1, so the model answers each rollout once (with
+        # two shards in flight the killed one's other requests are asked again: tests/e2e/test_pipeline_local.py)
+        cfg_path = write_config(tmp_path, input_jsonl, run_dir, fake.base_url, pipeline_shards=1)
         proc = submit(cfg_path, tmp_path)
         try:
             # the shard's third rollout hangs in the model: its worker is in the middle of the shard

@@ -1,7 +1,8 @@
 """Stand-in OpenAI-compatible policy server for tests (a fake at the one seam shardrun does not own: the model).
 
 Run it as a subprocess:  python tests/fakes/policy_server.py --port 21001 [--model fake-model]
-    [--correct-share 0.5] [--shares FILE] [--api-key KEY] [--delay SECONDS] [--request-log FILE] [--fault KIND:COND[,COND...]] ...
+    [--correct-share 0.5] [--shares FILE] [--api-key KEY] [--delay SECONDS] [--request-log FILE] [--fault KIND:COND[,COND...]]
+    [--answer-log FILE] [--tail-share P --tail-delay SECONDS] ...
 
 It also stands in for a self-hosted vLLM (`policy.vllm.command: [python, tests/fakes/policy_server.py, ...]`): it
 takes vLLM's `--served-model-name` and `--host`, ignores the flags it does not know, reads the key from VLLM_API_KEY,
@@ -19,7 +20,7 @@ arguments filled with "San Francisco"); once a tool result is in the conversatio
 Faults, for requests that match every condition (seed=N, match=SUBSTRING, nth=N: the N-th chat request, 1-based;
 after=N: every request after the N-th; times=N: only the first N requests that meet the fault's other conditions,
 so a fault can target "the first request for this prompt and seed" whatever order requests arrive in):  400 | 500 | garbage (200 with a non-JSON body) | hang (never answers) |
-die (the whole server exits at once).
+hold (answers normally once the faults are next changed through /_fault) | die (the whole server exits at once).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 ARITH = re.compile(r"What is (-?\d+) ([-+*]) (-?\d+)\?")
-FAULT_KINDS = ("400", "500", "garbage", "hang", "die")
+FAULT_KINDS = ("400", "500", "garbage", "hang", "hold", "die")
 
 
 def parse_fault(spec: str) -> tuple[str, dict[str, str]]:
@@ -58,6 +59,10 @@ def prompt_text(messages: list[dict[str, Any]]) -> str:
     if isinstance(content, list):
         content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return str(content)
+
+
+def entry_prompt(body: dict[str, Any]) -> str:
+    return prompt_text(body.get("messages") or [])
 
 
 def is_correct(prompt: str, seed: Any, share: float) -> bool:
@@ -135,10 +140,13 @@ class State:
         self.set_faults(args.fault)
         self.log_path = args.request_log
         self.delay = args.delay
+        self.tail_share, self.tail_delay = args.tail_share, args.tail_delay
+        self.answer_log = args.answer_log
         self.count = 0
         self.lock = threading.Lock()
 
     def set_faults(self, specs: list[str]) -> None:
+        self.generation = getattr(self, "generation", 0) + 1  # the held requests (of an earlier one) go on
         self.faults = [parse_fault(f) for f in specs]
         self.matched = [0] * len(self.faults)  # per fault: requests that met its conditions (for `times`)
 
@@ -164,6 +172,18 @@ class State:
                     continue
                 return kind
         return None
+
+    def in_tail(self, body: dict[str, Any]) -> bool:
+        """A deterministic `tail_share` of (prompt, seed) pairs takes `tail_delay` seconds more (a heavy tail)."""
+        if not self.tail_share:
+            return False
+        h = hashlib.sha256(f"tail|{entry_prompt(body)}|{body.get('seed')}".encode()).hexdigest()
+        return int(h[:8], 16) / 2**32 < self.tail_share
+
+    def answered(self, entry: dict[str, Any]) -> None:
+        if self.answer_log:
+            with self.lock, open(self.answer_log, "a") as f:
+                f.write(json.dumps(entry) + "\n")
 
     def log(self, entry: dict[str, Any]) -> None:
         if self.log_path:
@@ -217,6 +237,7 @@ class Handler(BaseHTTPRequestHandler):
         st = self.state
         n = st.next_request()
         auth_ok = self.authorized()
+        generation = st.generation  # before the faults are read: a change after it releases a hold
         fault = st.fault_for(n, body)
         st.log(
             {
@@ -245,9 +266,14 @@ class Handler(BaseHTTPRequestHandler):
         elif fault == "garbage":
             self._send(200, None, raw=b"<html>not json")
         else:
-            if st.delay:
-                time.sleep(st.delay)
+            t0 = time.time()
+            while fault == "hold" and st.generation == generation:
+                time.sleep(0.05)
+            delay = st.delay + (st.tail_delay if st.in_tail(body) else 0.0)
+            if delay:
+                time.sleep(delay)
             self._send(200, completion(body, st.model, st.share, st.shares))
+            st.answered({"n": n, "seed": body.get("seed"), "prompt": entry_prompt(body), "t0": t0, "t1": time.time()})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -260,6 +286,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--api-key", default=None, help="require this Bearer key (401 otherwise)")
     p.add_argument("--delay", type=float, default=0.0, help="seconds to wait before each (good) answer")
     p.add_argument("--request-log", default=None, help="append one JSON line per chat request")
+    p.add_argument(
+        "--answer-log", default=None, help="append one JSON line per answered request (its start t0 and end t1)"
+    )
+    p.add_argument("--tail-share", type=float, default=0.0, help="share of (prompt, seed) pairs that take longer")
+    p.add_argument("--tail-delay", type=float, default=0.0, help="seconds more for those (a heavy-tailed latency)")
     p.add_argument("--fault", action="append", default=[], help="KIND:COND[,COND...] (see module doc)")
     p.add_argument("--served-model-name", default=None, help="as vLLM: the model name clients use (wins over --model)")
     p.add_argument(

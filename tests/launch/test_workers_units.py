@@ -288,3 +288,39 @@ def test_a_worker_reaps_the_servers_a_dead_worker_on_its_host_left(tmp_path: Pat
     finally:
         processes.stop(live, grace=2)
         processes.stop(leader, grace=2)
+
+
+def test_slot_occupancy_counts_overlapping_shards_once_per_worker_and_for_the_run() -> None:
+    """Two shards held at once (cluster.pipeline_shards): the collecting time is the time with a shard held
+    (holding_s), not the sum of the shards' times; occupancy = gate request-seconds / (slots x that time)."""
+    from shardrun.rundir import cost
+
+    base = {"job_id": None, "gpus": 1, "started_at": 0.0, "ended_at": 1000.0, "host": "n", "pid": 7, "pid_start": None}
+    a = WorkerState.model_validate(
+        base
+        | {"worker_id": "a", "collecting_s": {"0": 600.0, "1": 600.0}, "holding_s": 800.0, "slots": 8}
+        | {"request_s": 8 * 800.0 * 0.9}
+    )
+    b = WorkerState.model_validate(base | {"worker_id": "b", "holding_s": 500.0, "slots": 4, "request_s": 1000.0})
+    old = WorkerState.model_validate(base | {"worker_id": "c", "collecting_s": {"2": 300.0}})  # before the gate
+    wa, wb, wc = (cost.worker_cost(s, now=0.0) for s in (a, b, old))
+    assert wa.collecting_s == 800.0 and wa.occupancy == pytest.approx(0.9)
+    assert wb.occupancy == pytest.approx(0.5) and wc.collecting_s == 300.0 and wc.occupancy is None
+    row = cost.workers_row([wa, wb, wc])
+    assert row["occupancy"] == pytest.approx((5760.0 + 1000.0) / (8 * 800 + 4 * 500))
+    assert row["worker_occupancy"] == {"a": pytest.approx(0.9), "b": pytest.approx(0.5), "c": None}
+    text = dict(cost.workers_rows(row))
+    assert text["slot occupancy"] == "0.80 of the policy's slots busy while collecting (a 0.90, b 0.50)"
+    assert "slot occupancy" not in dict(cost.workers_rows(cost.workers_row([wc])))
+
+
+def test_a_further_shard_is_claimed_only_when_the_held_ones_leave_the_budget_unfilled() -> None:
+    """The pipeline (cluster.pipeline_shards): the first shard always; a further one only below the depth, once the
+    held shards have left the collector service's budget unfilled for SETTLE_S, when a look is due."""
+    s = worker.SETTLE_S
+    assert worker.room_for_another(held=0, depth=1, waited_s=0.0, look_due=False)
+    assert not worker.room_for_another(held=1, depth=1, waited_s=60.0, look_due=True)
+    assert worker.room_for_another(held=1, depth=4, waited_s=s, look_due=True)
+    assert not worker.room_for_another(held=1, depth=4, waited_s=s / 2, look_due=True)  # the budget is full: no
+    assert not worker.room_for_another(held=2, depth=4, waited_s=60.0, look_due=False)  # just looked: wait
+    assert not worker.room_for_another(held=4, depth=4, waited_s=60.0, look_due=True)

@@ -191,6 +191,11 @@ def test_wave_major_shards_keep_every_identity_and_seed_and_order_the_waves(agen
         waves = [max(r["_ng_rollout_index"] // wave for s2, r in out if s2 == s) for s in range(len(plan.shards))]
         firsts = [min(r["_ng_rollout_index"] // wave for s2, r in out if s2 == s) for s in range(len(plan.shards))]
         assert all(waves[i] <= firsts[i + 1] for i in range(len(waves) - 1))
+        # what a pipelining worker reads off the plan: the first and last wave each shard's rollouts belong to
+        order = planner.WaveOrder(plan)
+        assert [order.waves_of(s) for s in plan.shards] == [
+            (firsts[s.index], waves[s.index]) if s.num_rollouts else None for s in plan.shards
+        ]
 
 
 def orjson_dumps(r):
@@ -210,7 +215,9 @@ def test_wave_major_example_and_fingerprints():
         2: [(0, 2), (0, 3), (1, 2)],
         3: [(1, 3), (2, 2), (2, 3)],
     }
+    assert [planner.WaveOrder(plan).waves_of(s) for s in plan.shards] == [(0, 0), (0, 0), (1, 1), (1, 1)]
     plain, _ = plan_rows(rows, num_repeats=4, sharding={"num_shards": 4})
+    assert [planner.WaveOrder(plain).waves_of(s) for s in plain.shards] == [None] * 4  # not wave-major
     unset, _ = plan_rows(rows, num_repeats=4, sharding={"num_shards": 4}, sampling={"wave": 3, "min_repeats": 2})
     assert "sampling" not in plain.planning and plain.sampling is None
     assert planner.same_rollouts(unset, plain)  # without stop_when_decided the rollouts are the same

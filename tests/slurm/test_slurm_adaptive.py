@@ -100,7 +100,8 @@ def test_adaptive_warm_workers_on_slurm_one_killed_mid_shard(tmp_path: Path, ful
     with fake_policy(
         tmp_path, "--shares", str(full / "shares.json"), "--fault", f"hang:match={question},seed=1"
     ) as fake:
-        cluster = {"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "max_attempts": 3}
+        # one shard at a time: the killed worker holds only shard 0, so the model answers each rollout once
+        cluster = {"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "max_attempts": 3, "pipeline_shards": 1}
         cfg = adaptive_config(tmp_path, full, fake.base_url, 4, cluster)
         run_dir = tmp_path / "adaptive"
         shardrun("submit", cfg, "--no-merge-job", cwd=tmp_path)

@@ -1,6 +1,8 @@
 """Warm workers on the real local Slurm: 2 workers as ONE job array over 8 shards, the job after them (afterany)
 that merges; a worker preempted with USR2 in the middle of a shard stops it cleanly (completed rollouts kept,
-claim released), is requeued by submitit as the same worker, and the run completes with every identity once.
+claim released), is requeued by submitit as the same worker, and the run completes with every identity once;
+workers SIGKILLed while each holds two shards in flight are resubmitted by the job after them, and the run completes
+with every sealed rollout kept and every identity once.
 
 Real `ng_run` and `ng_collect_rollouts`; the stand-in policy server (tests/fakes/policy_server.py) replaces vLLM.
 """
@@ -137,24 +139,59 @@ def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None
             assert harness.API_KEY.encode() not in path.read_bytes(), f"API key written to {path}"
 
 
-def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, env) -> None:
-    """Every live worker SIGKILLed while shard 3 is in the middle of a rollout, as a node failure does: the array
-    ends (FAILED), the job after it finds unsealed shards, resubmits workers for them and queues itself again
-    (cluster.auto_resume_rounds); the new worker takes shard 3 over after the lease, and round 2 merges every identity
-    exactly once, and the merged profile equals one unsharded Gym run's. No watcher process is kept alive by hand."""
+@contextmanager
+def shards_4_to_7_hanging(tmp_path: Path, run_dir: Path) -> Iterator[tuple[Path, Path, object]]:
+    """The input, a config for 2 workers over SHARDS shards (2 repeats, num_samples_in_parallel 2) and the stand-in
+    policy, on which one rollout of each of shards 4 to 7 hangs until the test lifts the fault. Shards are claimed
+    in index order and each hanging rollout holds one of its worker's two slots: once 0 to 3 are sealed the workers
+    hold 4 to 7, and one of them has two shards in flight (a third may wait in its queue), however loaded the
+    machine."""
+    inp = math_input(tmp_path / "input.jsonl", SHARDS)
+    questions = [orjson.loads(line)["question"] for line in inp.read_text().splitlines()]
+    faults = [arg for q in questions[4:] for arg in ("--fault", f"hang:match={q},seed=1")]
+    with fake_policy(tmp_path, *faults) as fake:
+        cfg = write_config(
+            tmp_path / "run.yaml",
+            inp,
+            run_dir,
+            fake.base_url,
+            repeats=2,
+            shards=SHARDS,
+            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 20, "auto_resume_rounds": 2},
+            gym={"num_samples_in_parallel": 2},
+        )
+        yield inp, cfg, fake
+
+
+def test_workers_killed_with_two_shards_in_flight_each_are_resubmitted_by_the_job_after_them(tmp_path, env) -> None:
+    """Every live worker SIGKILLed while one holds two shards in flight, as a node failure does: the array ends
+    (FAILED), the job after it finds the four unsealed shards, resubmits workers for them and queues itself again
+    (cluster.auto_resume_rounds); the new workers take the stale claims over after the lease, no sealed rollout is
+    lost, round 2 merges every identity exactly once, and the merged profile equals one unsharded Gym run's. No
+    watcher process is kept alive by hand."""
     run_dir = tmp_path / "run"
-    with shard3_hanging(tmp_path, run_dir, auto_resume_rounds=2) as (inp, cfg, fake):
+    with shards_4_to_7_hanging(tmp_path, run_dir) as (inp, cfg, fake):
         shardrun("submit", cfg, cwd=tmp_path)
         rec = launches(run_dir)[0]
         tag, first_after = rec["tag"], rec["merge_job_id"]
         try:
-            wait_for(
-                lambda: [r for r in fake.requests() if r["fault"] == "hang"] and store.claim_path(run_dir, 3).exists(),
-                500,
-                "shard 3's last rollout to hang at the policy",
-            )
-            killed = [s for s in records.read_worker_states(run_dir) if not worker.gone(s)]
-            assert killed, "no worker is running"
+            questions = [orjson.loads(line)["question"] for line in inp.read_text().splitlines()]
+
+            def two_in_flight() -> list | None:
+                live = [s for s in records.read_worker_states(run_dir) if not worker.gone(s)]
+                held = sorted(i for s in live for i in s.current_shards)
+                hung = {
+                    i
+                    for r in fake.requests()
+                    if r["fault"] == "hang"
+                    for i in range(4, 8)
+                    if questions[i] in r["prompt"]
+                }
+                both = [s for s in live if len(set(s.current_shards) & hung) >= 2]
+                return live if len(live) == 2 and held == [4, 5, 6, 7] and both else None
+
+            killed = wait_for(two_in_flight, 600, "the workers to hold shards 4 to 7, one with two in flight")
+            sealed_before = {i: store.done_path(run_dir, i).read_bytes() for i in range(4)}
             for s in killed:
                 os.kill(s.pid, signal.SIGKILL)
             fake.set_faults([])
@@ -162,7 +199,7 @@ def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, 
             first_log = store.job_log_path(run_dir, first_after).read_text()
             assert state == "COMPLETED", first_log[-3000:]
             counts = re.search(r"after the workers \(round 1\): (\d+) sealed, (\d+) to resubmit", first_log)
-            assert counts and int(counts[2]) >= 1, first_log[-3000:]  # at least shard 3
+            assert counts and int(counts[2]) == 4, first_log[-3000:]  # shards 4 to 7
             second_after = re.search(r"next: job (\d+)", first_log)[1]
             state = ended_state(second_after, 700, "round 2")
             second_log = store.job_log_path(run_dir, second_after).read_text()
@@ -176,11 +213,14 @@ def test_workers_killed_mid_run_are_resubmitted_by_the_job_after_them(tmp_path, 
     assert profile_rows(store.merged_reward_profiling_path(run_dir)) == profile_rows(
         reference / "rollouts_reward_profiling.jsonl"
     )
-
+    for i, marker in sealed_before.items():  # no sealed rollout lost: each seal and its file are as they were
+        assert store.done_path(run_dir, i).read_bytes() == marker
+        assert store.sha256_file(store.rollouts_path(run_dir, i)) == orjson.loads(marker)["rollouts_sha256"]
     launched = launches(run_dir)
-    assert len(launched) == 2 and launched[1]["workers"]  # the workers round 1 resubmitted
+    assert len(launched) == 2 and sorted(launched[1]["worker_shards"]) == [4, 5, 6, 7]  # what round 1 resubmitted
     merged = harness.keys(store.merged_dir(run_dir) / "rollouts.jsonl")
     assert sorted(merged) == planned_identities(run_dir, SHARDS) and len(set(merged)) == len(merged) == 16
-    ids = harness.keys(store.rollouts_path(run_dir, 3))
-    assert len(ids) == len(set(ids)) == 2  # shard 3 resumed from its kept rollout, nothing twice
+    for i in range(4, SHARDS):  # each taken over from its kept rollout, nothing twice
+        ids = harness.keys(store.rollouts_path(run_dir, i))
+        assert len(ids) == len(set(ids)) == 2
     assert status_json(run_dir, tmp_path)["complete"]

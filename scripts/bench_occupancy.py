@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""Slot occupancy of one warm worker over many small shards: its collector service and pipeline against today's
+one collector process per shard, one shard at a time.
+
+    .venv/bin/python scripts/bench_occupancy.py [--shards 12] [--rollouts 16] [--slots 8] [--pipeline-shards N]
+        [--case small|large|both] [--json OUT]
+
+One warm worker (local executor, the real NeMo Gym stack from $SHARDRUN_GYM_VENV) runs `--shards` shards of
+`--rollouts` rollouts (the math rows of examples/arith x repeats) with gym.num_samples_in_parallel = `--slots`.
+The policy is the stand-in server (tests/fakes/policy_server.py, started by the worker as a self-hosted policy)
+with a heavy-tailed latency: `--delay-s` per answer, and one (prompt, seed) in `1/--tail-share` takes `--tail-s`
+more. The stand-in writes every answered request's start and end, so what is printed is what the policy saw:
+
+    occupancy   summed request time / (slots x span), span = first request's start to the last one's end
+    span        the collecting time as the policy saw it, against its lower bound:
+                max(summed request time / slots, the longest request)
+    wall        submit to the worker's end (servers' start-up and teardown included)
+    worker occ. the worker's own figure (worker.json: its slot gate's request-seconds / (slots x time a shard was
+                held)), what `shardrun status` and the report show
+
+each for the worker as it is (cluster.collector_service on, cluster.pipeline_shards = `--pipeline-shards`,
+default the config's default) and as it was (`collector_service: false`, `pipeline_shards: 1`: a collector process per shard, one
+shard after another; shown as pipeline 0). `--case large`: the same rollouts in one shard (the pipeline must be
+no worse); `both` runs both cases.
+Target (issue #22): occupancy >= 0.85 with the pipeline on the small case; on the large case no worse than today (pipeline 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import yaml
+
+from shardrun.core.config import ClusterConfig
+from shardrun.rundir import records
+from tests.fakes import harness
+from tests.faults import gymkit
+
+MATH_AGENT = "math_with_judge_simple_agent"
+
+
+def write_config(tmp: Path, shards: int, depth: int, args: argparse.Namespace, gym_venv: Path) -> Path:
+    rows = [r for r in (ROOT / "examples/arith/input.jsonl").read_text().splitlines() if MATH_AGENT in r]
+    total = args.shards * args.rollouts
+    repeats = max(1, -(-total // len(rows)))
+    tasks = total // repeats
+    if tasks * repeats != total or tasks > len(rows):
+        sys.exit(f"--shards x --rollouts = {total} must be a multiple of at most {len(rows)} tasks x repeats")
+    (tmp / "input.jsonl").write_text("".join(r + "\n" for r in rows[:tasks]))
+    stand_in = [
+        sys.executable,
+        str(harness.FAKE),
+        f"--delay={args.delay_s:g}",  # one word each: a bare number would be typed by the config
+        f"--tail-share={args.tail_share:g}",
+        f"--tail-delay={args.tail_s:g}",
+        f"--answer-log={tmp / 'answers.jsonl'}",
+        "--correct-share=0.5",
+    ]
+    data = {
+        "input_jsonl": str(tmp / "input.jsonl"),
+        "run_dir": str(tmp / "run"),
+        "num_repeats": repeats,
+        "sharding": {"num_shards": shards},
+        "gym": {
+            "config_paths": gymkit.CONFIG_PATHS,
+            "venv": str(gym_venv),
+            "num_samples_in_parallel": args.slots,
+            "stall_timeout_s": 600,
+            "ready_timeout_s": 900,
+        },
+        "policy": {
+            "api_key_env": harness.API_KEY_ENV,
+            "vllm": {"model": "stand-in", "served_model_name": "fake-model", "command": stand_in},
+        },
+        "cluster": {
+            "executor": "local",
+            "workers": 1,
+            "pipeline_shards": max(depth, 1),
+            "collector_service": depth > 0,  # 0: today's behaviour, a collector process per shard
+        },
+    }
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def measure(tmp: Path, wall: float, slots: int) -> dict:
+    answered = [json.loads(line) for line in (tmp / "answers.jsonl").read_text().splitlines() if line.strip()]
+    busy = sum(a["t1"] - a["t0"] for a in answered)
+    span = max(a["t1"] for a in answered) - min(a["t0"] for a in answered)
+    bound = max(busy / slots, max(a["t1"] - a["t0"] for a in answered))
+    [state] = records.read_worker_states(tmp / "run")
+    held = state.holding_s or sum(state.collecting_s.values())
+    return {
+        "requests": len(answered),
+        "occupancy": round(busy / (slots * span), 3),
+        "span_s": round(span, 1),
+        "lower_bound_s": round(bound, 1),
+        "wall_s": round(wall, 1),
+        "worker_occupancy": round(state.request_s / (slots * held), 3) if held > 0 else None,
+    }
+
+
+def one_run(shards: int, depth: int, args: argparse.Namespace, gym_venv: Path) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"bench-occupancy-{shards}-{depth}-") as tmp:
+        cfg = write_config(Path(tmp), shards, depth, args, gym_venv)
+        env = {**os.environ, harness.API_KEY_ENV: harness.API_KEY}
+        t0 = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "shardrun.cli", "submit", str(cfg)], cwd=tmp, env=env, capture_output=True, text=True
+        )
+        wall = time.monotonic() - t0
+        if done.returncode != 0:
+            sys.exit(f"submit failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        result = {"shards": shards, "pipeline_shards": depth} | measure(Path(tmp), wall, args.slots)
+        print(result, flush=True)
+        return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shards", type=int, default=12)
+    ap.add_argument("--rollouts", type=int, default=16, help="rollouts per shard (small case)")
+    ap.add_argument("--slots", type=int, default=8, help="gym.num_samples_in_parallel")
+    ap.add_argument("--delay-s", type=float, default=0.15, help="seconds per answer")
+    ap.add_argument("--tail-share", type=float, default=0.125, help="share of answers that take --tail-s more")
+    ap.add_argument("--tail-s", type=float, default=3.0)
+    ap.add_argument(
+        "--pipeline-shards",
+        type=int,
+        default=ClusterConfig().pipeline_shards,
+        help="cluster.pipeline_shards of the pipelined run (default: the config's)",
+    )
+    ap.add_argument("--case", choices=("small", "large", "both"), default="small")
+    ap.add_argument("--only", choices=("pipeline", "baseline"), help="run only one of the two settings")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    gym_venv = Path(os.environ.get("SHARDRUN_GYM_VENV") or str(Path.home() / ".cache/shardrun/gym-venv"))
+    if not (gym_venv / ".shardrun-ok").exists():
+        sys.exit(f"no NeMo Gym venv at {gym_venv}; run ./scripts/setup.sh gym")
+    load = os.getloadavg()[0]
+    cases = {"small": [args.shards], "large": [1], "both": [args.shards, 1]}[args.case]
+    depths = {"pipeline": [args.pipeline_shards], "baseline": [0], None: [args.pipeline_shards, 0]}[args.only]
+    results = [one_run(n, d, args, gym_venv) for n in cases for d in depths]
+    print(
+        f"\none worker, {args.shards * args.rollouts} rollouts, {args.slots} slots; answers {args.delay_s:g} s, "
+        f"1 in {1 / args.tail_share:g} takes {args.tail_s:g} s more; load average {load:.1f}"
+    )
+    print(f"{'shards':>7}{'pipeline':>9}{'occupancy':>11}{'span':>8}{'bound':>8}{'wall':>8}{'worker occ.':>13}")
+    for r in results:
+        print(
+            f"{r['shards']:>7}{r['pipeline_shards']:>9}{r['occupancy']:>11.2f}{r['span_s']:>7.1f}s"
+            f"{r['lower_bound_s']:>7.1f}s{r['wall_s']:>7.0f}s{r['worker_occupancy'] or 0:>13.2f}"
+        )
+    by = {(r["shards"], r["pipeline_shards"]): r for r in results}
+    verdict = {}
+    if (args.shards, args.pipeline_shards) in by:
+        verdict["small_occupancy_ok"] = by[(args.shards, args.pipeline_shards)]["occupancy"] >= 0.85
+    if (1, args.pipeline_shards) in by and (1, 0) in by:
+        verdict["large_no_worse_ok"] = by[(1, args.pipeline_shards)]["span_s"] <= 1.05 * by[(1, 0)]["span_s"]
+    print("targets:", verdict)
+    if args.json:
+        args.json.write_text(
+            json.dumps({"args": vars(args), "load": load, "runs": results, "targets": verdict}, indent=2, default=str)
+        )
+    return 0 if all(verdict.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The collector service's one budget (shard/collector_service_gym.py: Budget, the semaphore every round's Gym
+`run_from_config` takes its slots from): it counts the rollouts holding a slot and those waiting, and says when the
+rounds fill it, which is what a warm worker reads (slots.json) before it claims a further shard. The service's
+program runs under the Gym venv's Python; its Budget is plain asyncio and is tested here directly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib.util
+from pathlib import Path
+
+from shardrun.shard import collector_service
+
+
+def service_program():
+    spec = importlib.util.spec_from_file_location("collector_service_gym", collector_service.PROGRAM)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_budget_counts_held_and_waiting_slots_and_the_rounds_that_asked() -> None:
+    gym = service_program()
+
+    async def scenario() -> list:
+        budget = gym.Budget(2)
+        gate = asyncio.Event()
+        seen = []
+
+        async def rollout() -> None:
+            async with budget:  # as Gym's run_from_config uses its semaphore
+                await gate.wait()
+
+        def start(name: str) -> asyncio.Task:
+            ctx = contextvars.copy_context()
+            ctx.run(gym._round.set, name)
+            return asyncio.get_running_loop().create_task(rollout(), context=ctx)
+
+        seen.append(("empty", budget.busy(), budget.held, budget.waiting))
+        a = start("shard-4-0")
+        await asyncio.sleep(0)
+        seen.append(("one held", budget.busy(), budget.held, budget.waiting))
+        b, c = start("shard-5-1"), start("shard-5-1")
+        await asyncio.sleep(0)
+        seen.append(("two held, one waits", budget.busy(), budget.held, budget.waiting))
+        c.cancel()  # a cancelled waiter gives its place up
+        await asyncio.sleep(0)
+        seen.append(("two held", budget.busy(), budget.held, budget.waiting))
+        gate.set()
+        await asyncio.gather(a, b, return_exceptions=True)
+        seen.append(("all done", budget.busy(), budget.held, budget.waiting))
+        seen.append(sorted(budget.asked))
+        return seen
+
+    assert asyncio.run(scenario()) == [
+        ("empty", False, 0, 0),
+        ("one held", False, 1, 0),
+        ("two held, one waits", True, 2, 1),
+        ("two held", True, 2, 0),
+        ("all done", False, 0, 0),
+        ["shard-4-0", "shard-5-1"],
+    ]
+
+
+def test_the_worker_reads_the_service_s_slots_file(tmp_path: Path) -> None:
+    service = collector_service.CollectorService(proc=None, spool=tmp_path)  # only its spool is read here
+    nothing = collector_service.BudgetLook(0.0, 0.0, set())
+    assert service.budget() == nothing  # nothing written yet: not known to be free
+    (tmp_path / "slots.json").write_text(
+        '{"budget": 2, "idle_since": null, "drained_since": null, "started": ["shard-3-0"]}'
+    )
+    assert service.budget() == collector_service.BudgetLook(0.0, 0.0, {3})
+    (tmp_path / "slots.json").write_text(
+        '{"budget": 2, "idle_since": null, "drained_since": 1.0, "started": ["shard-3-0", "shard-12-5"]}'
+    )
+    look = service.budget()
+    assert look.idle_s == 0.0 and look.drained_s > 1000 and look.started == {3, 12}
+    (tmp_path / "slots.json").write_text('{"budget": 2, "idle_since": "x", "drained_since": 1, "started": 7}')
+    assert service.budget() == nothing  # a garbled file is not trusted

@@ -9,7 +9,9 @@
    shards); never one it cannot expect to finish before its job's time limit. Claim it (rundir/claims.py) and
    collect it with `runtime.run_shard` against the running servers: the same rounds, retry ledger, failures sidecar
    and seal as a shard job, with two more watchdog checks: the claim is still ours (a heartbeat thread renews it
-   every `cluster.claim_heartbeat_s`) and the time limit is not near. Release the claim; go on.
+   every `cluster.claim_heartbeat_s`) and the time limit is not near. Release the claim; go on. A worker holds up
+   to `cluster.pipeline_shards` shards at once, each in its own thread and all in one collector service: it claims
+   a further one when those it holds no longer fill the service's budget of slots (`room_for_another`).
 3. When nothing is left to claim, tear down and return (exit 0). A shard held by a claim whose worker died on this
    host is waited for until its lease runs out, then taken over.
 
@@ -238,9 +240,9 @@ class Worker:
 
     def loop(self) -> None:
         """Claim and collect until nothing is left, the time limit is near, or the servers died too often. Up to
-        `cluster.pipeline_shards` shards at once, each in its own thread (their collectors share the slot gate's
-        slots): a new one is claimed as soon as fewer are held, so the next shard's collector starts while the
-        current one drains."""
+        `cluster.pipeline_shards` shards at once, each in its own thread (their rounds share the collector service's
+        budget of slots): a further one is claimed when the held ones no longer fill it (room_for_another), so the
+        next shard's rollouts start while the current one drains."""
         try:
             self.pipeline()
         finally:

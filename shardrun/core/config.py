@@ -208,9 +208,9 @@ class ClusterConfig(StrictModel):
         4,
         ge=1,
         le=64,
-        description="Shards a warm worker holds at most at once: it claims a further one while those it holds "
-        "leave a policy slot free (they drain their slowest rollouts), and all their rollouts share "
-        "gym.num_samples_in_parallel slots (docs/workers.md); 1: one shard after another.",
+        description="Shards a warm worker holds at most at once: it claims a further one when those it holds no "
+        "longer fill its budget of gym.num_samples_in_parallel slots (they drain their slowest rollouts), and all "
+        "their rollouts share that budget (docs/workers.md); 1: one shard after another.",
     )
     collector_service: bool = Field(
         True,

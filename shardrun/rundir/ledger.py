@@ -57,10 +57,15 @@ class Ledger:
     reasons: dict[Key, str] = field(default_factory=dict)
     sidecar_rows: int = 0  # failure rows in rollouts_failures.jsonl (agents may write one per failed attempt)
     skipped: set[Key] = field(default_factory=set)  # skipped because decided (adaptive sampling): never run
+    lent: set[Key] = field(default_factory=set)  # lent to a helping worker (rundir/tail_help.py): not run here
 
     @property
     def pending(self) -> list[Key]:
-        return [k for k in self.planned if k not in self.done and k not in self.failed and k not in self.skipped]
+        return [
+            k
+            for k in self.planned
+            if k not in self.done and k not in self.failed and k not in self.skipped and k not in self.lent
+        ]
 
     @property
     def complete(self) -> bool:

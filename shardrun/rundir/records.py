@@ -263,6 +263,37 @@ def parse_claim(path: Path, raw: bytes) -> ClaimRecord:
     return parse(ClaimRecord, data, str(path), "claim")
 
 
+# ---------------------------------------------------------------- help with the end of a run (shards/NNNNN/help/)
+
+
+class HelpAsk(Record):
+    """`help/TOKEN.ask.json`: an idle worker asks the shard's holder for a share (rundir/tail_help.py)."""
+
+    worker: str
+    at: Finite
+
+
+class HelpGrant(Record):
+    """`help/TOKEN.grant.json`: the holder's answer, the identities lent (none: no help wanted)."""
+
+    holder: str
+    rows: list[Annotated[list[int], Field(min_length=2, max_length=2)]]
+    at: Finite
+
+
+class HelpBeat(Record):
+    """`help/TOKEN.beat.json`: the helper is at it."""
+
+    at: Finite
+
+
+class HelpDone(Record):
+    """`help/TOKEN.done.json`: the helper has stopped; its round's exit code."""
+
+    rc: int
+    at: Finite
+
+
 # ---------------------------------------------------------------- warm workers (workers/<id>/worker.json)
 
 STARTING, IDLE, COLLECTING, DRAINING, STOPPED, FAILED = (

@@ -34,6 +34,7 @@ from shardrun.shard.gym_stack import GymStack
 
 PROGRAM = Path(__file__).with_name("collector_service_gym.py")
 POLL_S = 0.05
+LEND_WAIT_S = 5.0  # how long a shard waits for the service to answer a request to lend rows
 CANCELLED_RC = -15
 STOP_GRACE_S = (
     10.0  # a cancelled round unwinds within the service's LEFTOVER_S (3 s); past this, the service is stopped
@@ -74,7 +75,7 @@ class Round:
         return self.rc
 
     def _clear(self) -> None:
-        for suffix in (".run.json", ".cancel", ".exit.json"):
+        for suffix in (".run.json", ".cancel", ".exit.json", ".lend.json", ".lent.json"):
             (self.service.spool / f"{self.name}{suffix}").unlink(missing_ok=True)
 
     def alive(self) -> bool:
@@ -87,6 +88,30 @@ class Round:
                 raise subprocess.TimeoutExpired(f"collector service round {self.name}", timeout or 0)
             time.sleep(POLL_S)
         return rc
+
+    def lend(self, fraction: float, timeout: float = LEND_WAIT_S) -> list[tuple[int, int]]:
+        """Lend `fraction` of this round's rollouts still waiting for a slot (the last ones in input order): the
+        service will not run them, and the round ends once the rest are done. Returns their identities (none when
+        fewer than two wait, the round has ended, or the service does not answer within `timeout`)."""
+        answer = self.service.spool / f"{self.name}.lent.json"
+        answer.unlink(missing_ok=True)
+        with store.atomic_writer(self.service.spool / f"{self.name}.lend.json") as f:
+            f.write(orjson.dumps({"fraction": fraction}))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.poll() is None:
+            try:
+                rows = orjson.loads(answer.read_bytes())["rows"]
+            except FileNotFoundError:
+                time.sleep(POLL_S)
+                continue
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                return []
+            answer.unlink(missing_ok=True)
+            return [(int(t), int(r)) for t, r in rows]
+        # no answer: the request is withdrawn. Had the service answered just now, its rows are lent to no one: the
+        # round parks them and ends without them, and the shard's next round runs them
+        (self.service.spool / f"{self.name}.lend.json").unlink(missing_ok=True)
+        return []
 
     def stop(self, grace: float = 10.0) -> int | None:
         """Cancel the round (its rows already written stay); if the service does not report it within `grace` (at
@@ -125,10 +150,11 @@ class CollectorService:
             return BudgetLook(0.0, 0.0, set())
         return BudgetLook(idle, drained, shards)
 
-    def submit(self, run_dir: Path, index: int, view: Path | None = None) -> Round:
-        """Start a round of shard `index` (`view`: collector.skipping_view, when rows are skipped)."""
+    def submit(self, run_dir: Path, index: int, view: Path | None = None, log_path: Path | None = None) -> Round:
+        """Start a round of shard `index` (`view`: collector.skipping_view, when rows are skipped, or a helper's
+        share of the shard; `log_path`: in place of the shard's collector log)."""
         where = (view or store.shard_dir(run_dir, index)).resolve()
-        log_path = store.collector_log_path(run_dir, index).resolve()
+        log_path = (log_path or store.collector_log_path(run_dir, index)).resolve()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         name = f"shard-{index}-{next(_names)}"
         with open(log_path, "ab") as log:

@@ -19,7 +19,13 @@ retries are Gym's, byte for byte as with the command. What the service adds:
 The spool directory is the whole protocol (files written whole by rename):
   NAME.run.json    {"input": ..., "output": ..., "log": ...}: collect one shard round (shardrun writes it)
   NAME.cancel      stop that round: its tasks are cancelled, its rows already written stay
-  NAME.exit.json   {"rc": N}: the round is over (0: Gym returned; 1: it raised, traceback in the log; -15: cancelled)
+  NAME.exit.json   {"rc": N}: the round is over (0: Gym returned, or every row but the lent ones is done; 1: it
+                   raised, traceback in the log; -15: cancelled)
+  NAME.lend.json   {"fraction": F}: lend that share of the round's rollouts still waiting for a slot to another
+                   worker (an idle one helping with the end of a run); the service answers
+  NAME.lent.json   {"rows": [[TASK, ROLLOUT], ...]}: the identities lent, the last ones waiting in input order. A
+                   lent row is never run here: when its turn for a slot comes it gives the slot back and parks; once
+                   every row of the round but the parked ones is done, the round ends with rc 0
   slots.json       {"budget": N, "idle_since": T, "drained_since": T, "started": [NAME...]} (written when it
                    changes): since when (time.time()) a slot of the budget has been free with no rollout waiting for
                    one (null while all are taken or one waits), since when no rollout has waited for a slot (null
@@ -43,6 +49,8 @@ from typing import Any, Literal
 POLL_S = 0.05
 CANCELLED_RC = -15
 LEFTOVER_S = 3.0  # how long a round's cancelled rollouts may take to unwind before its end is reported
+SETTLED_POLLS = 3  # a round with lent rows ends once only they are left, seen on this many polls in a row
+TASK_KEY, ROLLOUT_KEY = "_ng_task_index", "_ng_rollout_index"  # a materialized row's identity (Gym's names)
 _log: contextvars.ContextVar[Any] = contextvars.ContextVar("shard_log", default=None)
 _round: contextvars.ContextVar[str | None] = contextvars.ContextVar("shard_round", default=None)
 _tasks: contextvars.ContextVar[set | None] = contextvars.ContextVar("shard_tasks", default=None)
@@ -70,34 +78,88 @@ class Routed:
         return getattr(self._default, name)
 
 
+def identity() -> tuple[int, int] | None:
+    """The identity of the row whose rollout the current task runs: Gym runs each row in a task of its own
+    `_post_subroutine(row)` (0.4 and 0.7), which is the coroutine asking the budget for a slot. None when it is not
+    such a task (then its row is never lent)."""
+    task = asyncio.current_task()
+    frame = getattr(task.get_coro(), "cr_frame", None) if task is not None else None
+    row = frame.f_locals.get("row") if frame is not None else None
+    if not isinstance(row, dict):
+        return None
+    t, r = row.get(TASK_KEY), row.get(ROLLOUT_KEY)
+    return (t, r) if isinstance(t, int) and isinstance(r, int) else None
+
+
 class Budget(asyncio.Semaphore):
     """The one budget of `num_samples_in_parallel` slots that every round's rollouts take (Gym's own semaphore,
-    shared), counting the rollouts holding a slot and those waiting for one, and the rounds that have asked."""
+    shared), counting the rollouts holding a slot and those waiting for one, and the rounds that have asked. It
+    also knows which rows of each round wait (`queued`), so it can lend the last of them away (`lend`): a lent row
+    that gets a slot gives it back at once and parks, never to run here."""
 
     def __init__(self, n: int):
         super().__init__(n)
         self.n, self.held, self.waiting = n, 0, 0
         self.asked: set[str] = set()
+        self.queued: dict[str, dict[tuple[int, int], None]] = {}  # round -> its rows waiting, in arrival order
+        self.lent: dict[str, set[tuple[int, int]]] = {}  # round -> its rows lent away
+        self.parked: dict[str, int] = {}  # round -> its lent rows that reached a slot and parked
+        self.holding: dict[str, int] = {}  # round -> its rows holding a slot
 
     async def acquire(self) -> Literal[True]:
-        name = _round.get()
+        name, key = _round.get(), identity()
         if name is not None:
             self.asked.add(name)
+        queued = self.queued.setdefault(name or "", {})
+        if key is not None:
+            queued[key] = None
         self.waiting += 1
         try:
             await super().acquire()
         finally:
             self.waiting -= 1
+            queued.pop(key, None)  # type: ignore[arg-type]
+        if key is not None and key in self.lent.get(name or "", ()):
+            super().release()  # lent away: the slot goes to the next rollout, this one waits for its cancel
+            self.parked[name or ""] = self.parked.get(name or "", 0) + 1
+            await asyncio.get_running_loop().create_future()
         self.held += 1
+        self.holding[name or ""] = self.holding.get(name or "", 0) + 1
         return True
 
     def release(self) -> None:
         self.held -= 1
+        name = _round.get() or ""
+        self.holding[name] = self.holding.get(name, 1) - 1
         super().release()
 
     def busy(self) -> bool:
         """Every slot taken, or a rollout waiting for one: the rounds in the service fill the budget."""
         return self.waiting > 0 or self.held >= self.n
+
+    def lend(self, name: str, fraction: float) -> list[tuple[int, int]]:
+        """Lend `fraction` of round `name`'s rows waiting for a slot (rounded down; one when two or more wait):
+        the last ones, which would run last here."""
+        waiting = [k for k in self.queued.get(name, {}) if k not in self.lent.get(name, ())]
+        count = min(len(waiting) - 1, max(1, int(len(waiting) * fraction))) if len(waiting) >= 2 else 0
+        out = waiting[len(waiting) - count :] if count > 0 else []
+        self.lent.setdefault(name, set()).update(out)
+        return out
+
+    def only_lent_left(self, name: str) -> bool:
+        """Round `name` lent rows away and has nothing else left: every lent row parked, none of its rows holds a
+        slot or waits for one."""
+        lent = self.lent.get(name) or set()
+        return (
+            bool(lent)
+            and self.parked.get(name, 0) >= len(lent)
+            and self.holding.get(name, 0) <= 0
+            and not self.queued.get(name)
+        )
+
+    def forget(self, name: str) -> None:
+        for book in (self.queued, self.lent, self.parked, self.holding):
+            book.pop(name, None)
 
 
 def write_whole(path: Path, data: dict) -> None:
@@ -141,7 +203,7 @@ async def collect(rc: Any, base: Any, name: str, job: dict) -> int:
     return code
 
 
-async def run_round(rc: Any, base: Any, name: str, job: dict, spool: Path, inner: dict) -> None:
+async def run_round(rc: Any, base: Any, name: str, job: dict, spool: Path, inner: dict, ended: set) -> None:
     owned: set = _tasks.get() or set()
     this = asyncio.current_task()
     inner[name] = asyncio.ensure_future(collect(rc, base, name, job))  # what a cancel stops
@@ -149,6 +211,9 @@ async def run_round(rc: Any, base: Any, name: str, job: dict, spool: Path, inner
         code = await inner[name]
     except asyncio.CancelledError:  # cancelled before it began
         code = CANCELLED_RC
+    if code == CANCELLED_RC and name in ended:
+        print(f"[collector service] {name}: every row but the lent ones is done; the round ends", file=sys.stderr)
+        code = 0
     left = [t for t in owned if t is not this and not t.done()]
     for t in left:  # what Gym started for this shard and left running (a raised /run leaves the others in flight)
         t.cancel()
@@ -182,6 +247,8 @@ async def serve(spool: Path) -> None:
     running: dict[str, asyncio.Task] = {}  # round name -> the task that runs and reports it
     inner: dict[str, asyncio.Future] = {}  # round name -> its collection (Gym's run_from_config), what cancel stops
     cancelled: set[str] = set()
+    ended: set[str] = set()  # rounds ended because only their lent rows were left
+    settled: dict[str, int] = {}  # round -> polls in a row on which only its lent rows were left
     idle_since: float | None = time.time()
     drained_since: float | None = idle_since
     told: dict | None = None
@@ -195,16 +262,27 @@ async def serve(spool: Path) -> None:
             ctx.run(_log.set, open(job["log"], "a", buffering=1))
             ctx.run(_tasks.set, set())
             ctx.run(_round.set, name)
-            running[name] = loop.create_task(run_round(rc, base, name, job, spool, inner), context=ctx)
+            running[name] = loop.create_task(run_round(rc, base, name, job, spool, inner, ended), context=ctx)
         for name, task in list(running.items()):
             if task.done():
                 running.pop(name)
                 inner.pop(name, None)
                 cancelled.discard(name)
+                ended.discard(name)
+                settled.pop(name, None)
+                if shared is not None:
+                    shared.forget(name)
                 task.result()  # run_round reports every failure in its exit file; anything else is a bug: raise it
             elif name not in cancelled and name in inner and (spool / f"{name}.cancel").exists():
                 cancelled.add(name)
                 inner[name].cancel()
+            elif shared is not None and name in inner and name not in cancelled:
+                lend_if_asked(spool, name, shared)
+                settled[name] = settled.get(name, 0) + 1 if shared.only_lent_left(name) else 0
+                if settled[name] >= SETTLED_POLLS:
+                    ended.add(name)
+                    cancelled.add(name)
+                    inner[name].cancel()
         if shared is not None:
             now = time.time()
             idle_since = None if shared.busy() else idle_since or now
@@ -221,6 +299,20 @@ async def serve(spool: Path) -> None:
             inner[name].cancel()
     if running:
         await asyncio.wait(list(running.values()), timeout=30)
+
+
+def lend_if_asked(spool: Path, name: str, shared: Budget) -> None:
+    """Answer NAME.lend.json with NAME.lent.json (a garbled request lends nothing)."""
+    ask = spool / f"{name}.lend.json"
+    if not ask.exists():
+        return
+    try:
+        fraction = float(json.loads(ask.read_text())["fraction"])
+    except (OSError, ValueError, KeyError, TypeError):
+        fraction = 0.0
+    rows = shared.lend(name, min(max(fraction, 0.0), 1.0))
+    write_whole(spool / f"{name}.lent.json", {"rows": [list(k) for k in rows]})
+    ask.unlink(missing_ok=True)
 
 
 def main() -> None:

@@ -30,12 +30,15 @@ from shardrun.rundir import decided
 from shardrun.rundir import ledger
 from shardrun.shard import collector_service, policy, slot_gate
 from shardrun.rundir import records, seal
-from shardrun.rundir import store
+from shardrun.rundir import store, tail_help
 from shardrun.shard import watchdog
 from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
 from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
 from shardrun.rundir.records import Seal
+
+
+HELP_POLL_S = 0.5  # how often a shard waiting for its helpers looks at their shares
 
 
 @dataclass(frozen=True)
@@ -329,12 +332,18 @@ class Shard:
         self.teardown_started: float | None = None
         self.gym_version: str | None = plan.gym_version
         self.skipped: set[tuple[int, int]] = set()  # rows skipped because their task is decided (adaptive sampling)
+        self.lent: dict[str, tail_help.Grant] = {}  # shares of the shard lent to helping workers, not folded in yet
+        self.lease_s = cfg.cluster_or_default.claim_lease_s  # a helper silent this long has given its share up
 
     def run(self) -> Seal:
         """Seal first, then tear down: a walltime that hits during teardown cannot cost the seal."""
         self.prepare_files()
         self.decide()
+        self.take_back_shares()
         book = self.ledger()
+        if not book.pending:
+            self.wait_for_shares(list(self.checks))
+            book = self.ledger()
         if not book.pending:
             self.log("every planned rollout is already accounted for; sealing without starting servers")
             return self.seal()
@@ -414,7 +423,7 @@ class Shard:
 
     def ledger(self) -> ledger.Ledger:
         book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
-        book.skipped = self.skipped
+        book.skipped, book.lent = self.skipped, self.lent_rows()
         due = ledger.quarantine(
             self.run_dir, self.index, book, self.gym.max_rollout_attempts, ledger.last_reasons(self.run_dir, self.index)
         )
@@ -424,8 +433,60 @@ class Shard:
                 + ", ".join(f"{t}:{r}" for t, r in due[:10])
             )
             book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
-            book.skipped = self.skipped
+            book.skipped, book.lent = self.skipped, self.lent_rows()
         return book
+
+    # ------------------------------------------------------------ helpers with the end of a run (tail_help)
+
+    def lent_rows(self) -> set[tuple[int, int]]:
+        return {k for g in self.lent.values() for k in g.rows}
+
+    def take_back_shares(self) -> None:
+        """At the start: fold in the shares that helpers finished (or gave up) while no one held the shard; the
+        shares still being collected stay lent, and are waited for once nothing else is left."""
+        for g in tail_help.grants(self.run_dir, self.index):
+            self.lent[g.token] = g
+        self.fold_settled()
+
+    def fold_settled(self) -> None:
+        for token, g in list(self.lent.items()):
+            if not tail_help.settled(self.run_dir, self.index, g, self.lease_s):
+                continue
+            if tail_help.lapsed(self.run_dir, self.index, g, self.lease_s):
+                tail_help.revoke(self.run_dir, self.index, token)
+                self.log(f"help {token}: its helper fell silent for {self.lease_s:g} s; its share is taken back")
+            folded = tail_help.fold(self.run_dir, self.index, g)
+            tail_help.clear(self.run_dir, self.index, token)
+            del self.lent[token]
+            self.log(f"help {token}: {folded} of {len(g.rows)} lent rollouts folded in from its helper")
+
+    def wait_for_shares(self, checks: Sequence[watchdog.Check]) -> None:
+        """Everything else is done: wait for the lent shares to settle and fold them in (the rows a helper did not
+        finish are pending again). The worker's checks (its claim, its time limit) keep running meanwhile."""
+        if self.lent:
+            self.log(f"waiting for {len(self.lent)} helper(s) with {len(self.lent_rows())} lent rollouts")
+        while True:
+            self.fold_settled()
+            if not self.lent:
+                return
+            self.answer_asks(None)  # nothing waits for a slot here any more: no help wanted
+            for c in checks:
+                problem = c.problem()
+                if problem:
+                    raise ShardFailed(f"{c.name}: {problem}; while waiting for the helpers")
+            time.sleep(HELP_POLL_S)
+
+    def answer_asks(self, round_: collector_service.Round | None) -> str | None:
+        """A watchdog check, run while a round collects: lend half of what still waits for a slot to each worker
+        that asked for help (none when the round is not in a collector service: nothing to lend from)."""
+        holder = (self.worker or {}).get("id") or self.job_id or socket.gethostname()
+        for token, helper in tail_help.asks(self.run_dir, self.index):
+            rows = round_.lend(0.5) if round_ is not None else []
+            g = tail_help.grant(self.run_dir, self.index, token, str(holder), rows)
+            if rows:
+                self.lent[token] = g
+                self.log(f"help {token}: lent {len(rows)} rollouts still waiting for a slot to worker {helper}")
+        return None
 
     # ------------------------------------------------------------ servers
 
@@ -449,6 +510,9 @@ class Shard:
         for round_no in range(1, max_rounds + 1):
             book = self.ledger()
             if not book.pending:
+                self.wait_for_shares(self.checks)  # the servers are not needed meanwhile; the claim is
+                book = self.ledger()
+            if not book.pending:
                 return
             before = progress_mark(book)
             rc, failed = self.collect_round(adapter, venv, stack, checks, round_no, len(book.pending))
@@ -457,10 +521,10 @@ class Shard:
                 for (t, r), reason in failed.items():
                     self.log(f"rollout {t}:{r} failed: {reason}")
             book = self.ledger()
-            if not book.pending:
+            if not book.pending and not self.lent:
                 return
             after = progress_mark(book)
-            if rc != 0 and not failed:
+            if rc != 0 and not failed and book.pending:
                 down = endpoint.problem() or stack.problem()
                 if down:  # the collector gave up because a server died under it: the servers' failure, not Gym's
                     raise ServerFailure(f"{down}; the collector exited with code {rc}")
@@ -470,7 +534,7 @@ class Shard:
                     f"{store.collector_log_path(self.run_dir, self.index)}:\n"
                     f"{collector_tail(self.run_dir, self.index)}"
                 )
-            if after == before:
+            if after == before and book.pending:
                 raise ShardFailed(
                     f"ng_collect_rollouts round {round_no} exited {rc} without progress; "
                     f"{len(book.pending)} rollouts still pending"
@@ -493,16 +557,19 @@ class Shard:
         offset = collector.log_size(log_path)
         self.log(f"collector round {round_no}: {pending} rollouts")
         t0 = time.monotonic()
-        view = collector.skipping_view(self.run_dir, self.index, self.skipped) if self.skipped else None
+        skip = self.skipped | self.lent_rows()
+        view = collector.skipping_view(self.run_dir, self.index, skip) if skip else None
         proc: watchdog.Watched
         if self.servers is not None and self.servers.service is not None:
             proc = self.servers.service.submit(self.run_dir, self.index, view)
         else:
             proc = collector.start(adapter, venv, stack, self.run_dir, self.index, self.gym, view=view)
+        in_service = proc if isinstance(proc, collector_service.Round) else None
+        lending = watchdog.Check("helpers' asks", lambda: self.answer_asks(in_service))
         try:
             rc = watchdog.watch(
                 proc,
-                checks=checks,
+                checks=[*checks, lending],
                 progress=lambda: (size(rollouts), size(failures)),
                 stall_timeout_s=self.gym.stall_timeout_s,
                 interval_s=self.gym.health_interval_s,
@@ -518,8 +585,8 @@ class Shard:
 
     def seal(self) -> Seal:
         book = self.ledger()
-        if book.pending:
-            raise ShardFailed(f"{len(book.pending)} planned rollouts are missing; not sealing")
+        if book.pending or self.lent:
+            raise ShardFailed(f"{len(book.pending) + len(self.lent_rows())} planned rollouts are missing; not sealing")
         if book.duplicates:
             self.log(f"warning: {book.duplicates} duplicate rollout line(s) in rollouts.jsonl (merge dedupes)")
         rollouts = store.rollouts_path(self.run_dir, self.index)
@@ -547,6 +614,7 @@ class Shard:
             num_duplicate_lines=book.duplicates,
         )
         seal.write_marker(self.run_dir, self.index, marker)
+        tail_help.clear_all(self.run_dir, self.index)  # every share is folded in; asks left unanswered are moot
         return marker
 
 

@@ -44,7 +44,7 @@ from shardrun.plan import planner
 from shardrun.plan.planner import Plan
 from shardrun.rundir import claims, decided, records, seal, store
 from shardrun.rundir.records import COLLECTING, DRAINING, FAILED, IDLE, STARTING, STOPPED, Seal, WorkerState
-from shardrun.shard import gym_stack, processes, runtime, watchdog
+from shardrun.shard import gym_stack, lent_share, processes, runtime, watchdog
 
 WAIT_POLL_S = 2.0
 SETTLE_S = 0.25  # a further shard is claimed once the budget has gone unfilled this long
@@ -176,6 +176,7 @@ class Worker:
         self.next_look = 0.0  # monotonic: not before then does the worker look for a further shard again
         self.plenty = True  # at the last look, more shards were left to claim than other workers to claim them
         self.seen_sealed: dict[int, Seal] = {}  # shards found sealed (checked once; merging checks them again)
+        self.no_help: set[int] = set()  # shards whose holders wanted no help (or did not answer): not asked again
         self.gate_seen = 0.0  # the slot gate's request-seconds already in the record
         self.servers: runtime.Servers | None = None
         self.warm = False  # the servers have already collected a shard
@@ -275,6 +276,8 @@ class Worker:
                 self.start_collecting(claim)
                 continue
             if not self.running:
+                if self.help_with_the_tail():
+                    continue
                 self.log("nothing left to claim")
                 self.save(exit_reason="nothing left")
                 break
@@ -504,6 +507,69 @@ class Worker:
             self.save(state=IDLE, current_shard=None)
             pause = min(max(0.0, self.book.lease_s - min(i.age(self.clock()) for i in dead)) + 0.5, WAIT_POLL_S)
             time.sleep(pause)
+
+    # ------------------------------------------------------------ the end of a run
+
+    def help_with_the_tail(self) -> bool:
+        """Nothing left to claim: ask the holders of the shards still collected, longest first, for a share of what
+        waits for a slot there (rundir/tail_help.py), and collect the first share granted. False when no holder
+        wants help (each is asked once), or this worker cannot help (no collector service, or the time limit)."""
+        service = self.servers.service if self.servers is not None else None
+        left = self.time_left()
+        if (
+            service is None
+            or self.servers is None
+            or self.servers.problem()
+            or (left is not None and left <= 2 * self.drain_s)
+        ):
+            return False
+        busy = []
+        for spec in self.plan.shards:
+            if spec.index in self.seen_sealed or spec.index in self.no_help:
+                continue
+            info = self.book.read(spec.index)
+            if info is None or info.worker_id == self.worker_id or self.book.stale(info):
+                continue
+            done = store.count_complete_lines(store.rollouts_path(self.run_dir, spec.index))
+            busy.append((spec.num_rollouts - done, spec.index))
+        wait_s = lent_share.answer_wait_s(self.gym.health_interval_s, self.gym.stall_timeout_s)
+        for _pending, index in sorted(busy, reverse=True):
+            self.save(state=IDLE)
+            g = lent_share.ask_for_share(self.run_dir, self.plan, index, self.worker_id, wait_s)
+            if g is None or not g.rows:
+                self.no_help.add(index)
+                continue
+
+            def time_limit() -> str | None:
+                if self.stopping.is_set():
+                    raise ShardReleased("the worker is stopping; the share goes back to its holder")
+                left = self.time_left()
+                if left is not None and left <= self.drain_s:
+                    raise ShardReleased("the time limit is near; the share goes back to its holder")
+                return None
+
+            self.save(state=COLLECTING)
+            t0 = time.monotonic()
+            try:
+                lent_share.collect_share(
+                    service,
+                    self.run_dir,
+                    index,
+                    g,
+                    checks=[watchdog.Check("servers", self.servers.problem), watchdog.Check("time limit", time_limit)],
+                    stall_timeout_s=self.gym.stall_timeout_s,
+                    interval_s=self.gym.health_interval_s,
+                    heartbeat_s=self.cluster.claim_heartbeat_s,
+                    log=self.log,
+                )
+            except ServerFailure:
+                pass  # the next look restarts the servers (ensure_servers) or gives up
+            finally:
+                with self.lock:
+                    self.state.holding_s += time.monotonic() - t0  # collecting: the occupancy counts it
+                self.save(state=IDLE)
+            return True
+        return False
 
     # ------------------------------------------------------------ one shard
 

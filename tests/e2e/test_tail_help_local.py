@@ -1,0 +1,106 @@
+"""The end of a run is not a tail (cluster workers with collector services, real NeMo Gym, the stand-in policy that
+records every request and answer): two workers, two shards; shard 0's first two requests are held in the model, so
+its holder's two slots are stuck while the rest of its rows wait. The other worker seals shard 1, finds nothing
+to claim, asks the holder for help, and is lent half of what waits; it collects that share while the holder is
+still stuck. Once the held requests are answered the holder finishes its own rows (never the lent ones), folds the
+helper's rows in and seals: every identity once in the shard, the model asked for each rollout once, the shard's
+seal exact and its help folder gone."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from shardrun.rundir import records, store
+from tests.e2e.test_pipeline_local import answers, env  # noqa: F401  (the fixture)
+from tests.e2e.test_workers_local import submit, wait_for
+from tests.faults import gymkit
+from tests.fakes import harness
+
+pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
+TASKS, REPEATS = 4, 6
+
+
+def rows(path: Path) -> list[dict]:
+    return [orjson.loads(x) for x in store.complete_lines(path)]
+
+
+def test_an_idle_worker_collects_a_share_of_the_last_shard_and_every_identity_lands_once(
+    tmp_path: Path,
+    gym_venv: Path,
+    env: str,  # noqa: F811
+) -> None:
+    input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=TASKS)
+    run_dir = tmp_path / "run"
+    answer_log = tmp_path / "answers.jsonl"
+    with harness.fake_policy(tmp_path, "--delay", "0.2", "--answer-log", str(answer_log)) as fake:
+        cfg_path = gymkit.write_config(
+            tmp_path / "run.yaml",
+            input_jsonl,
+            run_dir,
+            fake.base_url,
+            repeats=REPEATS,
+            shards=2,
+            api_key_env=harness.API_KEY_ENV,
+            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "pipeline_shards": 1},
+        )
+        plan = subprocess.run(
+            [sys.executable, "-m", "shardrun.cli", "plan", str(cfg_path), "--write"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert plan.returncode == 0, plan.stdout + plan.stderr
+        shard0 = rows(store.materialized_path(run_dir, 0))
+        [first] = {r["question"] for r in shard0[:1]}
+        assert first not in store.materialized_path(run_dir, 1).read_text()
+        assert sum(r["question"] == first for r in shard0) >= 2
+        fake.set_faults([f"hold:match={first},times=2"])
+        proc = submit(cfg_path, tmp_path)
+        try:
+            wait_for(
+                "shard 0's two slots held in the model", lambda: len([r for r in fake.requests() if r["fault"]]) == 2
+            )
+            helped = wait_for("a worker to collect a share of shard 0", lambda: helped_line(run_dir))
+            fake.set_faults([])  # the holder's stuck requests are answered now
+            out, _ = proc.communicate(timeout=800)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, out
+        answered = answers(answer_log)
+
+    shard_log = store.shard_log_path(run_dir, 0).read_text()
+    lent = [int(n) for n in re.findall(r"lent (\d+) rollouts still waiting for a slot", shard_log)]
+    folded = [(int(a), int(b)) for a, b in re.findall(r"(\d+) of (\d+) lent rollouts folded in", shard_log)]
+    collected = [int(n) for n in re.findall(r"shard 0: helped with (\d+) of", worker_logs(run_dir))]
+    assert int(helped.split("helped with ")[1].split(" of ")[0]) >= 2
+    assert sum(lent) == sum(a for a, _ in folded) == sum(b for _, b in folded) == sum(collected) >= 2
+    got = rows(store.rollouts_path(run_dir, 0)) + rows(store.rollouts_path(run_dir, 1))
+    keys = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in got]
+    assert len(keys) == len(set(keys)) == TASKS * REPEATS  # every identity once
+    pairs = [(a["prompt"], a["seed"]) for a in answered]
+    assert len(pairs) == len(set(pairs)) == TASKS * REPEATS  # the model ran each rollout once: none ran twice
+    marker = json.loads(store.done_path(run_dir, 0).read_text())
+    assert marker["num_rollouts"] == len(shard0) and marker["rollouts_sha256"] == store.sha256_file(
+        store.rollouts_path(run_dir, 0)
+    )
+    assert not (store.shard_dir(run_dir, 0) / "help").exists()
+    states = {s.worker_id: s for s in records.read_worker_states(run_dir)}
+    assert len(states) == 2 and all(s.state == "stopped" for s in states.values())
+    assert harness.tagged_processes(env) == []
+
+
+def worker_logs(run_dir: Path) -> str:
+    return "".join(p.read_text() for p in sorted(store.workers_dir(run_dir).glob(f"*/{store.LOGS}/{store.WORKER_LOG}")))
+
+
+def helped_line(run_dir: Path) -> str | None:
+    lines = [line for line in worker_logs(run_dir).splitlines() if "shard 0: helped with" in line]
+    return lines[0] if lines else None

@@ -99,22 +99,34 @@ def _tokens(run_dir: Path, index: int, suffix: str) -> list[str]:
 # ---------------------------------------------------------------- the helper's side
 
 
-def ask(run_dir: Path, index: int, token: str, worker_id: str) -> None:
-    help_dir(run_dir, index).mkdir(exist_ok=True)
-    _write(_file(run_dir, index, token, ASK), HelpAsk(worker=worker_id, at=time.time()))
+def ask(run_dir: Path, index: int, token: str, worker_id: str) -> bool:
+    """Ask for a share; False when the shard's help folder went away meanwhile (the shard was sealed)."""
+    try:
+        help_dir(run_dir, index).mkdir(exist_ok=True)
+        _write(_file(run_dir, index, token, ASK), HelpAsk(worker=worker_id, at=time.time()))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def withdraw(run_dir: Path, index: int, token: str) -> None:
-    """The helper gives its ask up (no answer came)."""
+    """The helper gives its ask up (no answer came, or the shard was sealed: then the folder its ask made after
+    the seal had cleared it goes too)."""
     _file(run_dir, index, token, ASK).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        help_dir(run_dir, index).rmdir()  # only when empty
 
 
 def beat(run_dir: Path, index: int, token: str) -> None:
-    _write(_file(run_dir, index, token, BEAT), HelpBeat(at=time.time()))
+    """The helper is at it (nothing when the share is gone: its holder took it back and sealed)."""
+    with contextlib.suppress(FileNotFoundError):
+        _write(_file(run_dir, index, token, BEAT), HelpBeat(at=time.time()))
 
 
 def finish(run_dir: Path, index: int, token: str, rc: int) -> None:
-    _write(_file(run_dir, index, token, DONE), HelpDone(rc=rc, at=time.time()))
+    """The helper has stopped (nothing when the share is gone, as for `beat`)."""
+    with contextlib.suppress(FileNotFoundError):
+        _write(_file(run_dir, index, token, DONE), HelpDone(rc=rc, at=time.time()))
 
 
 def revoked(run_dir: Path, index: int, token: str) -> bool:
@@ -138,6 +150,7 @@ def grant(run_dir: Path, index: int, token: str, holder: str, rows: list[Key]) -
     """Answer an ask: write the helper's share (the lent planned rows), then the grant (rows may be empty: a
     refusal)."""
     lent = set(rows)
+    help_dir(run_dir, index).mkdir(exist_ok=True)  # the asking helper may have given up and removed it
     if lent:
         share = share_dir(run_dir, index, token)
         share.mkdir(parents=True, exist_ok=True)

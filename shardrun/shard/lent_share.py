@@ -36,7 +36,8 @@ def ask_for_share(run_dir: Path, plan: Plan, index: int, worker_id: str, wait_s:
     """Ask the holder of shard `index` for a share; the grant (its rows may be empty: no help wanted), or None when
     no answer came in `wait_s` or the shard sealed meanwhile."""
     token = f"{worker_id}-{secrets.token_hex(4)}"
-    tail_help.ask(run_dir, index, token, worker_id)
+    if not tail_help.ask(run_dir, index, token, worker_id):
+        return None
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         g = tail_help.read_grant(run_dir, index, token)

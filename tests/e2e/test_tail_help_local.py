@@ -9,16 +9,20 @@ seal exact and its help folder gone."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import orjson
 import pytest
 
 from shardrun.rundir import records, store
-from tests.e2e.test_pipeline_local import answers, env  # noqa: F401  (the fixture)
+from shardrun.shard import gym_stack
+from tests.e2e.test_pipeline_local import answers
 from tests.e2e.test_workers_local import submit, wait_for
 from tests.faults import gymkit
 from tests.fakes import harness
@@ -27,14 +31,22 @@ pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
 TASKS, REPEATS = 4, 6
 
 
+@pytest.fixture
+def env(tmp_path: Path, gym_venv_each: Path, monkeypatch) -> str:
+    """Each Gym release (the service lends from Gym's own semaphore, whose rows 0.4 and 0.7 run alike)."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(harness.TAG_ENV, tag)
+    monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
+    monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv_each))
+    return tag
+
+
 def rows(path: Path) -> list[dict]:
     return [orjson.loads(x) for x in store.complete_lines(path)]
 
 
 def test_an_idle_worker_collects_a_share_of_the_last_shard_and_every_identity_lands_once(
-    tmp_path: Path,
-    gym_venv: Path,
-    env: str,  # noqa: F811
+    tmp_path: Path, env: str
 ) -> None:
     input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=TASKS)
     run_dir = tmp_path / "run"
@@ -104,3 +116,68 @@ def worker_logs(run_dir: Path) -> str:
 def helped_line(run_dir: Path) -> str | None:
     lines = [line for line in worker_logs(run_dir).splitlines() if "shard 0: helped with" in line]
     return lines[0] if lines else None
+
+
+def test_a_helper_killed_mid_share_loses_nothing_and_the_holder_runs_only_what_it_missed(
+    tmp_path: Path, gym_venv: Path, monkeypatch
+) -> None:
+    """As above on the default Gym, but the helper's request for one lent row is held too, and the helper is
+    SIGKILLed once its other lent rows landed in its share: the holder, silent helper after the lease, takes the
+    share back, folds in what the helper finished and runs the rest itself; every identity lands once."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(harness.TAG_ENV, tag)
+    monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
+    monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
+    input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=TASKS)
+    run_dir = tmp_path / "run"
+    with harness.fake_policy(tmp_path, "--delay", "0.2") as fake:
+        cfg_path = gymkit.write_config(
+            tmp_path / "run.yaml",
+            input_jsonl,
+            run_dir,
+            fake.base_url,
+            repeats=REPEATS,
+            shards=2,
+            api_key_env=harness.API_KEY_ENV,
+            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "pipeline_shards": 1},
+        )
+        plan = subprocess.run(
+            [sys.executable, "-m", "shardrun.cli", "plan", str(cfg_path), "--write"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert plan.returncode == 0, plan.stdout + plan.stderr
+        shard0 = rows(store.materialized_path(run_dir, 0))
+        first, last = shard0[0]["question"], shard0[-1]["question"]
+        assert first != last and sum(r["question"] == last for r in shard0) >= 5  # the lent rows ask `last`
+        fake.set_faults([f"hold:match={first},times=2", f"hold:match={last},times=1"])
+        proc = submit(cfg_path, tmp_path)
+        try:
+
+            def share_nearly_done() -> tuple[records.WorkerState, int, int] | None:
+                for g in (store.shard_dir(run_dir, 0) / "help").glob("*.grant.json"):
+                    lent = len(json.loads(g.read_text())["rows"])
+                    landed = store.count_complete_lines(g.parent / g.name.replace(".grant.json", "") / "rollouts.jsonl")
+                    helper = g.name.split("-")[0]
+                    [state] = [s for s in records.read_worker_states(run_dir) if s.worker_id == helper]
+                    if lent >= 2 and landed == lent - 1:
+                        return state, lent, landed
+                return None
+
+            helper, lent, landed = wait_for("the helper to hold its last lent row", share_nearly_done)
+            os.kill(helper.pid, signal.SIGKILL)
+            fake.set_faults([])
+            proc.communicate(timeout=800)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+    shard_log = store.shard_log_path(run_dir, 0).read_text()
+    assert "fell silent" in shard_log and f"{landed} of {lent} lent rollouts folded in" in shard_log
+    got = rows(store.rollouts_path(run_dir, 0)) + rows(store.rollouts_path(run_dir, 1))
+    keys = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in got]
+    assert len(keys) == len(set(keys)) == TASKS * REPEATS  # every identity once, the helper's missing one too
+    assert json.loads(store.done_path(run_dir, 0).read_text())["num_rollouts"] == len(shard0)
+    assert not (store.shard_dir(run_dir, 0) / "help").exists()
+    assert harness.tagged_processes(tag) == []  # the killed helper's servers were reaped

@@ -88,3 +88,17 @@ def test_a_garbled_grant_or_a_strange_token_lends_nothing(tmp_path: Path) -> Non
     (help_dir / "..grant.json").write_bytes(b'{"holder": "w1", "rows": [[0, 5]]}')
     (help_dir / "w4.ask.json").write_bytes(b"[1, 2]")
     assert tail_help.grants(run_dir, 0) == [] and tail_help.asks(run_dir, 0) == []
+
+
+def test_an_ask_after_the_seal_leaves_nothing_behind(tmp_path: Path) -> None:
+    run_dir = shard(tmp_path)
+    assert tail_help.ask(run_dir, 0, "w2-ab", "w2")
+    tail_help.clear_all(run_dir, 0)  # the holder sealed meanwhile
+    tail_help.withdraw(run_dir, 0, "w2-ab")
+    assert not tail_help.help_dir(run_dir, 0).exists()
+    assert tail_help.ask(run_dir, 0, "w2-cd", "w2")  # asked again after the seal: its folder is made, and
+    tail_help.withdraw(run_dir, 0, "w2-cd")  # withdrawn (the helper sees the seal), it goes
+    assert not tail_help.help_dir(run_dir, 0).exists()
+    assert not tail_help.ask(tmp_path / "gone", 0, "w2-ef", "w2")  # no shard folder at all: no ask
+    tail_help.beat(tmp_path / "gone", 0, "w2-ef")  # a share taken back and cleared: beats and the end are moot
+    tail_help.finish(tmp_path / "gone", 0, "w2-ef", 0)

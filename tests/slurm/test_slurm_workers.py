@@ -125,7 +125,12 @@ def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None
     assert "claim released, servers stopped, completed rollouts kept" in text
     states = {s.worker_id: s for s in records.read_worker_states(run_dir)}
     preempted = states[claim["job_id"]]
-    assert preempted.server_starts == 2 and preempted.state == worker.STOPPED  # requeued: started again, once
+    # requeued, it starts its servers again (once) when it finds shard 3 to collect; the other worker, idle and
+    # asking to help at the end of the run, may have claimed shard 3 first once it was released: then there was
+    # nothing for the requeued worker to start its servers for
+    sealed_by = orjson.loads(store.done_path(run_dir, 3).read_bytes())["worker"]["id"]
+    assert sealed_by in states and preempted.state == worker.STOPPED
+    assert preempted.server_starts == (2 if sealed_by == preempted.worker_id else 1)
     # shard 3 resumed from its kept rollout; every identity once; merged by the job after the workers
     ids = harness.keys(store.rollouts_path(run_dir, 3))
     assert ids[: len(kept)] == kept and len(ids) == len(set(ids)) == 2

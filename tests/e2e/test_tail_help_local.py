@@ -31,45 +31,56 @@ pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
 TASKS, REPEATS = 4, 6
 
 
-@pytest.fixture
-def env(tmp_path: Path, gym_venv_each: Path, monkeypatch) -> str:
-    """Each Gym release (the service lends from Gym's own semaphore, whose rows 0.4 and 0.7 run alike)."""
+def tag_env(monkeypatch, venv: Path) -> str:
+    """The test's process tag, the stand-in's key and the Gym venv, in the environment the workers inherit."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv(harness.TAG_ENV, tag)
     monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
-    monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv_each))
+    monkeypatch.setenv(gym_stack.VENV_ENV, str(venv))
     return tag
+
+
+@pytest.fixture
+def env(gym_venv_each: Path, monkeypatch) -> str:
+    """Each Gym release (the service lends from Gym's own semaphore, whose rows 0.4 and 0.7 run alike)."""
+    return tag_env(monkeypatch, gym_venv_each)
 
 
 def rows(path: Path) -> list[dict]:
     return [orjson.loads(x) for x in store.complete_lines(path)]
 
 
+def plan_two_shards(tmp_path: Path, fake: harness.FakePolicy) -> tuple[Path, Path, list[dict]]:
+    """Two workers, two shards of TASKS x REPEATS rollouts, planned and written (the test holds requests by the
+    planned questions before it submits): the config, the run directory and shard 0's planned rows."""
+    input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=TASKS)
+    run_dir = tmp_path / "run"
+    cfg_path = gymkit.write_config(
+        tmp_path / "run.yaml",
+        input_jsonl,
+        run_dir,
+        fake.base_url,
+        repeats=REPEATS,
+        shards=2,
+        api_key_env=harness.API_KEY_ENV,
+        cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "pipeline_shards": 1},
+    )
+    plan = subprocess.run(
+        [sys.executable, "-m", "shardrun.cli", "plan", str(cfg_path), "--write"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    return cfg_path, run_dir, rows(store.materialized_path(run_dir, 0))
+
+
 def test_an_idle_worker_collects_a_share_of_the_last_shard_and_every_identity_lands_once(
     tmp_path: Path, env: str
 ) -> None:
-    input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=TASKS)
-    run_dir = tmp_path / "run"
     answer_log = tmp_path / "answers.jsonl"
     with harness.fake_policy(tmp_path, "--delay", "0.2", "--answer-log", str(answer_log)) as fake:
-        cfg_path = gymkit.write_config(
-            tmp_path / "run.yaml",
-            input_jsonl,
-            run_dir,
-            fake.base_url,
-            repeats=REPEATS,
-            shards=2,
-            api_key_env=harness.API_KEY_ENV,
-            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "pipeline_shards": 1},
-        )
-        plan = subprocess.run(
-            [sys.executable, "-m", "shardrun.cli", "plan", str(cfg_path), "--write"],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-        )
-        assert plan.returncode == 0, plan.stdout + plan.stderr
-        shard0 = rows(store.materialized_path(run_dir, 0))
+        cfg_path, run_dir, shard0 = plan_two_shards(tmp_path, fake)
         [first] = {r["question"] for r in shard0[:1]}
         assert first not in store.materialized_path(run_dir, 1).read_text()
         assert sum(r["question"] == first for r in shard0) >= 2
@@ -124,31 +135,9 @@ def test_a_helper_killed_mid_share_loses_nothing_and_the_holder_runs_only_what_i
     """As above on the default Gym, but the helper's request for one lent row is held too, and the helper is
     SIGKILLed once its other lent rows landed in its share: the holder, silent helper after the lease, takes the
     share back, folds in what the helper finished and runs the rest itself; every identity lands once."""
-    tag = uuid.uuid4().hex
-    monkeypatch.setenv(harness.TAG_ENV, tag)
-    monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
-    monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
-    input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=TASKS)
-    run_dir = tmp_path / "run"
+    tag = tag_env(monkeypatch, gym_venv)
     with harness.fake_policy(tmp_path, "--delay", "0.2") as fake:
-        cfg_path = gymkit.write_config(
-            tmp_path / "run.yaml",
-            input_jsonl,
-            run_dir,
-            fake.base_url,
-            repeats=REPEATS,
-            shards=2,
-            api_key_env=harness.API_KEY_ENV,
-            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "pipeline_shards": 1},
-        )
-        plan = subprocess.run(
-            [sys.executable, "-m", "shardrun.cli", "plan", str(cfg_path), "--write"],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-        )
-        assert plan.returncode == 0, plan.stdout + plan.stderr
-        shard0 = rows(store.materialized_path(run_dir, 0))
+        cfg_path, run_dir, shard0 = plan_two_shards(tmp_path, fake)
         first, last = shard0[0]["question"], shard0[-1]["question"]
         assert first != last and sum(r["question"] == last for r in shard0) >= 5  # the lent rows ask `last`
         fake.set_faults([f"hold:match={first},times=2", f"hold:match={last},times=1"])

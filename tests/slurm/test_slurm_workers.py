@@ -51,15 +51,21 @@ def env(slurm_cluster, gym_venv, monkeypatch):
 
 
 @contextmanager
-def shard3_hanging(tmp_path: Path, run_dir: Path, auto_resume_rounds: int) -> Iterator[tuple[Path, Path, object]]:
-    """The input, a config for 2 workers over SHARDS shards (2 repeats, both in flight at once) and the stand-in
-    policy, on which shard 3's last rollout hangs until the test lifts the fault: the worker holding shard 3 is in
-    the middle of it when the test strikes, however loaded the machine. Both rollouts must be in flight: Gym's
-    collector starts a shard's rollouts in no fixed order (asyncio.as_completed over a set), so with one at a time
-    the hanging one may go first and hold back the other."""
+def hanging(
+    tmp_path: Path, run_dir: Path, shards: range, auto_resume_rounds: int
+) -> Iterator[tuple[Path, Path, object]]:
+    """The input (one task per shard), a config for 2 workers over SHARDS shards (2 repeats,
+    num_samples_in_parallel 2: both rollouts of a shard in flight at once) and the stand-in policy, on which the
+    second rollout (seed 1) of each shard in `shards` hangs, the first time it is asked for: a worker holding one of
+    them is in the middle of it when the test strikes, however loaded the machine. Both rollouts must be in flight:
+    Gym's collector starts a shard's rollouts in no fixed order (asyncio.as_completed over a set), so with one at a
+    time the hanging one may go first and hold back the other."""
     inp = math_input(tmp_path / "input.jsonl", SHARDS)
-    task3 = orjson.loads(inp.read_text().splitlines()[3])["question"]
-    with fake_policy(tmp_path, "--fault", f"hang:match={task3},seed=1") as fake:
+    questions = [orjson.loads(line)["question"] for line in inp.read_text().splitlines()]
+    # each hangs once: the first request, from the first worker to hold the shard; a worker that takes the shard
+    # over (after a USR2 requeue released it, or a kill) gets its answer even before the test lifts the faults
+    faults = [arg for i in shards for arg in ("--fault", f"hang:match={questions[i]},seed=1,times=1")]
+    with fake_policy(tmp_path, *faults) as fake:
         cfg = write_config(
             tmp_path / "run.yaml",
             inp,
@@ -80,7 +86,7 @@ def shard3_hanging(tmp_path: Path, run_dir: Path, auto_resume_rounds: int) -> It
 
 def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None:
     run_dir = tmp_path / "run"
-    with shard3_hanging(tmp_path, run_dir, auto_resume_rounds=1) as (inp, cfg, fake):
+    with hanging(tmp_path, run_dir, range(3, 4), auto_resume_rounds=1) as (inp, cfg, fake):
         out = shardrun("submit", cfg, cwd=tmp_path)
         rec = launches(run_dir)[0]
         tag, after_job = rec["tag"], rec["merge_job_id"]
@@ -144,30 +150,6 @@ def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None
             assert harness.API_KEY.encode() not in path.read_bytes(), f"API key written to {path}"
 
 
-@contextmanager
-def shards_4_to_7_hanging(tmp_path: Path, run_dir: Path) -> Iterator[tuple[Path, Path, object]]:
-    """The input, a config for 2 workers over SHARDS shards (2 repeats, num_samples_in_parallel 2) and the stand-in
-    policy, on which one rollout of each of shards 4 to 7 hangs until the test lifts the fault. Shards are claimed
-    in index order and each hanging rollout holds one of its worker's two slots: once 0 to 3 are sealed the workers
-    hold 4 to 7, and one of them has two shards in flight (a third may wait in its queue), however loaded the
-    machine."""
-    inp = math_input(tmp_path / "input.jsonl", SHARDS)
-    questions = [orjson.loads(line)["question"] for line in inp.read_text().splitlines()]
-    faults = [arg for q in questions[4:] for arg in ("--fault", f"hang:match={q},seed=1")]
-    with fake_policy(tmp_path, *faults) as fake:
-        cfg = write_config(
-            tmp_path / "run.yaml",
-            inp,
-            run_dir,
-            fake.base_url,
-            repeats=2,
-            shards=SHARDS,
-            cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 20, "auto_resume_rounds": 2},
-            gym={"num_samples_in_parallel": 2},
-        )
-        yield inp, cfg, fake
-
-
 def test_workers_killed_with_two_shards_in_flight_each_are_resubmitted_by_the_job_after_them(tmp_path, env) -> None:
     """Every live worker SIGKILLed while one holds two shards in flight, as a node failure does: the array ends
     (FAILED), the job after it finds the four unsealed shards, resubmits workers for them and queues itself again
@@ -175,7 +157,9 @@ def test_workers_killed_with_two_shards_in_flight_each_are_resubmitted_by_the_jo
     lost, round 2 merges every identity exactly once, and the merged profile equals one unsharded Gym run's. No
     watcher process is kept alive by hand."""
     run_dir = tmp_path / "run"
-    with shards_4_to_7_hanging(tmp_path, run_dir) as (inp, cfg, fake):
+    # shards are claimed in index order and each hanging rollout holds one of its worker's two slots: once 0 to 3 are
+    # sealed the workers hold 4 to 7, and one of them has two shards in flight (a third may wait in its queue)
+    with hanging(tmp_path, run_dir, range(4, 8), auto_resume_rounds=2) as (inp, cfg, fake):
         shardrun("submit", cfg, cwd=tmp_path)
         rec = launches(run_dir)[0]
         tag, first_after = rec["tag"], rec["merge_job_id"]

@@ -149,8 +149,21 @@ def test_each_backend_answers_for_its_own_jobs_and_squeue_is_asked_once() -> Non
 def test_cancel_asks_every_backend_and_stops_only_live_jobs(monkeypatch) -> None:
     cancelled: list[list[str]] = []
     monkeypatch.setattr(scheduler, "cancel", lambda ids: cancelled.append(sorted(ids)) or sorted(ids))
-    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # a local job as a shard runs it: it takes SIGINT itself (runtime.py installs its handler), so a SIGINT ignored by
+    # whatever started the suite (a background job of a non-interactive shell) does not reach it; it says when it
+    # listens, so the cancel cannot come before
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); print('ready', flush=True);"
+            " time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert job.stdout is not None and job.stdout.readline() == "ready\n"
         records = Records(
             names={"run-abc"},
             local_pids={str(job.pid): processes.start_ticks(job.pid), "999999999": None},

@@ -144,7 +144,7 @@ class CpuWatch(threading.Thread):
                 except OSError:
                     continue
                 role = next((name for word, name in ROLES if word in cmd), None)
-                if role is None or (self.tmp not in cmd and role != "shardrun worker" and not self._ours(proc)):
+                if role is None or (self.tmp not in cmd and not self._ours(proc)):  # another run's: not counted
                     continue
                 self.by_pid[int(proc.name)] = (role, (float(stat[11]) + float(stat[12])) / self.ticks)
 

@@ -176,9 +176,9 @@ def idle_slot_seconds(answered: list[dict], slots: int) -> dict[str, float]:
     pauses, a stack that cannot keep up)."""
     events = sorted([(a["t0"], 1) for a in answered] + [(a["t1"], -1) for a in answered])
     first, last_start = events[0][0], max(a["t0"] for a in answered)
-    full = next((t for t, n in _steps(events) if n >= slots), last_start)
-    idle = {"start": 0.0, "middle": 0.0, "end": 0.0}
     steps = list(_steps(events))
+    full = next((t for t, n in steps if n >= slots), last_start)
+    idle = {"start": 0.0, "middle": 0.0, "end": 0.0}
     for (t, n), (t_next, _) in zip(steps, steps[1:]):
         for lo, hi, part in ((first, full, "start"), (full, last_start, "middle"), (last_start, t_next, "end")):
             a, b = max(t, lo), min(t_next, hi)

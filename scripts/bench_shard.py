@@ -47,6 +47,7 @@ def plan(tmp: Path, args: argparse.Namespace, policy_url: str, model: str, gym_v
         policy_url,
         repeats=args.repeats,
         shards=1,
+        config_paths=harness.CONFIG_PATHS,  # the servers docs/runtime.md measured
         gym={"num_samples_in_parallel": args.parallel, "venv": str(gym_venv), "server_venvs": args.server_venvs}
         | ({"uv_venv_dir": args.uv_venv_dir} if args.uv_venv_dir else {}),
     )

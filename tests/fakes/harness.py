@@ -26,6 +26,7 @@ CONFIG_PATHS = [
     "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
     "responses_api_models/vllm_model/configs/vllm_model.yaml",
 ]
+TOOL_CALL_AGENT = "example_single_tool_call_simple_agent"
 API_KEY_ENV = "SHARDRUN_TEST_POLICY_KEY"
 API_KEY = "test-key-not-a-secret"
 
@@ -84,7 +85,7 @@ def example_input(path: Path, gym_venv: Path, math_rows: int = 3, weather_rows: 
     site = sorted((gym_venv / "lib").glob("python3*/site-packages"))[-1]
     for line in (site / GYM_SITE_EXAMPLE).read_text().splitlines()[:weather_rows]:
         row = json.loads(line)
-        row["agent_ref"] = {"name": "example_single_tool_call_simple_agent"}
+        row["agent_ref"] = {"name": TOOL_CALL_AGENT}
         rows.append(json.dumps(row))
     path.write_text("".join(r + "\n" for r in rows))
     return path
@@ -100,7 +101,10 @@ def write_config(
     shards: int = 1,
     gym: dict | None = None,
     cluster: dict | None = None,
+    config_paths: list[str] | None = None,
 ) -> Path:
+    """The Gym servers are `config_paths`, else those the input's rows need: the tool-call environment only where a
+    row names its agent (its three idle servers cost a Gym 0.7 stack start about 12 s on 2 cores)."""
     return builders.write_gym_config(
         path,
         input_jsonl,
@@ -108,11 +112,18 @@ def write_config(
         policy_url,
         repeats=repeats,
         shards=shards,
-        config_paths=CONFIG_PATHS,
+        config_paths=config_paths or config_paths_for(input_jsonl),
         api_key_env=API_KEY_ENV,
         gym={"num_samples_in_parallel": 4, "stall_timeout_s": 120, "ready_timeout_s": 300} | (gym or {}),
         cluster={"executor": "local", "array_parallelism": 1} | (cluster or {}),
     )
+
+
+def config_paths_for(input_jsonl: Path) -> list[str]:
+    rows = (json.loads(line) for line in input_jsonl.read_text().splitlines() if line.strip())
+    if any(row.get("agent_ref", {}).get("name") == TOOL_CALL_AGENT for row in rows):
+        return CONFIG_PATHS
+    return [path for path in CONFIG_PATHS if "example_single_tool_call" not in path]
 
 
 def load_config(path: Path, overrides: list[str] | None = None) -> config_mod.RunConfig:

@@ -9,7 +9,11 @@
    record for the launched ones, so status makes its real squeue call (and one sacct call) when Slurm answers.
    Prints the time of `shardrun status RUN_DIR` as a command (process start included) and in-process.
    Target: under 1 s for 1,000 shards.
-2. sbatch calls. Submits M shards with MaxArraySize 1001 to the local Slurm through launch.submit_shards, every job
+2. labels (`--label-shards N`, 0 skips it). A blend of 8 labels over N sealed shards, rows of `--row-kb` KB (Gym's
+   rows hold the whole conversation): `status` with seals that count their rollouts per label (`label_rollouts`,
+   what a shard writes now) against the same seals without it (what status parsed before: every sealed shard's
+   rows), and the rows-only cost it keeps (each seal's file is still counted, `rundir/seal.against_file`).
+3. sbatch calls. Submits M shards with MaxArraySize 1001 to the local Slurm through launch.submit_shards, every job
    held (--hold) and cancelled at once, counting sbatch calls with a PATH shim around the real sbatch.
    Target for 2,500 shards: 3 (plus 1 for the merge job). Without Slurm it counts the scripts `submit --dry-run`
    renders instead, and says so.
@@ -36,10 +40,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from builders import input_rows, make_run, write_shard
+from blendkit import make_blend_run
+from builders import input_rows, make_run, rollout_row, write_shard
 
 from shardrun.launch import status
-from shardrun.rundir import store
+from shardrun.rundir import seal, store
 
 
 def slurm_available() -> bool:
@@ -142,6 +147,71 @@ def bench_status(shards: int, repeats: int) -> None:
         print(f"  python start + imports          {statistics.median(startup) * 1000:7.0f} ms  (of the command's time)")
 
 
+def bench_labels(shards: int, row_kb: int, repeats: int) -> None:
+    labels = [(f"env{i}", "a" if i % 2 else "b", shards * 2) for i in range(8)]  # 16 tasks x 8 repeats a shard
+    with tempfile.TemporaryDirectory(prefix="bench-labels-") as tmp:
+        run = make_blend_run(Path(tmp), labels, num_repeats=8, num_shards=shards)
+        pad = "x" * (row_kb * 1024)
+        for i in range(shards):
+            rows = [rollout_row(m) | {"output_text": pad} for m in run.materialized(i)]
+            path = store.rollouts_path(run.run_dir, i)
+            path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+            now = time.time()
+            marker = seal.make_marker(
+                run.plan,
+                i,
+                num_rollouts=len(rows),
+                num_failed=0,
+                rollouts_sha256=store.sha256_file(path),
+                rollouts_bytes=path.stat().st_size,
+                started_at=now - 60,
+                finished_at=now,
+                host="bench",
+                job_id=None,
+                attempt=1,
+                server_wait_s=1.0,
+                collect_s=59.0,
+                gpus=1,
+                label_rollouts=run.plan.label_counts([r["_ng_task_index"] for r in rows]),
+            )
+            seal.write_marker(run.run_dir, i, marker)
+        size = sum(store.rollouts_path(run.run_dir, i).stat().st_size for i in range(shards))
+
+        def timed() -> float:
+            took = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                st = status.collect(run.run_dir)
+                took.append(time.perf_counter() - t)
+            assert st.counts["sealed"] == shards and sum(r["collected"] for r in st.labels) == run.plan.num_rollouts
+            return statistics.median(took)
+
+        counted = timed()
+        rows_only = statistics.median(
+            timed_call(lambda: [store.count_complete_lines(store.rollouts_path(run.run_dir, i)) for i in range(shards)])
+            for _ in range(repeats)
+        )
+        for i in range(shards):  # the same seals as they were before seals counted labels
+            path = store.done_path(run.run_dir, i)
+            path.write_bytes(
+                orjson.dumps({k: v for k, v in orjson.loads(path.read_bytes()).items() if k != "label_rollouts"})
+            )
+        parsed = timed()
+        print(
+            f"labels: a blend of {len(labels)} labels, {shards:,} sealed shards x 128 rollouts of {row_kb} KB "
+            f"({size / 1e9:.2f} GB); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        )
+        print(f"  status.collect, seals count labels  {counted * 1000:7.0f} ms  (median of {repeats})")
+        print(f"  status.collect, every row parsed    {parsed * 1000:7.0f} ms  (seals without label_rollouts)")
+        print(f"  of which counting the sealed rows   {rows_only * 1000:7.0f} ms  (the seal check both keep)")
+
+
+def timed_call(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 SHIM = """#!/bin/sh
 echo "$@" >> {log}
 exec {real} "$@"
@@ -224,6 +294,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shards", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--label-shards", type=int, default=200, help="sealed shards of the blend (0: skip)")
+    p.add_argument("--row-kb", type=int, default=8, help="padding per rollout row in the blend, KB")
     p.add_argument("--submit-shards", type=int, default=2500)
     p.add_argument("--max-array-size", type=int, default=1001)
     p.add_argument("--start-slurm", action="store_true", help="start the local Slurm (scripts/local-slurm.sh) first")
@@ -232,6 +304,8 @@ def main() -> None:
         start_slurm()
     if args.shards:
         bench_status(args.shards, args.repeats)
+    if args.label_shards:
+        bench_labels(args.label_shards, args.row_kb, args.repeats)
     if args.submit_shards:
         bench_sbatch_calls(args.submit_shards, args.max_array_size)
 

@@ -1,9 +1,11 @@
 """A blend's progress per label for `shardrun status`: rollouts collected and failed per label, while the run goes on,
 so that a lane collecting nothing is seen before the merge (docs/blends.md, "Per-label outputs").
 
-Planned rollouts per label are the plan's (Plan.blend). Collected ones are counted from the shards' rollouts files,
-sealed or not: each complete line's `_ng_task_index` (read with a byte search, the line parsed only where the key
-is not found exactly once), its label from the plan's task ranges. A resumed shard's rollouts file may hold a
+Planned rollouts per label are the plan's (Plan.blend). Collected ones of a sealed shard are its seal's
+(`label_rollouts`, counted when it sealed; `status` has checked the seal against its file), so `status` parses no
+sealed shard's rows. Those of any other shard (and of a seal written before seals counted labels) are counted from
+its rollouts file: each complete line's `_ng_task_index` (read with a byte search, the line parsed only where the
+key is not found exactly once), its label from the plan's task ranges. A resumed shard's rollouts file may hold a
 rollout twice until the merge drops the copy; such lines count twice here, as the shard's own count does. Failed
 rollouts are the ones `status` lists (failed for good in the failure sidecars).
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import orjson
@@ -20,6 +22,7 @@ import orjson
 from shardrun.core.gym_names import TASK_KEY
 from shardrun.plan.planner import Plan
 from shardrun.rundir import store
+from shardrun.rundir.records import Seal
 
 _TASK = re.compile(rb'"' + TASK_KEY.encode() + rb'"\s*:\s*(-?\d+)')
 SILENT = "nothing collected while other labels progress: is this lane failing?"
@@ -46,18 +49,23 @@ def task_indices(path: Path) -> np.ndarray:
     return np.array(out, np.int64)
 
 
-def label_rows(run_dir: Path, plan: Plan, failed_tasks: Iterable[int]) -> list[dict[str, Any]]:
+def label_rows(
+    run_dir: Path, plan: Plan, failed_tasks: Iterable[int], sealed: Mapping[int, Seal] | None = None
+) -> list[dict[str, Any]]:
     """Per label (config order): agent, planned, collected, failed, and whether it is silent (nothing collected
-    while another label has). Empty for a plan without a blend."""
+    while another label has). `sealed`: the seals of the shards found sealed, by shard index. Empty for a plan
+    without a blend."""
     if not plan.blend:
         return []
     n = len(plan.blend)
     collected = np.zeros(n, np.int64)
     for spec in plan.shards:
-        codes = plan.label_codes(task_indices(store.rollouts_path(run_dir, spec.index)))
-        collected += np.bincount(codes[codes >= 0], minlength=n)
-    codes = plan.label_codes(np.fromiter(failed_tasks, np.int64))
-    failed = np.bincount(codes[codes >= 0], minlength=n)
+        marker = (sealed or {}).get(spec.index)
+        if marker is not None and marker.label_rollouts is not None and len(marker.label_rollouts) == n:
+            collected += np.array(marker.label_rollouts, np.int64)
+        else:
+            collected += plan.label_counts(task_indices(store.rollouts_path(run_dir, spec.index)))
+    failed = np.array(plan.label_counts(np.fromiter(failed_tasks, np.int64)), np.int64)
     anyone = bool(collected.sum())
     return [
         {

@@ -390,7 +390,12 @@ def collect(
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))),
         skipped_decided=sum(s.skipped_decided for s in shards),
         saved_gpu_hours=saved_gpu_hours(shards),
-        labels=label_progress.label_rows(run_dir, plan, (f.task for f in failed)),
+        labels=label_progress.label_rows(
+            run_dir,
+            plan,
+            (f.task for f in failed),
+            {i: s.marker for i, s in seals.items() if s.sealed and s.marker is not None},
+        ),
     )
 
 

@@ -557,6 +557,16 @@ class Plan:
                 out[(task_index >= start) & (task_index < stop)] = code
         return out
 
+    def label_counts(self, task_index: Any) -> list[int]:
+        """How many of these task indices (one per rollout) each entry of `labels` holds, in entry order; indices no
+        entry holds are not counted. Empty for a plan without a blend."""
+        import numpy as np
+
+        if not self.blend:
+            return []
+        codes = self.label_codes(task_index)
+        return [int(n) for n in np.bincount(codes[codes >= 0], minlength=len(self.blend))]
+
     def repeats_of(self, task_index: int, agent: str) -> int:
         """The planned rollouts of one task: its entry's repeats in a blend, else its agent's."""
         for entry in self.blend:

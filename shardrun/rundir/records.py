@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from shardrun.core import slurm_values
 from shardrun.core.errors import BadRecord
@@ -135,6 +135,15 @@ class Seal(Record):
     extra: dict[str, Any] | None = None  # optional accounting such as tokens
     num_skipped_decided: Count = 0  # adaptive sampling: rows never run because their task was decided
     skipped_decided_tasks: list[Count] = Field(default_factory=list)
+    label_rollouts: list[Count] | None = None  # a blend: its num_rollouts per label, in the plan's entry order
+
+    @field_validator("label_rollouts")
+    @classmethod
+    def _labels_add_up(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        total = info.data.get("num_rollouts")
+        if value is not None and total is not None and sum(value) != total:
+            raise ValueError(f"adds up to {sum(value)}, not num_rollouts ({total})")
+        return value
 
     @property
     def rows(self) -> int:

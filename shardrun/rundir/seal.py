@@ -46,6 +46,7 @@ def make_marker(
     skipped_decided_tasks: list[int] | None = None,
     num_skipped_decided: int = 0,
     num_duplicate_lines: int = 0,
+    label_rollouts: list[int] | None = None,
 ) -> Seal:
     """The marker's content (pure). Times are Unix seconds; `extra` holds optional accounting such as tokens."""
     return Seal(
@@ -72,6 +73,7 @@ def make_marker(
         skipped_decided_tasks=sorted(skipped_decided_tasks or ()) if num_skipped_decided else [],
         worker=worker or None,
         extra=extra or None,
+        label_rollouts=label_rollouts,
     )
 
 

@@ -612,6 +612,7 @@ class Shard:
             skipped_decided_tasks=sorted({t for t, _ in self.skipped}),
             num_skipped_decided=len(self.skipped),
             num_duplicate_lines=book.duplicates,
+            label_rollouts=self.plan.label_counts([task for task, _ in book.done]) if self.plan.blend else None,
         )
         seal.write_marker(self.run_dir, self.index, marker)
         tail_help.clear_all(self.run_dir, self.index)  # every share is folded in; asks left unanswered are moot

@@ -215,6 +215,11 @@ def test_a_lane_that_fails_every_rollout_is_named_and_the_others_profiled(tmp_pa
     lanes = {r["label"]: r for r in json.loads(status.stdout)["labels"]}
     assert lanes["lane"]["collected"] == 0 and lanes["lane"]["silent"] and lanes["lane"]["failed"] == 2 * REPEATS
     assert lanes["sums"]["collected"] == 4 * REPEATS and not lanes["sums"]["silent"]
+    plan = store.load_plan(run_dir)  # every shard sealed: each seal counted its rollouts per label, status added them
+    seals = [orjson.loads(store.done_path(run_dir, spec.index).read_bytes()) for spec in plan.shards]
+    assert [sum(m["label_rollouts"][i] for m in seals) for i in range(len(plan.blend))] == [
+        lanes[e.label]["collected"] for e in plan.blend
+    ]
     text = shardrun("status", str(run_dir), cwd=tmp_path, timeout=120)
     assert "label(s) lane collected nothing" in text.stdout
     merged_out = shardrun("merge-and-profile", str(run_dir), cwd=tmp_path)

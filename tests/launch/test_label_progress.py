@@ -1,5 +1,6 @@
-"""`shardrun status` on a blend: rollouts collected and failed per label, counted from the shards' files while the run
-goes on (sealed or not), a label that collects nothing while the others progress flagged; --json has them."""
+"""`shardrun status` on a blend: rollouts collected and failed per label, a sealed shard's from its seal and any other
+shard's from its file while the run goes on, a label that collects nothing while the others progress flagged;
+--json has them."""
 
 from __future__ import annotations
 
@@ -71,3 +72,58 @@ def test_a_run_without_a_blend_has_no_labels_in_status(tmp_path: Path) -> None:
     run = make_run(tmp_path, input_rows(4), num_repeats=2, num_shards=2)
     st = status.collect(run.run_dir, query_live=no_live, query_ended=no_sacct)
     assert st.labels == [] and "labels" not in json.loads(status.render_json(st))
+
+
+def sealed_by_the_runtime(tmp_path: Path):
+    """A blend run whose every shard holds all its rows and was sealed by the shard runtime itself (every identity
+    on disk: it seals without starting servers), as a job seals it."""
+    from shardrun.shard import runtime
+    from tests.faults import synthetic
+
+    run = make_blend_run(tmp_path, LABELS, num_repeats=REPEATS)
+    got = write_lane_shards(run)
+    store.write_launch_settings(run.run_dir, synthetic.launch_config(run))
+    for i in range(run.num_shards):
+        store.done_path(run.run_dir, i).unlink()
+        runtime.run_shard(run.run_dir, i)
+    want = {label: sum(1 for r in got["rows"] if label_of(r[TASK_KEY]) == label) for label, _, _ in LABELS}
+    return run, want
+
+
+def test_a_sealed_shard_is_counted_from_its_seal_not_parsed(tmp_path: Path, monkeypatch) -> None:
+    """The seal counts the shard's rollouts per label when it seals; `status` takes them from there and parses no
+    sealed shard's rows (only the shards still collecting, and seals written before seals counted labels)."""
+    run, want = sealed_by_the_runtime(tmp_path)
+    markers = [json.loads(store.done_path(run.run_dir, i).read_text()) for i in range(run.num_shards)]
+    per_shard = [
+        [sum(1 for r in run.materialized(i) if label_of(r[TASK_KEY]) == label) for label, _, _ in LABELS]
+        for i in range(run.num_shards)
+    ]
+    assert [m["label_rollouts"] for m in markers] == per_shard
+    parsed: list[Path] = []
+    real = label_progress.task_indices
+    monkeypatch.setattr(label_progress, "task_indices", lambda path: parsed.append(path) or real(path))
+    st = status.collect(run.run_dir, query_live=no_live, query_ended=no_sacct)
+    assert st.counts["sealed"] == run.num_shards and parsed == []
+    assert {r["label"]: r["collected"] for r in st.labels} == want
+
+    # shard 1 unsealed (still collecting) and shard 2 sealed before seals counted labels: those two are parsed
+    store.done_path(run.run_dir, 1).unlink()
+    old = {k: v for k, v in markers[2].items() if k != "label_rollouts"}
+    store.done_path(run.run_dir, 2).write_bytes(orjson.dumps(old))
+    st = status.collect(run.run_dir, query_live=no_live, query_ended=no_sacct)
+    assert st.counts["sealed"] == run.num_shards - 1
+    assert sorted(parsed) == [store.rollouts_path(run.run_dir, 1), store.rollouts_path(run.run_dir, 2)]
+    assert {r["label"]: r["collected"] for r in st.labels} == want
+
+
+def test_a_seal_whose_label_counts_do_not_add_up_is_not_trusted(tmp_path: Path) -> None:
+    run, want = sealed_by_the_runtime(tmp_path)
+    path = store.done_path(run.run_dir, 0)
+    marker = json.loads(path.read_text())
+    marker["label_rollouts"][0] += 1
+    path.write_bytes(orjson.dumps(marker))
+    st = status.collect(run.run_dir, query_live=no_live, query_ended=no_sacct)
+    shard0 = st.shards[0]
+    assert shard0.state != "sealed" and "label_rollouts" in shard0.reason and "num_rollouts" in shard0.reason
+    assert {r["label"]: r["collected"] for r in st.labels} == want  # counted from its file instead

@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from blendkit import make_blend_run
-from builders import input_rows, make_run, rollout_row, write_shard
+from builders import input_rows, make_run, rollout_row, seal_shard, write_shard
 
 from shardrun.launch import status
-from shardrun.rundir import seal, store
+from shardrun.rundir import store
 
 
 def slurm_available() -> bool:
@@ -156,25 +156,7 @@ def bench_labels(shards: int, row_kb: int, repeats: int) -> None:
             rows = [rollout_row(m) | {"output_text": pad} for m in run.materialized(i)]
             path = store.rollouts_path(run.run_dir, i)
             path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-            now = time.time()
-            marker = seal.make_marker(
-                run.plan,
-                i,
-                num_rollouts=len(rows),
-                num_failed=0,
-                rollouts_sha256=store.sha256_file(path),
-                rollouts_bytes=path.stat().st_size,
-                started_at=now - 60,
-                finished_at=now,
-                host="bench",
-                job_id=None,
-                attempt=1,
-                server_wait_s=1.0,
-                collect_s=59.0,
-                gpus=1,
-                label_rollouts=run.plan.label_counts([r["_ng_task_index"] for r in rows]),
-            )
-            seal.write_marker(run.run_dir, i, marker)
+            seal_shard(run, i, hours=1 / 60, label_rollouts=run.plan.label_counts([r["_ng_task_index"] for r in rows]))
         size = sum(store.rollouts_path(run.run_dir, i).stat().st_size for i in range(shards))
 
         def timed() -> float:

@@ -308,8 +308,16 @@ def _write_failures(
     store.failures_path(run.run_dir, shard).write_bytes(b"".join(lines))
 
 
-def seal_shard(run: Run, shard: int, *, num_failed: int | None = None, gpus: int = 1, hours: float = 0.5) -> dict:
-    """Write a valid .done marker for the shard's current rollouts.jsonl."""
+def seal_shard(
+    run: Run,
+    shard: int,
+    *,
+    num_failed: int | None = None,
+    gpus: int = 1,
+    hours: float = 0.5,
+    label_rollouts: list[int] | None = None,
+) -> dict:
+    """Write a valid .done marker for the shard's current rollouts.jsonl (a blend's: with its rollouts per label)."""
     path = store.rollouts_path(run.run_dir, shard)
     planned = run.plan.shards[shard].num_rollouts
     failed = num_failed if num_failed is not None else 0
@@ -329,6 +337,7 @@ def seal_shard(run: Run, shard: int, *, num_failed: int | None = None, gpus: int
         server_wait_s=1.0,
         collect_s=hours * 3600 - 1,
         gpus=gpus,
+        label_rollouts=label_rollouts,
     )
     seal.write_marker(run.run_dir, shard, marker)
     return marker

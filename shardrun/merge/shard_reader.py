@@ -158,8 +158,11 @@ def counted(job: ShardReadJob, state: seal.SealState, resolution: identity.Resol
 
 
 def damaged(job: ShardReadJob, marker: Seal, reason: str) -> seal.SealState:
-    """A seal that disagrees with its file: not sealed (with the reason), and an IncompleteRun unless the merge
-    takes what unsealed shards hold (--allow-partial)."""
+    """A seal that disagrees with its file: not sealed (with the reason), set aside (`.done.damaged`: status and
+    resume, which do not read every row, then see it too), and an IncompleteRun unless the merge takes what unsealed
+    shards hold (--allow-partial)."""
+    if seal.set_aside(job.run_dir, job.index, marker, reason) is not None:
+        reason += f"; set aside as {store.damaged_seal_path(job.run_dir, job.index).name}"
     state = seal.SealState(False, reason, marker, damaged=True)
     if not job.allow_partial:
         raise IncompleteRun(

@@ -183,6 +183,23 @@ def write_seal(run_dir: Path, seal: Seal) -> None:
     store.atomic_write_json(store.done_path(run_dir, seal.shard_index), seal.to_json())
 
 
+class SetAsideSeal(Record):
+    """`shards/NNNNN/.done.damaged`: a seal that merge-and-profile, reading every row, found disagreeing with them,
+    set aside with why (rundir/seal.set_aside). Its presence marks the shard damaged until the shard seals again."""
+
+    seal: dict[str, Any]  # the seal as it was
+    reason: str
+    set_aside_at: Finite
+
+
+def read_set_aside_seal(run_dir: Path, index: int) -> SetAsideSeal | None:
+    return read_json(store.damaged_seal_path(run_dir, index), SetAsideSeal, "a set-aside seal")
+
+
+def write_set_aside_seal(run_dir: Path, index: int, record: SetAsideSeal) -> None:
+    store.atomic_write_json(store.damaged_seal_path(run_dir, index), record.model_dump(mode="json"))
+
+
 # ---------------------------------------------------------------- launch records (launches.jsonl)
 
 

@@ -7,21 +7,28 @@ as many rows as it counts (num_rollouts plus num_duplicate_lines complete lines)
 merge/shard_reader.counted). Anything else is reported
 and ignored: the shard counts as unsealed, and one whose file disagrees with its seal is *damaged*. A FIFO, a device
 or a socket in place of the marker is refused (store.open_regular), never read.
+
+What only a check that reads every row can see (the sha256, the identities the seal counts) the merge acts on: it
+sets the seal aside as `.done.damaged` with its reason (set_aside), so that `status` shows the shard damaged and
+`resume` collects it again, instead of both trusting a seal the merge refuses. A new seal of the shard removes it.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from shardrun.core.errors import ShardrunError
 from shardrun.rundir import records, store
 from shardrun.plan.planner import Plan
 from shardrun.rundir.records import MARKER_VERSION, Seal
 
-__all__ = ["MARKER_VERSION", "Seal", "SealState", "check", "make_marker", "write_marker"]
+__all__ = ["MARKER_VERSION", "Seal", "SealState", "check", "make_marker", "set_aside", "write_marker"]
 
 
 def make_marker(
@@ -81,6 +88,43 @@ def write_marker(run_dir: Path, shard_index: int, marker: Seal) -> None:
     if marker.shard_index != shard_index:
         raise ValueError(f"a seal of shard {marker.shard_index} written for shard {shard_index}")
     records.write_seal(run_dir, marker)
+    store.damaged_seal_path(run_dir, shard_index).unlink(missing_ok=True)  # that one is settled now
+
+
+def set_aside(run_dir: Path, shard_index: int, marker: Seal, reason: str) -> Path | None:
+    """Set the shard's seal aside as `.done.damaged`, with `reason`, if it is still `marker` (a seal written since, by
+    a job sealing the shard again, stays). For the merge, which found it disagreeing with the rows. Returns where it
+    went, or None."""
+    path = store.done_path(run_dir, shard_index)
+    try:
+        raw = store.read_regular(path)
+        current, _ = records.seal_problem(orjson.loads(raw))
+    except (FileNotFoundError, IsADirectoryError, orjson.JSONDecodeError):
+        return None
+    if current != marker:
+        return None
+    record = records.SetAsideSeal(seal=orjson.loads(raw), reason=reason, set_aside_at=time.time())
+    records.write_set_aside_seal(run_dir, shard_index, record)
+    path.unlink(missing_ok=True)
+    return store.damaged_seal_path(run_dir, shard_index)
+
+
+def set_aside_state(run_dir: Path, shard_index: int) -> SealState | None:
+    """The shard as damaged, with the merge's reason, when its seal was set aside (and no seal written since)."""
+    aside = store.damaged_seal_path(run_dir, shard_index)
+    if not os.path.lexists(aside):
+        return None
+    try:
+        record = records.read_set_aside_seal(run_dir, shard_index)
+        why = record.reason if record is not None else "gone"
+    except ShardrunError as e:
+        why = str(e)
+    return SealState(
+        False,
+        f"{why} (set aside as {aside.name} by merge-and-profile, which reads every row; `shardrun resume` collects "
+        "the shard again)",
+        damaged=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -100,7 +144,7 @@ def check(run_dir: Path, plan: Plan, shard_index: int, deep: bool = False) -> Se
     try:
         raw = store.read_regular(path)
     except FileNotFoundError:
-        return SealState(False, "no marker")
+        return set_aside_state(run_dir, shard_index) or SealState(False, "no marker")
     except IsADirectoryError:
         return SealState(False, f"{path}: a directory, not a marker (ignored)")
     try:

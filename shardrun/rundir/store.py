@@ -38,6 +38,7 @@ MERGED_DIR = "merged"
 LOCK_FILE = ".shardrun.lock"
 BLEND_INPUT = "input.jsonl"  # a blend's rows, written by write_plan (blend_input_path)
 DONE = ".done"
+DAMAGED_SEAL = ".done.damaged"  # a seal the merge found disagreeing with the shard's rows, set aside (rundir/seal.py)
 LOGS = "logs"
 TMP_PREFIX = ".tmp-"
 MAX_OPEN_SHARD_FILES = 256
@@ -68,6 +69,10 @@ def failures_path(run_dir: Path, index: int) -> Path:
 
 def done_path(run_dir: Path, index: int) -> Path:
     return shard_dir(run_dir, index) / DONE
+
+
+def damaged_seal_path(run_dir: Path, index: int) -> Path:
+    return shard_dir(run_dir, index) / DAMAGED_SEAL
 
 
 def logs_dir(run_dir: Path, index: int) -> Path:

@@ -197,6 +197,25 @@ def test_edited_or_foreign_done_markers_are_ignored_named_and_resealed(tmp_path:
     recovered_like_reference(run_dir, reference)
 
 
+def test_a_seal_only_the_merge_can_refute_is_set_aside_and_resume_seals_the_shard_again(tmp_path: Path, reference):
+    """A seal counting one rollout fewer than its file holds (and one more failed), its bytes and hash those of the
+    file: `resume`'s check (the hash) cannot see it; the merge, which reads every row, can. It sets the seal aside
+    (`.done.damaged`), so `resume` collects the shard again (every row is there: it seals without servers), that
+    seal removes the one set aside, and the merge equals the reference."""
+    run = synthetic.make(tmp_path, tasks=300, shards=SHARDS, seal=False)
+    run_dir = run.run_dir
+    assert faultkit.cli("resume", run_dir).returncode == 0
+    marker = orjson.loads(store.done_path(run_dir, 1).read_bytes())
+    marker.update(num_rollouts=marker["num_rollouts"] - 1, num_failed=marker["num_failed"] + 1)
+    store.done_path(run_dir, 1).write_bytes(orjson.dumps(marker))
+    assert sealed(run_dir) == set(range(SHARDS))
+    merged = faultkit.cli("merge-and-profile", run_dir)
+    clear_error(merged, 5, "shard 00001", "damaged seal", "set aside as .done.damaged", "shardrun resume")
+    assert store.damaged_seal_path(run_dir, 1).exists() and sealed(run_dir) == set(range(SHARDS)) - {1}
+    recovered_like_reference(run_dir, reference)
+    assert not store.damaged_seal_path(run_dir, 1).exists()
+
+
 @pytest.mark.parametrize("edit", ["shard table", "truncated"])
 def test_hand_edited_plan_json_is_refused_by_every_command(tmp_path: Path, edit: str, reference):
     runs: list = []

@@ -6,11 +6,13 @@ directory is checked like any other input.
 - A record of the wrong shape (launch record, claim, worker state, a shard's `.failed`, plan.json) is refused with
   exit 2 naming the file, the line (JSONL) and the field, never a traceback.
 - A seal whose counts disagree with its rollouts file is never trusted: `status` shows the shard damaged with the
-  reason, `merge-and-profile` and `resume` take it as unsealed.
+  reason, `merge-and-profile` and `resume` take it as unsealed. One that only the merge can refute (it reads every
+  row) it sets aside as `.done.damaged`, so that `status` and `resume` see it damaged too.
 - `cancel` never signals a process shardrun cannot confirm it started: a launch record whose start time is unknown
   or another process's; it says which record it could not confirm, and that process lives on.
 
-Every case runs the command under a time bound (invoke_bounded), and nothing in the run directory changes.
+Every case runs the command under a time bound (invoke_bounded), and nothing in the run directory changes but a seal
+the merge sets aside.
 """
 
 from __future__ import annotations
@@ -345,14 +347,45 @@ def test_a_seal_whose_rollouts_file_was_emptied_is_damaged(sealed, tmp_path, unc
     damaged_everywhere(sealed, 1, "has 0 rows", tmp_path, unchanged)
 
 
-def test_a_seal_counting_fewer_rollouts_than_its_file_holds_is_not_trusted_by_the_merge(sealed, tmp_path, unchanged):
-    """Status cannot tell without reading every row (the file holds at least what the seal counts); the merge reads
-    them and finds one planned identity more than the seal counts."""
+def set_aside_by_the_merge(run_dir: Path, index: int, why: str, tmp_path: Path, unchanged) -> None:
+    """What status cannot tell without reading every row, the merge finds (exit 5) and sets the seal aside, and from
+    then on status shows the shard damaged and resume runs it: never "merge says resume, resume says sealed"."""
+    seal_bytes = store.done_path(run_dir, index).read_bytes()
+    before = json.loads(invoke_bounded("status", run_dir, "--json").output)
+    assert before["shards"][index]["state"] == "sealed"  # the quick check cannot see it
+    with unchanged(
+        tmp_path, store.merged_dir(run_dir), store.done_path(run_dir, index), store.damaged_seal_path(run_dir, index)
+    ):
+        merged = invoke_bounded("merge-and-profile", run_dir)
+    assert merged.exit_code == 5 and "damaged seal" in merged.output and why in merged.output, merged.output
+    assert "set aside as .done.damaged" in merged.output, merged.output
+    assert not store.done_path(run_dir, index).exists()
+    aside = records.read_set_aside_seal(run_dir, index)  # the seal as it was, and why
+    assert aside is not None and aside.seal == orjson.loads(seal_bytes) and why in aside.reason
+    st = json.loads(invoke_bounded("status", run_dir, "--json").output)
+    shard = st["shards"][index]
+    assert shard["state"] == "damaged" and "set aside" in shard["reason"] and why in shard["reason"], shard
+    assert not st["complete"]
+    todo, done, _ = submission.unsealed(run_dir, store.load_plan(run_dir))
+    assert index in todo and index not in done
+    again = invoke_bounded("merge-and-profile", run_dir)  # the merge says the same, from the set-aside seal
+    assert again.exit_code == 5 and f"shard {index:05d}" in again.output and "set aside" in again.output
+    assert why in again.output
+
+
+def test_a_seal_counting_fewer_rollouts_than_its_file_holds_is_set_aside_by_the_merge(sealed, tmp_path, unchanged):
     marker = orjson.loads(store.done_path(sealed, 1).read_bytes())
     reseal(sealed, 1, num_rollouts=marker["num_rollouts"] - 1, num_failed=marker["num_failed"] + 1)
-    with unchanged(tmp_path, store.merged_dir(sealed)):
-        merged = invoke_bounded("merge-and-profile", sealed)
-    assert merged.exit_code == 5 and "damaged seal" in merged.output and "4 planned identities" in merged.output
+    set_aside_by_the_merge(sealed, 1, "4 planned identities", tmp_path, unchanged)
+
+
+def test_a_seal_whose_rows_changed_but_not_their_size_is_set_aside_by_the_merge(sealed, tmp_path, unchanged):
+    path = store.rollouts_path(sealed, 2)
+    data = path.read_bytes()
+    first, second, *rest = data.splitlines(keepends=True)
+    path.write_bytes(b"".join([second, first, *rest]))  # the same rows and bytes, in another order
+    assert path.read_bytes() != data and len(path.read_bytes()) == len(data)
+    set_aside_by_the_merge(sealed, 2, "sha256 differs", tmp_path, unchanged)
 
 
 def test_a_true_seal_is_still_trusted(sealed, tmp_path, unchanged):

@@ -3,7 +3,7 @@
 one collector process per shard, one shard at a time.
 
     .venv/bin/python scripts/bench_occupancy.py [--shards 12] [--rollouts 16] [--slots 8] [--pipeline-shards N]
-        [--case small|large|both] [--repeat N] [--json OUT]
+        [--rollouts-per-slot R] [--case small|large|both] [--repeat N] [--json OUT]
 
 One warm worker (local executor, the real NeMo Gym stack from $SHARDRUN_GYM_VENV) runs `--shards` shards of
 `--rollouts` rollouts (the math rows of examples/arith x repeats) with gym.num_samples_in_parallel = `--slots`.
@@ -22,8 +22,8 @@ more. The stand-in writes every answered request's start and end, so what is pri
     worker occ. the worker's own figure (worker.json: its slot gate's request-seconds / (slots x time a shard was
                 held)), what `shardrun status` and the report show
 
-each for the worker as it is (cluster.collector_service on, cluster.pipeline_shards = `--pipeline-shards`,
-default the config's default) and as it was (`collector_service: false`, `pipeline_shards: 1`: a collector process per shard, one
+each for the worker as it is (cluster.collector_service on, cluster.pipeline_shards = `--pipeline-shards` and
+cluster.rollouts_per_slot = `--rollouts-per-slot`, defaults the config's) and as it was (`collector_service: false`, `pipeline_shards: 1`: a collector process per shard, one
 shard after another; shown as pipeline 0). `--case large`: the same rollouts in one shard (the pipeline must be
 no worse); `both` runs both cases.
 Target (issue #22): occupancy >= 0.85 with the pipeline on the small case; on the large case no worse than today (pipeline 0).
@@ -93,6 +93,7 @@ def write_config(tmp: Path, shards: int, depth: int, args: argparse.Namespace, g
             "workers": 1,
             "pipeline_shards": max(depth, 1),
             "collector_service": depth > 0,  # 0: today's behaviour, a collector process per shard
+            "rollouts_per_slot": args.rollouts_per_slot,  # the service's; a collector process has slots rollouts
         },
     }
     path = tmp / "run.yaml"
@@ -249,6 +250,13 @@ def main() -> int:
         default=ClusterConfig().pipeline_shards,
         help="cluster.pipeline_shards of the pipelined run (default: the config's)",
     )
+    ap.add_argument(
+        "--rollouts-per-slot",
+        type=float,
+        default=ClusterConfig().rollouts_per_slot,
+        help="cluster.rollouts_per_slot of the pipelined run (default: the config's; 1: a rollout holds its slot "
+        "through its agent and verification steps)",
+    )
     ap.add_argument("--case", choices=("small", "large", "both"), default="small")
     ap.add_argument("--only", choices=("pipeline", "baseline"), help="run only one of the two settings")
     ap.add_argument(
@@ -265,7 +273,8 @@ def main() -> int:
     results = [one_run(n, d, args, gym_venv) for n in cases for _ in range(args.repeat) for d in depths]
     print(
         f"\none worker, {args.shards * args.rollouts} rollouts, {args.slots} slots; answers {args.delay_s:g} s, "
-        f"1 in {1 / args.tail_share:g} takes {args.tail_s:g} s more; load average {load:.1f}"
+        f"1 in {1 / args.tail_share:g} takes {args.tail_s:g} s more; load average {load:.1f}; pipelined: "
+        f"{args.rollouts_per_slot:g} rollouts in flight per slot"
     )
     print(f"{'shards':>7}{'pipeline':>9}{'occupancy':>11}{'span':>8}{'bound':>8}{'wall':>8}{'worker occ.':>13}")
     for r in results:

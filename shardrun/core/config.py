@@ -56,7 +56,13 @@ class GymConfig(StrictModel):
         description="Python environment (venv dir) that has nemo-gym and uv (default: $SHARDRUN_GYM_VENV, else the "
         "venv scripts/setup.sh gym builds, $SHARDRUN_CACHE/gym-venv, when it exists).",
     )
-    num_samples_in_parallel: int | None = Field(None, ge=1, le=100_000, description="Collector concurrency per shard.")
+    num_samples_in_parallel: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="Collector concurrency per shard; with warm workers, the policy's slots: the requests it gets at "
+        "once (docs/workers.md).",
+    )
     responses_create_params: dict[str, Any] = Field(
         default_factory=dict, description="Shallow overrides merged into every row's responses_create_params."
     )
@@ -209,14 +215,24 @@ class ClusterConfig(StrictModel):
         ge=1,
         le=64,
         description="Shards a warm worker holds at most at once: it claims a further one when those it holds no "
-        "longer fill its budget of gym.num_samples_in_parallel slots (they drain their slowest rollouts), and all "
+        "longer fill its collector service's budget of rollouts in flight (they drain their slowest rollouts), and all "
         "their rollouts share that budget (docs/workers.md); 1: one shard after another.",
     )
     collector_service: bool = Field(
         True,
         description="Warm workers: collect every shard through one long-lived Gym collector per worker, whose "
-        "gym.num_samples_in_parallel rollouts in flight the shards it holds share (docs/workers.md); false: a "
+        "budget of rollouts in flight (cluster.rollouts_per_slot) the shards it holds share (docs/workers.md); false: a "
         "collector process per shard.",
+    )
+    rollouts_per_slot: float = Field(
+        3.0,
+        ge=1.0,
+        le=64.0,
+        description="Warm workers with the collector service: rollouts in flight per policy slot (the service runs "
+        "gym.num_samples_in_parallel x this, rounded up, while the slot gate lets at most gym.num_samples_in_parallel "
+        "requests reach the policy), so a slot one rollout's answer frees is taken at once by another rollout's "
+        "request while the first runs its agent, tool and verification steps (docs/workers.md); 1: a rollout holds "
+        "its slot through those steps too.",
     )
     claim_heartbeat_s: float = Field(30.0, gt=0, le=86400, description="Seconds between a worker's claim renewals.")
     claim_lease_s: float = Field(

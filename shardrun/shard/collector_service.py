@@ -5,7 +5,10 @@ shards that start-up is most of the shard, and the policy's slots sit empty mean
 `collector_service_gym.py` with its servers, under the Gym venv's Python and with the collector's own overrides,
 and hands it each shard round through a spool directory. The service runs every round through Gym's own
 `run_from_config` (the same rows, resume and failures sidecar as the command) and gives all of them one budget of
-`gym.num_samples_in_parallel` rollouts in flight, so a shard's rollouts start while the one before it drains.
+rollouts in flight (`budget`: gym.num_samples_in_parallel x cluster.rollouts_per_slot), so a shard's rollouts start
+while the one before it drains. The policy still sees at most gym.num_samples_in_parallel requests at once (the
+worker's slot gate); the rollouts beyond that run their agent and verification steps, or wait at the gate, so a slot
+is not left empty while its last rollout finishes those steps.
 
 `Round` has what the watchdog needs of a collector (`wait`, `alive`, `stop`, `log_path`): a shard's round is
 watched, stalled, stopped and retried exactly as a collector process is.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import shutil
 import subprocess
@@ -36,6 +40,7 @@ PROGRAM = Path(__file__).with_name("collector_service_gym.py")
 POLL_S = 0.05
 LEND_WAIT_S = 5.0  # how long a shard waits for the service to answer a request to lend rows
 CANCELLED_RC = -15
+UNLIMITED = "unlimited"  # the service's budget argument when gym.num_samples_in_parallel is unset
 STOP_GRACE_S = (
     10.0  # a cancelled round unwinds within the service's LEFTOVER_S (3 s); past this, the service is stopped
 )
@@ -175,6 +180,11 @@ class CollectorService:
         shutil.rmtree(self.spool, ignore_errors=True)
 
 
+def budget(slots: int | None, rollouts_per_slot: float) -> int | None:
+    """Rollouts the service keeps in flight for `slots` policy slots (gym.num_samples_in_parallel; None: no limit)."""
+    return None if slots is None else math.ceil(slots * rollouts_per_slot)
+
+
 def start(
     adapter: GymAdapter,
     venv: Path,
@@ -182,15 +192,24 @@ def start(
     gym: GymConfig,
     home: Path,
     env: Mapping[str, str] | None = None,
+    rollouts_per_slot: float = 1.0,
 ) -> CollectorService:
-    """Start the service for a worker's stack, its files under `home` (the worker's own Gym directory)."""
+    """Start the service for a worker's stack, its files under `home` (the worker's own Gym directory), with a
+    budget of `budget(gym.num_samples_in_parallel, rollouts_per_slot)` rollouts in flight."""
     spool = home / "collector-service"
     shutil.rmtree(spool, ignore_errors=True)  # a killed worker's leftovers
     spool.mkdir(parents=True)
     cwd = spool / "cwd"  # an empty working directory, as a shard's collector has
     cwd.mkdir()
     base = dict(os.environ if env is None else env)
-    cmd = [str(venv / "bin" / "python"), str(PROGRAM), str(spool), *collector.overrides(adapter, stack.port, gym)]
+    limit = budget(gym.num_samples_in_parallel, rollouts_per_slot)
+    cmd = [
+        str(venv / "bin" / "python"),
+        str(PROGRAM),
+        str(spool),
+        UNLIMITED if limit is None else str(limit),
+        *collector.overrides(adapter, stack.port, gym),
+    ]
     return CollectorService(
         processes.start(
             cmd,

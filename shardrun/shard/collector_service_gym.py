@@ -2,7 +2,7 @@
 
 A warm worker starts it once, beside its servers, instead of one `ng_collect_rollouts` process per shard:
 
-    GYM_PYTHON collector_service_gym.py SPOOL HYDRA_OVERRIDE...
+    GYM_PYTHON collector_service_gym.py SPOOL BUDGET HYDRA_OVERRIDE...
 
 It builds NeMo Gym's global config from the overrides exactly as Gym's collector command does (the same
 `sys.argv`, the same `get_global_config_dict`), then collects shard after shard, several at once, each through
@@ -11,9 +11,12 @@ Gym's own `RolloutCollectionHelper.run_from_config` with the shard's `input_json
 retries are Gym's, byte for byte as with the command. What the service adds:
 
 - one process for all shards, so a shard no longer pays for starting Python and importing Gym;
-- one budget of `num_samples_in_parallel` rollouts in flight shared by every shard it runs (Gym makes its
-  semaphore with `Semaphore(n)` in `run_from_config`; the service hands every shard the same one), so the next
-  shard's rollouts take the slots that the draining one frees;
+- one budget of BUDGET rollouts in flight (an integer, or `unlimited`: Gym's `num_samples_in_parallel` is unset)
+  shared by every shard it runs (Gym makes its semaphore with `Semaphore(num_samples_in_parallel)` in
+  `run_from_config`; the service hands every shard the same one), so the next shard's rollouts take the slots that
+  the draining one frees. shardrun sets BUDGET to num_samples_in_parallel x cluster.rollouts_per_slot: the policy's
+  slots are num_samples_in_parallel, kept by the worker's slot gate, and the rollouts beyond them run their agent
+  and verification steps meanwhile;
 - each shard's output (Gym's prints, tracebacks) in that shard's own collector log, as the command's would be.
 
 The spool directory is the whole protocol (files written whole by rename):
@@ -26,8 +29,8 @@ The spool directory is the whole protocol (files written whole by rename):
   NAME.lent.json   {"rows": [[TASK, ROLLOUT], ...]}: the identities lent, the last ones waiting in input order. A
                    lent row is never run here: when its turn for a slot comes it gives the slot back and parks; once
                    every row of the round but the parked ones is done, the round ends with rc 0
-  slots.json       {"budget": N, "idle_since": T, "drained_since": T, "started": [NAME...]} (written when it
-                   changes): since when (time.time()) a slot of the budget has been free with no rollout waiting for
+  slots.json       {"budget": N, "held": N, "idle_since": T, "drained_since": T, "started": [NAME...]} (written
+                   when it changes): the rollouts holding a slot of the budget now (null: no budget), since when (time.time()) a slot of the budget has been free with no rollout waiting for
                    one (null while all are taken or one waits), since when no rollout has waited for a slot (null
                    while one waits), and the rounds whose rollouts have asked for a slot; from it the worker knows
                    when the shards it holds will not keep the slots full, and claims another
@@ -226,19 +229,18 @@ async def run_round(rc: Any, base: Any, name: str, job: dict, spool: Path, inner
     write_whole(spool / f"{name}.exit.json", {"rc": code})
 
 
-async def serve(spool: Path) -> None:
+async def serve(spool: Path, budget: int | None) -> None:
     from nemo_gym import rollout_collection as rc
     from nemo_gym.global_config import get_global_config_dict
 
     base = get_global_config_dict()
-    budget = base.get("num_samples_in_parallel")
     loop = asyncio.get_running_loop()
     loop.set_task_factory(task_factory)
     if budget:
         if not hasattr(rc, "Semaphore"):
             print("[collector service] this nemo-gym has no rollout_collection.Semaphore", file=sys.stderr)
             sys.exit(3)
-        shared: Budget | None = Budget(int(budget))
+        shared: Budget | None = Budget(budget)
         rc.Semaphore = lambda _n: shared  # every shard's run_from_config takes its slots from one budget
     else:
         shared = None
@@ -289,7 +291,14 @@ async def serve(spool: Path) -> None:
             drained_since = None if shared.waiting else drained_since or now
             shared.asked &= set(running)
         asked = sorted(shared.asked) if shared is not None else sorted(running)
-        news = {"budget": budget, "idle_since": idle_since, "drained_since": drained_since, "started": asked}
+        held = shared.held if shared is not None else None
+        news = {
+            "budget": budget,
+            "held": held,
+            "idle_since": idle_since,
+            "drained_since": drained_since,
+            "started": asked,
+        }
         if news != told:
             write_whole(spool / "slots.json", news)
             told = news
@@ -316,11 +325,12 @@ def lend_if_asked(spool: Path, name: str, shared: Budget) -> None:
 
 
 def main() -> None:
-    spool = Path(sys.argv[1])
-    sys.argv = [sys.argv[0], *sys.argv[2:]]  # what Gym's own collector command hands its config parser
+    spool, limit = Path(sys.argv[1]), sys.argv[2]
+    budget = None if limit == "unlimited" else int(limit)
+    sys.argv = [sys.argv[0], *sys.argv[3:]]  # what Gym's own collector command hands its config parser
     sys.stdout = Routed(sys.stdout)
     sys.stderr = Routed(sys.stderr)
-    asyncio.run(serve(spool))
+    asyncio.run(serve(spool, budget))
 
 
 if __name__ == "__main__":

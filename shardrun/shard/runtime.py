@@ -257,11 +257,13 @@ def start_servers(
     log: Callable[[str], None],
     gated: bool = False,
     service: bool = False,
+    rollouts_per_slot: float = 1.0,
 ) -> Servers:
     """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running. `gated` (a
     warm worker): the stack reaches the policy through a slot gate admitting gym.num_samples_in_parallel requests at
     once (shard/slot_gate.py); `service` (a warm worker's, unless cluster.collector_service is off): a collector
-    service (shard/collector_service.py) collects shard after shard."""
+    service (shard/collector_service.py) collects shard after shard, `rollouts_per_slot` rollouts in flight per slot of
+    the gate."""
     t0 = time.monotonic()
     endpoint = policy.open_policy(policy_cfg, place.home)
     gate = None
@@ -289,11 +291,17 @@ def start_servers(
     if service:
         try:
             venv = gym_stack.gym_venv(gym, os.environ)
-            servers.service = collector_service.start(gym_adapter.for_venv(venv), venv, stack, gym, place.home)
+            servers.service = collector_service.start(
+                gym_adapter.for_venv(venv), venv, stack, gym, place.home, rollouts_per_slot=rollouts_per_slot
+            )
         except BaseException:
             servers.stop()
             raise
-        log(f"collector service started (pid {servers.service.proc.pid}): shard after shard, one budget of slots")
+        limit = collector_service.budget(gym.num_samples_in_parallel, rollouts_per_slot)
+        log(
+            f"collector service started (pid {servers.service.proc.pid}): shard after shard, one budget of "
+            f"{limit or 'unlimited'} rollout(s) in flight"
+        )
     return servers
 
 

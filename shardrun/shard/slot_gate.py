@@ -1,11 +1,12 @@
 """The slot gate: a warm worker's reverse proxy in front of the policy, admitting at most `slots` requests at once.
 
-A warm worker that collects several shards at once (cluster.pipeline_shards) gives each collector
-`gym.num_samples_in_parallel`; the Gym stack talks to the policy through this gate (its URL is what env.yaml names),
-which forwards every request unchanged (path, headers, body, status, response body) and holds the ones beyond
-`slots` in a first-come first-served queue. So the policy sees at most `num_samples_in_parallel` requests in flight
-whatever the number of collectors, and while one shard drains its slowest rollouts the next shard's fill the
-free slots (docs/workers.md).
+A warm worker's Gym stack talks to the policy through this gate (its URL is what env.yaml names), which forwards
+every request unchanged (path, headers, body, status, response body) and holds the ones beyond `slots`
+(`gym.num_samples_in_parallel`) in a first-come first-served queue. So the policy sees at most
+`num_samples_in_parallel` requests in flight whatever runs behind it: the collector service's budget of
+`num_samples_in_parallel x cluster.rollouts_per_slot` rollouts (those beyond the slots run their other steps, or
+wait here for a slot an answer frees), or several collector processes at once (cluster.pipeline_shards), and while
+one shard drains its slowest rollouts the next shard's fill the free slots (docs/workers.md).
 
 It also measures what the policy was asked to do: the seconds each forwarded request took, summed (`request_s`,
 in-flight requests counted up to now), from which the worker's slot occupancy follows (rundir/cost.py).

@@ -393,6 +393,7 @@ class Worker:
             self.log,
             gated=True,
             service=self.cluster.collector_service,
+            rollouts_per_slot=self.cluster.rollouts_per_slot,
         )
         self.gate_seen = 0.0
         self.warm = False

@@ -5,6 +5,8 @@ which records every request it gets (and when it answered it).
   and its requests reach the policy while shard 0's last request is still open (through the worker's collector
   service), the policy never has more than num_samples_in_parallel requests open, and every identity is answered
   once. The worker's record carries its slot occupancy.
+- The rollouts beyond the policy's slots (cluster.rollouts_per_slot): with both slots held in the model, the
+  worker's collector service still has slots x 3 rollouts in flight, the policy only the held requests.
 - SIGKILL a worker while it has two shards in flight (two workers; the first request of each of shards 4 to 7 is
   held in the model, so once 0 to 3 are sealed the workers hold 4 to 7, and one of them has two of them in flight): the sealed shards stay as they were, the other
   worker takes the killed one's over after the lease, and the run ends with every identity once.
@@ -100,6 +102,49 @@ def test_the_next_shard_s_requests_start_before_the_last_request_of_the_previous
     assert state.slots == 2 and state.request_s > 0 and state.holding_s > 0
     assert sorted(state.sealed) == list(range(SHARDS)) and state.current_shards == []
     assert state.holding_s < sum(state.collecting_s.values())  # shards were held at once
+    assert harness.tagged_processes(env) == []
+
+
+def test_the_rollouts_beyond_the_policy_s_slots_run_up_to_its_gate(tmp_path: Path, gym_venv: Path, env: str) -> None:
+    """cluster.rollouts_per_slot (default 3): with both of the policy's 2 slots held in the model, the worker's
+    collector service still has 2 x 3 rollouts in flight (the other 4 went through their agent and model server and
+    wait at the slot gate, so each takes a slot the moment one frees); once the held requests are answered every
+    identity lands once and the policy never had more than 2 requests open."""
+    input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=SHARDS)
+    run_dir = tmp_path / "run"
+    answer_log = tmp_path / "answers.jsonl"
+    held = question_of(input_jsonl, 0)
+    with harness.fake_policy(
+        tmp_path, "--answer-log", str(answer_log), "--fault", f"hold:match={held},times=2"
+    ) as fake:
+        cfg_path = write_config(tmp_path, input_jsonl, run_dir, fake.base_url, workers=1, pipeline_shards=3)
+        proc = submit(cfg_path, tmp_path)
+        try:
+            wait_for("both slots held in the model", lambda: len([r for r in fake.requests() if r["fault"]]) == 2)
+
+            def in_flight() -> int | None:
+                for spool in store.workers_dir(run_dir).glob("*/collector-service"):
+                    try:
+                        n = json.loads((spool / "slots.json").read_text())["held"]
+                    except (OSError, ValueError, KeyError):
+                        continue
+                    return n if n == 2 * 3 else None
+                return None
+
+            wait_for("the service to have 6 rollouts in flight", in_flight)  # 2 in the model, 4 at the gate
+            fake.set_faults([])
+            out, _ = proc.communicate(timeout=800)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, out
+        answered = answers(answer_log)
+
+    keys = [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in all_rollouts(run_dir)]
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == SHARDS * REPEATS  # every identity once
+    pairs = [(a["prompt"], a["seed"]) for a in answered]
+    assert len(pairs) == len(set(pairs)) == SHARDS * REPEATS  # the model answered each rollout once
+    assert max_open(answered) <= 2
     assert harness.tagged_processes(env) == []
 
 

@@ -1,6 +1,7 @@
 """The end of a run is not a tail (cluster workers with collector services, real NeMo Gym, the stand-in policy that
 records every request and answer): two workers, two shards; shard 0's first two requests are held in the model, so
-its holder's two slots are stuck while the rest of its rows wait. The other worker seals shard 1, finds nothing
+its holder's two policy slots are stuck: the rollouts its collector service runs beyond them (cluster.rollouts_per_slot,
+the default 3 per slot) wait at its slot gate and the rest of its rows wait for the service's budget. The other worker seals shard 1, finds nothing
 to claim, asks the holder for help, and is lent half of what waits; it collects that share while the holder is
 still stuck. Once the held requests are answered the holder finishes its own rows (never the lent ones), folds the
 helper's rows in and seals: every identity once in the shard, the model asked for each rollout once, the shard's
@@ -28,7 +29,7 @@ from tests.faults import gymkit
 from tests.fakes import harness
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
-TASKS, REPEATS = 4, 6
+TASKS, REPEATS = 4, 12  # shards of 24 rows: more than the service's budget of 6 keeps in flight wait to be lent
 
 
 def tag_env(monkeypatch, venv: Path) -> str:

@@ -217,3 +217,8 @@ def test_wrong_type_deep_in_config(tmp_path):
 
 def test_unknown_top_level_key_gets_a_did_you_mean(tmp_path):
     plan_fails(tmp_path, [good()], "num_repeat", "did you mean 'num_repeats'", num_repeat=3)
+
+
+@pytest.mark.parametrize("value", [0.5, 0, "lots"])
+def test_fewer_than_one_rollout_per_slot_is_refused(tmp_path, value):
+    plan_fails(tmp_path, [good()], "cluster.rollouts_per_slot", cluster={"rollouts_per_slot": value})

@@ -145,3 +145,10 @@ def test_one_waiting_row_is_never_lent() -> None:
         return out
 
     assert asyncio.run(scenario()) == []  # it will have a slot before a helper could start it
+
+
+def test_the_service_s_budget_is_the_policy_s_slots_times_rollouts_per_slot() -> None:
+    assert collector_service.budget(8, 3.0) == 24
+    assert collector_service.budget(3, 1.5) == 5  # rounded up: never fewer rollouts than asked for
+    assert collector_service.budget(2, 1.0) == 2  # 1: a rollout per slot, as Gym's own collector runs
+    assert collector_service.budget(None, 3.0) is None  # gym.num_samples_in_parallel unset: no limit

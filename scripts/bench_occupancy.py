@@ -22,8 +22,8 @@ more. The stand-in writes every answered request's start and end, so what is pri
     worker occ. the worker's own figure (worker.json: its slot gate's request-seconds / (slots x time a shard was
                 held)), what `shardrun status` and the report show
 
-each for the worker as it is (cluster.collector_service on, cluster.pipeline_shards = `--pipeline-shards` and
-cluster.rollouts_per_slot = `--rollouts-per-slot`, defaults the config's) and as it was (`collector_service: false`, `pipeline_shards: 1`: a collector process per shard, one
+each for the worker as it is (collector.service on, collector.pipeline_shards = `--pipeline-shards` and
+collector.rollouts_per_slot = `--rollouts-per-slot`, defaults the config's) and as it was (`collector_service: false`, `pipeline_shards: 1`: a collector process per shard, one
 shard after another; shown as pipeline 0). `--case large`: the same rollouts in one shard (the pipeline must be
 no worse); `both` runs both cases.
 Target (issue #22): occupancy >= 0.85 with the pipeline on the small case; on the large case no worse than today (pipeline 0).
@@ -248,13 +248,13 @@ def main() -> int:
         "--pipeline-shards",
         type=int,
         default=ClusterConfig().pipeline_shards,
-        help="cluster.pipeline_shards of the pipelined run (default: the config's)",
+        help="collector.pipeline_shards of the pipelined run (default: the config's)",
     )
     ap.add_argument(
         "--rollouts-per-slot",
         type=float,
         default=ClusterConfig().rollouts_per_slot,
-        help="cluster.rollouts_per_slot of the pipelined run (default: the config's; 1: a rollout holds its slot "
+        help="collector.rollouts_per_slot of the pipelined run (default: the config's; 1: a rollout holds its slot "
         "through its agent and verification steps)",
     )
     ap.add_argument("--case", choices=("small", "large", "both"), default="small")

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 import yaml
 
 from shardrun.rundir import store
-from shardrun.shard import worker
+from shardrun.workers import worker
 from tests.fakes import harness
 from tests.faults import gymkit
 

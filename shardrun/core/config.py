@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from pydantic_core import ErrorDetails
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from shardrun.core import slurm_values
 from shardrun.core.credentials import find_credentials, redact, secret_reason
@@ -210,30 +210,6 @@ class ClusterConfig(StrictModel):
         description="Warm workers: this many jobs that start their servers once and claim shards until none are "
         "left (docs/workers.md); null: one job per shard.",
     )
-    pipeline_shards: int = Field(
-        4,
-        ge=1,
-        le=64,
-        description="Shards a warm worker holds at most at once: it claims a further one when those it holds no "
-        "longer fill its collector service's budget of rollouts in flight (they drain their slowest rollouts), and all "
-        "their rollouts share that budget (docs/workers.md); 1: one shard after another.",
-    )
-    collector_service: bool = Field(
-        True,
-        description="Warm workers: collect every shard through one long-lived Gym collector per worker, whose "
-        "budget of rollouts in flight (cluster.rollouts_per_slot) the shards it holds share (docs/workers.md); false: a "
-        "collector process per shard.",
-    )
-    rollouts_per_slot: float = Field(
-        3.0,
-        ge=1.0,
-        le=64.0,
-        description="Warm workers with the collector service: rollouts in flight per policy slot (the service runs "
-        "gym.num_samples_in_parallel x this, rounded up, while the slot gate lets at most gym.num_samples_in_parallel "
-        "requests reach the policy), so a slot one rollout's answer frees is taken at once by another rollout's "
-        "request while the first runs its agent, tool and verification steps (docs/workers.md); 1: a rollout holds "
-        "its slot through those steps too.",
-    )
     claim_heartbeat_s: float = Field(30.0, gt=0, le=86400, description="Seconds between a worker's claim renewals.")
     claim_lease_s: float = Field(
         180.0, gt=0, le=7 * 86400, description="A claim not renewed for this long is stale and taken over."
@@ -312,6 +288,73 @@ class ClusterConfig(StrictModel):
     @classmethod
     def _additional_parameters(cls, v: dict[str, Any]) -> dict[str, Any]:
         return slurm_values.additional_parameters(v)
+
+
+class CollectorConfig(StrictModel):
+    """How a warm worker collects (docs/workers.md): one long-lived Gym collector, how many rollouts it keeps in
+    flight per policy slot, how many shards it holds at once. (Their old names under `cluster.` still work, with a
+    warning.)"""
+
+    service: bool = Field(
+        True,
+        description="Warm workers: collect every shard through one long-lived Gym collector per worker, whose "
+        "budget of rollouts in flight (collector.rollouts_per_slot) the shards it holds share (docs/workers.md); false: "
+        "a collector process per shard.",
+    )
+    rollouts_per_slot: float = Field(
+        3.0,
+        ge=1.0,
+        le=64.0,
+        description="Warm workers with the collector service: rollouts in flight per policy slot (the service runs "
+        "gym.num_samples_in_parallel x this, rounded up, while the slot gate lets at most gym.num_samples_in_parallel "
+        "requests reach the policy), so a slot one rollout's answer frees is taken at once by another rollout's "
+        "request while the first runs its agent, tool and verification steps (docs/workers.md); 1: a rollout holds "
+        "its slot through those steps too.",
+    )
+    pipeline_shards: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Shards a warm worker holds at most at once: it claims a further one when those it holds no "
+        "longer fill its collector service's budget of rollouts in flight (they drain their slowest rollouts), and all "
+        "their rollouts share that budget (docs/workers.md); 1: one shard after another.",
+    )
+
+
+# old key under cluster. -> its key under collector.: still read, with a warning in the plan
+MOVED_TO_COLLECTOR = {
+    "collector_service": "service",
+    "rollouts_per_slot": "rollouts_per_slot",
+    "pipeline_shards": "pipeline_shards",
+}
+
+
+def moved_keys(data: Any) -> tuple[Any, list[str]]:
+    """`data` (a run config's dict) with the collector settings still under their old `cluster.` names moved to
+    `collector.`, and a warning for each; a key set under both names is refused."""
+    if not isinstance(data, dict) or not isinstance(data.get("cluster"), dict):
+        return data, []
+    cluster = dict(data["cluster"])
+    old = [k for k in MOVED_TO_COLLECTOR if k in cluster]
+    if not old:
+        return data, []
+    collector = data.get("collector")
+    if collector is None:
+        collector = {}
+    if not isinstance(collector, dict):
+        return data, []  # the collector section's own error says what is wrong
+    collector = dict(collector)
+    notes = []
+    for key in old:
+        new = MOVED_TO_COLLECTOR[key]
+        if new in collector:
+            raise ValueError(
+                f"cluster.{key} and collector.{new} are both set; cluster.{key} is the old name of collector.{new}: "
+                f"keep one (collector.{new})"
+            )
+        collector[new] = cluster.pop(key)
+        notes.append(f"cluster.{key} is deprecated: it is now collector.{new} (the old key still works, for now)")
+    return {**data, "cluster": cluster, "collector": collector}, notes
 
 
 class SamplingConfig(StrictModel):
@@ -432,6 +475,7 @@ class RunConfig(StrictModel):
     gym: GymConfig | None = None
     policy: PolicyConfig | None = None
     cluster: ClusterConfig | None = None
+    collector: CollectorConfig = Field(default_factory=CollectorConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     entries: list[EntryConfig] | None = Field(
         None, description="A blend: several labelled input files run as one (docs/blends.md); instead of input_jsonl."
@@ -443,6 +487,23 @@ class RunConfig(StrictModel):
         description="What a translated NeMo Gym manifest held that shardrun does not carry out (set by the "
         "translation; each is a warning in the plan).",
     )
+
+    _deprecated: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _moved_keys(cls, data: Any, handler: Any) -> "RunConfig":
+        if isinstance(data, RunConfig):
+            return handler(data)
+        data, notes = moved_keys(data)
+        cfg = handler(data)
+        cfg._deprecated = notes
+        return cfg
+
+    @property
+    def deprecations(self) -> list[str]:
+        """A warning for each old key this config was given (the plan prints them)."""
+        return list(self._deprecated)
 
     @model_validator(mode="before")
     @classmethod
@@ -816,6 +877,10 @@ def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
 def _describe(err: ErrorDetails, data: dict[str, Any]) -> str:
     loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "constrained-"))]
     where = ".".join(loc) or "(top level)"
+    old = {v: k for k, v in MOVED_TO_COLLECTOR.items()}
+    cluster = data.get("cluster") if isinstance(data, dict) else None
+    if len(loc) == 2 and loc[0] == "collector" and isinstance(cluster, dict) and old.get(loc[1]) in cluster:
+        where = f"cluster.{old[loc[1]]} (now {where})"  # the user gave it under its old name
     if err["type"] == "extra_forbidden":
         key = loc[-1] if loc else ""
         if _SECRET_KEYS.search(key):
@@ -831,7 +896,7 @@ def _describe(err: ErrorDetails, data: dict[str, Any]) -> str:
             if hint
             else (f" (known keys: {', '.join(known)})" if known else "")
         )
-    if "input" in err and err["type"] != "missing":
+    if "input" in err and err["type"] != "missing" and loc:  # at the top level the input is the whole config
         value = err.get("input")
         hidden = isinstance(value, str) and secret_reason(loc[-1] if loc else "", value) is not None
         return redact(

@@ -22,7 +22,7 @@ from shardrun.rundir import seal, store
 
 def unfinished(run_dir: Path, plan: Plan, max_attempts: int) -> tuple[list[int], list[int]]:
     """(unsealed shards still to try, unsealed shards that failed max_attempts times)."""
-    from shardrun.shard import worker
+    from shardrun.workers import worker
 
     todo: list[int] = []
     gave_up: list[int] = []

@@ -418,7 +418,7 @@ def worker_view(
 
     from shardrun.core.config import ClusterConfig
     from shardrun.core.errors import ShardrunError
-    from shardrun.rundir import claims
+    from shardrun.workers import claims
 
     try:
         settings = store.read_launch_settings(run_dir)

@@ -54,7 +54,7 @@ def job_cluster(run_dir: Path) -> ClusterConfig:
 
 def worker_job(run_dir: str) -> dict[str, Any]:
     """One local worker job: claim and collect shards until none are left."""
-    from shardrun.shard import worker
+    from shardrun.workers import worker
 
     job_id = executors.current_job_id()
     state = worker.run_worker(Path(run_dir), job_id=job_id, deadline=deadline(job_cluster(Path(run_dir))))
@@ -70,7 +70,7 @@ class WorkerJob(Checkpointable):
         self.run_dir = str(run_dir)
 
     def __call__(self, number: int) -> dict[str, Any]:
-        from shardrun.shard import worker
+        from shardrun.workers import worker
 
         run_dir = Path(self.run_dir)
         job_id = executors.current_job_id()

@@ -683,7 +683,9 @@ def make_plan(
         num_rollouts=summary.num_rollouts,
         agents={a: asdict(s) for a, s in sorted(summary.agents.items())},
         shards=shards,
-        warnings=tuple(summary.warnings) + tuple(f"not carried out: {w}" for w in cfg.not_carried_out),
+        warnings=tuple(summary.warnings)
+        + tuple(f"not carried out: {w}" for w in cfg.not_carried_out)
+        + tuple(cfg.deprecations),
         gym_version=gym_version,
         blend=blend,
     )

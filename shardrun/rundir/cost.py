@@ -254,7 +254,7 @@ def worker_cost(state: WorkerState, now: float) -> WorkerCost:
         gpus=state.gpus,
         wall_s=max(0.0, (ended if ended is not None else now) - state.started_at),
         startup_s=state.startup_s,
-        # the time with a shard held: shards held at once (cluster.pipeline_shards) overlap; older records have
+        # the time with a shard held: shards held at once (collector.pipeline_shards) overlap; older records have
         # only the per-shard times
         collecting_s=state.holding_s or sum(state.collecting_s.values()),
         sealed=len(state.sealed),

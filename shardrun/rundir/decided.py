@@ -72,7 +72,7 @@ class RunRollouts:
 
     def __init__(self, run_dir: Path, plan: Plan, metric: str):
         self.run_dir, self.plan, self.metric = Path(run_dir), plan, metric
-        self.lock = threading.RLock()  # a warm worker starts shards from several threads (cluster.pipeline_shards)
+        self.lock = threading.RLock()  # a warm worker starts shards from several threads (collector.pipeline_shards)
         self.reset()
 
     def reset(self) -> None:

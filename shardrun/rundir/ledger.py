@@ -57,7 +57,7 @@ class Ledger:
     reasons: dict[Key, str] = field(default_factory=dict)
     sidecar_rows: int = 0  # failure rows in rollouts_failures.jsonl (agents may write one per failed attempt)
     skipped: set[Key] = field(default_factory=set)  # skipped because decided (adaptive sampling): never run
-    lent: set[Key] = field(default_factory=set)  # lent to a helping worker (rundir/tail_help.py): not run here
+    lent: set[Key] = field(default_factory=set)  # lent to a helping worker (workers/tail_help.py): not run here
 
     @property
     def pending(self) -> list[Key]:

@@ -107,6 +107,16 @@ def read_jsonl(path: Path, model: type[M], what: str) -> list[M]:
 MARKER_VERSION = 1
 
 
+class SealWorker(Record):
+    """The warm worker that sealed a shard (the seal's `worker`): its id and job, whether its servers had already
+    collected a shard (warm) and since when they were up."""
+
+    id: str
+    job_id: str | None = None
+    servers_warm: bool = False
+    servers_up_since: Finite | None = None
+
+
 class Seal(Record):
     """`shards/NNNNN/.done`: the shard's rollouts are complete. Valid only for its plan and shard, with its planned
     rollouts accounted for, and for the exact rollouts file it names (bytes, sha256, and at least its rows: num_rollouts
@@ -131,7 +141,7 @@ class Seal(Record):
     gpus: Count | None = None
     gpu_hours: Finite | None = None
     gym_version: str | None = None  # the nemo-gym release the shard ran with
-    worker: dict[str, Any] | None = None  # the warm worker that sealed it: {id, servers_warm, ...}
+    worker: SealWorker | None = None  # the warm worker that sealed it
     extra: dict[str, Any] | None = None  # optional accounting such as tokens
     num_skipped_decided: Count = 0  # adaptive sampling: rows never run because their task was decided
     skipped_decided_tasks: list[Count] = Field(default_factory=list)
@@ -156,8 +166,7 @@ class Seal(Record):
 
     @property
     def worker_id(self) -> str | None:
-        wid = (self.worker or {}).get("id")
-        return wid if isinstance(wid, str) else None
+        return self.worker.id if self.worker is not None else None
 
     def to_json(self) -> dict[str, Any]:
         out = self.model_dump(mode="json", exclude_none=True)
@@ -271,7 +280,7 @@ def read_launches(run_dir: Path) -> list[LaunchRecord]:
 
 
 class ClaimRecord(Record):
-    """`shards/NNNNN/.claim`: which warm worker collects the shard (rundir/claims.py has the protocol)."""
+    """`shards/NNNNN/.claim`: which warm worker collects the shard (workers/claims.py has the protocol)."""
 
     worker_id: str
     job_id: str | None = None
@@ -293,7 +302,7 @@ def parse_claim(path: Path, raw: bytes) -> ClaimRecord:
 
 
 class HelpAsk(Record):
-    """`help/TOKEN.ask.json`: an idle worker asks the shard's holder for a share (rundir/tail_help.py)."""
+    """`help/TOKEN.ask.json`: an idle worker asks the shard's holder for a share (workers/tail_help.py)."""
 
     worker: str
     at: Finite
@@ -352,7 +361,7 @@ class WorkerState(BaseModel):
     startup_s: Finite = 0.0  # seconds spent starting servers, every start
     sealed: list[Count] = Field(default_factory=list)
     collecting_s: dict[str, Finite] = Field(default_factory=dict)  # shard -> seconds from claim to release
-    current_shards: list[Count] = Field(default_factory=list)  # every shard held now (cluster.pipeline_shards)
+    current_shards: list[Count] = Field(default_factory=list)  # every shard held now (collector.pipeline_shards)
     holding_s: Finite = 0.0  # seconds with at least one shard held (shards held at once overlap)
     slots: Count | None = None  # gym.num_samples_in_parallel: the policy requests its slot gate admits at once
     request_s: Finite = 0.0  # policy request-seconds through its slot gate, summed over requests

@@ -49,7 +49,7 @@ def make_marker(
     gpus: int,
     extra: dict[str, Any] | None = None,
     gym_version: str | None = None,
-    worker: dict[str, Any] | None = None,
+    worker: records.SealWorker | None = None,
     skipped_decided_tasks: list[int] | None = None,
     num_skipped_decided: int = 0,
     num_duplicate_lines: int = 0,
@@ -78,7 +78,7 @@ def make_marker(
         gym_version=gym_version,
         num_skipped_decided=num_skipped_decided,
         skipped_decided_tasks=sorted(skipped_decided_tasks or ()) if num_skipped_decided else [],
-        worker=worker or None,
+        worker=worker,
         extra=extra or None,
         label_rollouts=label_rollouts,
     )

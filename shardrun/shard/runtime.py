@@ -21,24 +21,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from shardrun.shard import collector
 from shardrun.core import gym_adapter
-from shardrun.shard import gym_stack
-from shardrun.rundir import decided
-from shardrun.rundir import ledger
-from shardrun.shard import collector_service, policy, slot_gate
-from shardrun.rundir import records, seal
-from shardrun.rundir import store, tail_help
-from shardrun.shard import watchdog
 from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
 from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
-from shardrun.rundir.records import Seal
+from shardrun.rundir import decided, ledger, records, seal, store
+from shardrun.rundir.records import Seal, SealWorker
+from shardrun.shard import collector, gym_stack, policy, watchdog
 
-
-HELP_POLL_S = 0.5  # how often a shard waiting for its helpers looks at their shares
+Key = tuple[int, int]  # (task index, rollout index): a rollout's identity
 
 
 @dataclass(frozen=True)
@@ -82,8 +75,9 @@ def run_shard(
 ) -> ShardResult:
     """Run shard `index` of the plan in `run_dir` to a seal, or raise a ShardrunError (recorded in `.failed`).
 
-    A shard job starts and stops its own servers; a warm worker (shard/worker.py) passes its running ones and
-    what it adds (`servers`, `worker`, `checks`, `known`: see Shard), so both run exactly this per-shard work."""
+    A shard job starts and stops its own servers; a runner with servers of its own (a warm worker,
+    workers/worker.py) passes them and its hooks (`servers`, `collector`, `lending`, `checks`, `known`, `worker`:
+    see Shard), so every launch mode runs exactly this per-shard work."""
     run_dir = Path(run_dir)
     plan = plan or store.load_plan(run_dir)
     if not 0 <= index < len(plan.shards):
@@ -205,6 +199,19 @@ def interruptible() -> Iterator[None]:
             signal.signal(s, h)
 
 
+class Front(Protocol):
+    """Something the Gym stack reaches the policy through instead of its own addresses (a warm worker's slot gate,
+    workers/slot_gate.py): it listens at `urls` and forwards to the policy's."""
+
+    urls: list[str]
+
+    def describe(self) -> str: ...
+
+    def problem(self) -> str | None: ...
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class Servers:
     """A running policy endpoint and Gym stack: a shard job's own, or a warm worker's (started once)."""
@@ -213,38 +220,22 @@ class Servers:
     stack: gym_stack.GymStack
     ready_s: float  # seconds from the start to both being ready
     up_since: float  # Unix time they became ready
-    gate: slot_gate.Gate | None = None  # a warm worker's: the stack talks to the policy through it
-    service: collector_service.CollectorService | None = None  # a warm worker's: collects shard after shard
+    front: Front | None = None  # what the stack talks to the policy through, if not the policy itself
 
     def problem(self) -> str | None:
-        return (
-            self.endpoint.problem()
-            or (self.gate.problem() if self.gate else None)
-            or self.stack.problem()
-            or (self.service.problem() if self.service else None)
-        )
+        return self.endpoint.problem() or (self.front.problem() if self.front else None) or self.stack.problem()
 
-    def groups(self) -> list[tuple[int, int]]:
-        """The process groups of the servers started here (processes.Proc.group): a worker records them so that
-        another worker on its host can reap them if it is SIGKILLed."""
-        procs = [self.stack.proc] + ([self.endpoint.server.proc] if self.endpoint.server is not None else [])
-        procs += [self.service.proc] if self.service is not None else []
-        return [g for g in (p.group for p in procs) if g is not None]
+    def procs(self) -> list[Any]:
+        """The server processes started here (processes.Proc)."""
+        return [self.stack.proc] + ([self.endpoint.server.proc] if self.endpoint.server is not None else [])
 
     def stop(self) -> None:
-        try:
-            if self.service is not None:
-                self.service.stop()
-        finally:
-            self._stop_servers()
-
-    def _stop_servers(self) -> None:
         try:
             self.stack.stop()
         finally:
             try:
-                if self.gate is not None:
-                    self.gate.stop()
+                if self.front is not None:
+                    self.front.stop()
             finally:
                 self.endpoint.stop()
 
@@ -255,18 +246,13 @@ def start_servers(
     run_dir: Path,
     place: gym_stack.StackPlace,
     log: Callable[[str], None],
-    gated: bool = False,
-    service: bool = False,
-    rollouts_per_slot: float = 1.0,
+    front: Callable[[list[str]], Front] | None = None,
 ) -> Servers:
-    """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running. `gated` (a
-    warm worker): the stack reaches the policy through a slot gate admitting gym.num_samples_in_parallel requests at
-    once (shard/slot_gate.py); `service` (a warm worker's, unless cluster.collector_service is off): a collector
-    service (shard/collector_service.py) collects shard after shard, `rollouts_per_slot` rollouts in flight per slot of
-    the gate."""
+    """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running. `front`
+    (a warm worker's slot gate): made from the policy's addresses; the stack reaches the policy through it."""
     t0 = time.monotonic()
     endpoint = policy.open_policy(policy_cfg, place.home)
-    gate = None
+    before: Front | None = None
     try:
         for note in endpoint.notes:
             log(f"note: {note}")
@@ -274,42 +260,93 @@ def start_servers(
             f"policy ready in {time.monotonic() - t0:.1f} s: {', '.join(endpoint.base_urls)} model {endpoint.model_name}"
         )
         urls = list(endpoint.base_urls)
-        if gated:
-            gate = slot_gate.Gate(urls, gym.num_samples_in_parallel)
-            urls = gate.urls
-            log(f"slot gate at {', '.join(urls)}: {gym.num_samples_in_parallel or 'unlimited'} request(s) at once")
+        if front is not None:
+            before = front(urls)
+            urls = list(before.urls)
+            log(before.describe())
         stack, waited = gym_stack.start_ready(
             run_dir, -1, gym, urls, endpoint.api_key, endpoint.model_name, place=place
         )
     except BaseException:
-        if gate is not None:
-            gate.stop()
+        if before is not None:
+            before.stop()
         endpoint.stop()
         raise
     log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
-    servers = Servers(endpoint, stack, time.monotonic() - t0, time.time(), gate)
-    if service:
-        try:
-            venv = gym_stack.gym_venv(gym, os.environ)
-            servers.service = collector_service.start(
-                gym_adapter.for_venv(venv), venv, stack, gym, place.home, rollouts_per_slot=rollouts_per_slot
-            )
-        except BaseException:
-            servers.stop()
-            raise
-        limit = collector_service.budget(gym.num_samples_in_parallel, rollouts_per_slot)
-        log(
-            f"collector service started (pid {servers.service.proc.pid}): shard after shard, one budget of "
-            f"{limit or 'unlimited'} rollout(s) in flight"
-        )
-    return servers
+    return Servers(endpoint, stack, time.monotonic() - t0, time.time(), before)
+
+
+class Collector(Protocol):
+    """Starts one collector round over a shard's planned rows (`view`: those rows less the ones to skip, or None for
+    all of them) and returns it running, for the watchdog."""
+
+    def submit(self, run_dir: Path, index: int, view: Path | None) -> watchdog.Watched: ...
+
+
+@dataclass
+class CollectorProcess:
+    """A shard job's collector: one `ng_collect_rollouts` process per round (shard/collector.py)."""
+
+    adapter: gym_adapter.GymAdapter
+    venv: Path
+    stack: gym_stack.GymStack
+    gym: GymConfig
+
+    def submit(self, run_dir: Path, index: int, view: Path | None) -> watchdog.Watched:
+        return collector.start(self.adapter, self.venv, self.stack, run_dir, index, self.gym, view=view)
+
+
+class Lending(Protocol):
+    """What the shard's holder lends to other runners while it collects (a warm worker's help with the end of a
+    run: workers/lending.py); a shard job lends nothing (NoLending)."""
+
+    def rows(self) -> set[Key]:
+        """The identities lent and not folded back in: not run here."""
+        ...
+
+    def take_back(self) -> None:
+        """At the start: fold in what was lent before and has settled since."""
+        ...
+
+    def wait(self, checks: Sequence[watchdog.Check]) -> None:
+        """Nothing else is left: wait for what is lent to settle, fold it in (`checks` keep running)."""
+        ...
+
+    def answer(self, running: watchdog.Watched) -> str | None:
+        """A watchdog check while a round runs: lend from it to whoever asked."""
+        ...
+
+    def sealed(self) -> None:
+        """The shard is sealed: nothing lent is outstanding; clear what is left."""
+        ...
+
+
+class NoLending:
+    """A shard job's: nothing is ever lent."""
+
+    def rows(self) -> set[Key]:
+        return set()
+
+    def take_back(self) -> None:
+        return None
+
+    def wait(self, checks: Sequence[watchdog.Check]) -> None:
+        return None
+
+    def answer(self, running: watchdog.Watched) -> str | None:
+        return None
+
+    def sealed(self) -> None:
+        return None
 
 
 class Shard:
-    """One attempt at one shard (holds the shard lock while it runs). A warm worker passes its running `servers`
-    (started before this shard and stopped after it), `worker` (recorded in the seal: its id, whether its servers
-    were already warm), extra watchdog `checks` (its claim, its time limit) and, with adaptive sampling, `known`:
-    the run's rollouts it has read so far (rundir/decided.py), so that this start reads only what is new."""
+    """One attempt at one shard (holds the shard lock while it runs), for any runner. A shard job passes nothing and
+    starts its own servers and a collector process per round. A runner with servers of its own (a warm worker)
+    passes its running `servers` (started before this shard and stopped after it), its `collector` (default: a
+    process per round), its `lending` (default: nothing lent), extra watchdog `checks` (its claim, its time limit),
+    `worker` (recorded in the seal) and, with adaptive sampling, `known`: the run's rollouts it has read so far
+    (rundir/decided.py), so that this start reads only what is new."""
 
     def __init__(
         self,
@@ -322,14 +359,17 @@ class Shard:
         attempt: int,
         *,
         servers: Servers | None = None,
-        worker: dict[str, Any] | None = None,
+        collector: Collector | None = None,
+        lending: Lending | None = None,
         checks: Sequence[watchdog.Check] = (),
         known: decided.RunRollouts | None = None,
+        worker: SealWorker | None = None,
     ):
         self.run_dir, self.index, self.plan, self.cfg, self.log = run_dir, index, plan, cfg, log
         self.job_id, self.attempt = job_id, attempt
-        self.servers, self.worker, self.checks = servers, worker, list(checks)
-        self.known = known
+        self.servers, self.collector, self.checks = servers, collector, list(checks)
+        self.lending: Lending = lending if lending is not None else NoLending()
+        self.known, self.worker = known, worker
         if cfg.gym is None or cfg.policy is None:  # submit and resume refuse such a config before launching
             raise BadInput(f"shard {index}: the run config has no {'gym' if cfg.gym is None else 'policy'} section")
         self.gym: GymConfig = cfg.gym
@@ -339,18 +379,16 @@ class Shard:
         self.collect_s = 0.0
         self.teardown_started: float | None = None
         self.gym_version: str | None = plan.gym_version
-        self.skipped: set[tuple[int, int]] = set()  # rows skipped because their task is decided (adaptive sampling)
-        self.lent: dict[str, tail_help.Grant] = {}  # shares of the shard lent to helping workers, not folded in yet
-        self.lease_s = cfg.cluster_or_default.claim_lease_s  # a helper silent this long has given its share up
+        self.skipped: set[Key] = set()  # rows skipped because their task is decided (adaptive sampling)
 
     def run(self) -> Seal:
         """Seal first, then tear down: a walltime that hits during teardown cannot cost the seal."""
         self.prepare_files()
         self.decide()
-        self.take_back_shares()
+        self.lending.take_back()
         book = self.ledger()
         if not book.pending:
-            self.wait_for_shares(list(self.checks))
+            self.lending.wait(self.checks)
             book = self.ledger()
         if not book.pending:
             self.log("every planned rollout is already accounted for; sealing without starting servers")
@@ -431,7 +469,7 @@ class Shard:
 
     def ledger(self) -> ledger.Ledger:
         book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
-        book.skipped, book.lent = self.skipped, self.lent_rows()
+        book.skipped, book.lent = self.skipped, self.lending.rows()
         due = ledger.quarantine(
             self.run_dir, self.index, book, self.gym.max_rollout_attempts, ledger.last_reasons(self.run_dir, self.index)
         )
@@ -441,60 +479,8 @@ class Shard:
                 + ", ".join(f"{t}:{r}" for t, r in due[:10])
             )
             book = ledger.load(self.run_dir, self.index, self.gym.max_rollout_attempts)
-            book.skipped, book.lent = self.skipped, self.lent_rows()
+            book.skipped, book.lent = self.skipped, self.lending.rows()
         return book
-
-    # ------------------------------------------------------------ helpers with the end of a run (tail_help)
-
-    def lent_rows(self) -> set[tuple[int, int]]:
-        return {k for g in self.lent.values() for k in g.rows}
-
-    def take_back_shares(self) -> None:
-        """At the start: fold in the shares that helpers finished (or gave up) while no one held the shard; the
-        shares still being collected stay lent, and are waited for once nothing else is left."""
-        for g in tail_help.grants(self.run_dir, self.index):
-            self.lent[g.token] = g
-        self.fold_settled()
-
-    def fold_settled(self) -> None:
-        for token, g in list(self.lent.items()):
-            if not tail_help.settled(self.run_dir, self.index, g, self.lease_s):
-                continue
-            if tail_help.lapsed(self.run_dir, self.index, g, self.lease_s):
-                tail_help.revoke(self.run_dir, self.index, token)
-                self.log(f"help {token}: its helper fell silent for {self.lease_s:g} s; its share is taken back")
-            folded = tail_help.fold(self.run_dir, self.index, g)
-            tail_help.clear(self.run_dir, self.index, token)
-            del self.lent[token]
-            self.log(f"help {token}: {folded} of {len(g.rows)} lent rollouts folded in from its helper")
-
-    def wait_for_shares(self, checks: Sequence[watchdog.Check]) -> None:
-        """Everything else is done: wait for the lent shares to settle and fold them in (the rows a helper did not
-        finish are pending again). The worker's checks (its claim, its time limit) keep running meanwhile."""
-        if self.lent:
-            self.log(f"waiting for {len(self.lent)} helper(s) with {len(self.lent_rows())} lent rollouts")
-        while True:
-            self.fold_settled()
-            if not self.lent:
-                return
-            self.answer_asks(None)  # nothing waits for a slot here any more: no help wanted
-            for c in checks:
-                problem = c.problem()
-                if problem:
-                    raise ShardFailed(f"{c.name}: {problem}; while waiting for the helpers")
-            time.sleep(HELP_POLL_S)
-
-    def answer_asks(self, round_: collector_service.Round | None) -> str | None:
-        """A watchdog check, run while a round collects: lend half of what still waits for a slot to each worker
-        that asked for help (none when the round is not in a collector service: nothing to lend from)."""
-        holder = (self.worker or {}).get("id") or self.job_id or socket.gethostname()
-        for token, helper in tail_help.asks(self.run_dir, self.index):
-            rows = round_.lend(0.5) if round_ is not None else []
-            g = tail_help.grant(self.run_dir, self.index, token, str(holder), rows)
-            if rows:
-                self.lent[token] = g
-                self.log(f"help {token}: lent {len(rows)} rollouts still waiting for a slot to worker {helper}")
-        return None
 
     # ------------------------------------------------------------ servers
 
@@ -511,25 +497,25 @@ class Shard:
     def collect(
         self, adapter: gym_adapter.GymAdapter, endpoint: policy.PolicyEndpoint, stack: gym_stack.GymStack
     ) -> None:
-        venv = gym_stack.gym_venv(self.gym, os.environ)
+        rounds = self.collector or CollectorProcess(adapter, gym_stack.gym_venv(self.gym, os.environ), stack, self.gym)
         checks = [watchdog.Check("policy server", endpoint.problem), watchdog.Check("Gym stack", stack.problem)]
         checks += self.checks
         max_rounds = self.gym.max_rollout_attempts * len(self.ledger().planned) + 2
         for round_no in range(1, max_rounds + 1):
             book = self.ledger()
             if not book.pending:
-                self.wait_for_shares(self.checks)  # the servers are not needed meanwhile; the claim is
+                self.lending.wait(self.checks)  # the servers are not needed meanwhile; the runner's checks are
                 book = self.ledger()
             if not book.pending:
                 return
             before = progress_mark(book)
-            rc, failed = self.collect_round(adapter, venv, stack, checks, round_no, len(book.pending))
+            rc, failed = self.collect_round(adapter, rounds, checks, round_no, len(book.pending))
             if failed:
                 ledger.record_attempts(self.run_dir, self.index, failed, self.attempt)
                 for (t, r), reason in failed.items():
                     self.log(f"rollout {t}:{r} failed: {reason}")
             book = self.ledger()
-            if not book.pending and not self.lent:
+            if not book.pending and not self.lending.rows():
                 return
             after = progress_mark(book)
             if rc != 0 and not failed and book.pending:
@@ -552,8 +538,7 @@ class Shard:
     def collect_round(
         self,
         adapter: gym_adapter.GymAdapter,
-        venv: Path,
-        stack: gym_stack.GymStack,
+        rounds: Collector,
         checks: list[watchdog.Check],
         round_no: int,
         pending: int,
@@ -565,15 +550,10 @@ class Shard:
         offset = collector.log_size(log_path)
         self.log(f"collector round {round_no}: {pending} rollouts")
         t0 = time.monotonic()
-        skip = self.skipped | self.lent_rows()
+        skip = self.skipped | self.lending.rows()
         view = collector.skipping_view(self.run_dir, self.index, skip) if skip else None
-        proc: watchdog.Watched
-        if self.servers is not None and self.servers.service is not None:
-            proc = self.servers.service.submit(self.run_dir, self.index, view)
-        else:
-            proc = collector.start(adapter, venv, stack, self.run_dir, self.index, self.gym, view=view)
-        in_service = proc if isinstance(proc, collector_service.Round) else None
-        lending = watchdog.Check("helpers' asks", lambda: self.answer_asks(in_service))
+        proc = rounds.submit(self.run_dir, self.index, view)
+        lending = watchdog.Check("lending", lambda: self.lending.answer(proc))
         try:
             rc = watchdog.watch(
                 proc,
@@ -593,8 +573,9 @@ class Shard:
 
     def seal(self) -> Seal:
         book = self.ledger()
-        if book.pending or self.lent:
-            raise ShardFailed(f"{len(book.pending) + len(self.lent_rows())} planned rollouts are missing; not sealing")
+        lent = self.lending.rows()
+        if book.pending or lent:
+            raise ShardFailed(f"{len(book.pending) + len(lent)} planned rollouts are missing; not sealing")
         if book.duplicates:
             self.log(f"warning: {book.duplicates} duplicate rollout line(s) in rollouts.jsonl (merge dedupes)")
         rollouts = store.rollouts_path(self.run_dir, self.index)
@@ -623,7 +604,7 @@ class Shard:
             label_rollouts=self.plan.label_counts([task for task, _ in book.done]) if self.plan.blend else None,
         )
         seal.write_marker(self.run_dir, self.index, marker)
-        tail_help.clear_all(self.run_dir, self.index)  # every share is folded in; asks left unanswered are moot
+        self.lending.sealed()
         return marker
 
 

@@ -1,11 +1,11 @@
-"""A warm worker's pipeline (cluster.pipeline_shards) with the real NeMo Gym stack and the stand-in policy server,
+"""A warm worker's pipeline (collector.pipeline_shards) with the real NeMo Gym stack and the stand-in policy server,
 which records every request it gets (and when it answered it).
 
 - Across a shard boundary: the first request of shard 0 is held in the model; the worker's next shard is claimed
   and its requests reach the policy while shard 0's last request is still open (through the worker's collector
   service), the policy never has more than num_samples_in_parallel requests open, and every identity is answered
   once. The worker's record carries its slot occupancy.
-- The rollouts beyond the policy's slots (cluster.rollouts_per_slot): with both slots held in the model, the
+- The rollouts beyond the policy's slots (collector.rollouts_per_slot): with both slots held in the model, the
   worker's collector service still has slots x 3 rollouts in flight, the policy only the held requests.
 - SIGKILL a worker while it has two shards in flight (two workers; the first request of each of shards 4 to 7 is
   held in the model, so once 0 to 3 are sealed the workers hold 4 to 7, and one of them has two of them in flight): the sealed shards stay as they were, the other
@@ -106,7 +106,7 @@ def test_the_next_shard_s_requests_start_before_the_last_request_of_the_previous
 
 
 def test_the_rollouts_beyond_the_policy_s_slots_run_up_to_its_gate(tmp_path: Path, gym_venv: Path, env: str) -> None:
-    """cluster.rollouts_per_slot (default 3): with both of the policy's 2 slots held in the model, the worker's
+    """collector.rollouts_per_slot (default 3): with both of the policy's 2 slots held in the model, the worker's
     collector service still has 2 x 3 rollouts in flight (the other 4 went through their agent and model server and
     wait at the slot gate, so each takes a slot the moment one frees); once the held requests are answered every
     identity lands once and the policy never had more than 2 requests open."""

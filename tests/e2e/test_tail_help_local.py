@@ -1,6 +1,6 @@
 """The end of a run is not a tail (cluster workers with collector services, real NeMo Gym, the stand-in policy that
 records every request and answer): two workers, two shards; shard 0's first two requests are held in the model, so
-its holder's two policy slots are stuck: the rollouts its collector service runs beyond them (cluster.rollouts_per_slot,
+its holder's two policy slots are stuck: the rollouts its collector service runs beyond them (collector.rollouts_per_slot,
 the default 3 per slot) wait at its slot gate and the rest of its rows wait for the service's budget. The other worker seals shard 1, finds nothing
 to claim, asks the holder for help, and is lent half of what waits; it collects that share while the holder is
 still stuck. Once the held requests are answered the holder finishes its own rows (never the lent ones), folds the

@@ -24,7 +24,8 @@ import yaml
 
 from shardrun.core import config
 from shardrun.rundir import records, store
-from shardrun.shard import gym_stack, worker
+from shardrun.shard import gym_stack
+from shardrun.workers import worker
 from tests.fakes import harness
 from tests.faults import gymkit
 from tests.e2e.test_e2e_local import REPEATS, essentials, profile_rows, rows, unsharded_reference
@@ -97,7 +98,7 @@ def test_two_workers_over_eight_shards_equal_one_unsharded_gym_run(tmp_path: Pat
     sealed_by = {m["shard_index"]: m["worker"] for m in markers(run_dir)}
     assert {w["id"] for w in sealed_by.values()} == {s.worker_id for s in states}
     depth = config.ClusterConfig().pipeline_shards
-    for s in states:  # the shards claimed before a worker's first seal (up to cluster.pipeline_shards at once)
+    for s in states:  # the shards claimed before a worker's first seal (up to collector.pipeline_shards at once)
         # found its servers just started; the rest found them warm
         warm = [sealed_by[i]["servers_warm"] for i in s.sealed]
         assert warm[0] is False and warm.count(False) <= depth, (s.worker_id, warm)

@@ -221,4 +221,25 @@ def test_unknown_top_level_key_gets_a_did_you_mean(tmp_path):
 
 @pytest.mark.parametrize("value", [0.5, 0, "lots"])
 def test_fewer_than_one_rollout_per_slot_is_refused(tmp_path, value):
-    plan_fails(tmp_path, [good()], "cluster.rollouts_per_slot", cluster={"rollouts_per_slot": value})
+    plan_fails(tmp_path, [good()], "collector.rollouts_per_slot", collector={"rollouts_per_slot": value})
+
+
+@pytest.mark.parametrize("value", [0.5, "lots"])
+def test_a_bad_value_under_a_collector_setting_s_old_name_is_named_as_the_user_wrote_it(tmp_path, value):
+    plan_fails(
+        tmp_path,
+        [good()],
+        "cluster.rollouts_per_slot (now collector.rollouts_per_slot)",
+        cluster={"rollouts_per_slot": value},
+    )
+
+
+def test_a_collector_setting_under_both_its_names_is_refused(tmp_path):
+    out = plan_fails(
+        tmp_path,
+        [good()],
+        "cluster.pipeline_shards and collector.pipeline_shards are both set",
+        cluster={"pipeline_shards": 2},
+        collector={"pipeline_shards": 3},
+    )
+    assert "(got" not in out  # the whole config is not echoed back

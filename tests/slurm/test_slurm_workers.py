@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from shardrun.rundir import records, store
-from shardrun.shard import worker
+from shardrun.workers import worker
 from slurm_helpers import (
     ended_state,
     fake_policy,

@@ -4,8 +4,8 @@ A warm worker's Gym stack talks to the policy through this gate (its URL is what
 every request unchanged (path, headers, body, status, response body) and holds the ones beyond `slots`
 (`gym.num_samples_in_parallel`) in a first-come first-served queue. So the policy sees at most
 `num_samples_in_parallel` requests in flight whatever runs behind it: the collector service's budget of
-`num_samples_in_parallel x cluster.rollouts_per_slot` rollouts (those beyond the slots run their other steps, or
-wait here for a slot an answer frees), or several collector processes at once (cluster.pipeline_shards), and while
+`num_samples_in_parallel x collector.rollouts_per_slot` rollouts (those beyond the slots run their other steps, or
+wait here for a slot an answer frees), or several collector processes at once (collector.pipeline_shards), and while
 one shard drains its slowest rollouts the next shard's fill the free slots (docs/workers.md).
 
 It also measures what the policy was asked to do: the seconds each forwarded request took, summed (`request_s`,
@@ -89,6 +89,9 @@ class Gate:
             t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, daemon=True)
             t.start()
             self.threads.append(t)
+
+    def describe(self) -> str:
+        return f"slot gate at {', '.join(self.urls)}: {self.slots.limit or 'unlimited'} request(s) at once"
 
     def problem(self) -> str | None:
         dead = [u for u, t in zip(self.urls, self.threads) if not t.is_alive()]

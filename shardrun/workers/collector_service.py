@@ -5,7 +5,7 @@ shards that start-up is most of the shard, and the policy's slots sit empty mean
 `collector_service_gym.py` with its servers, under the Gym venv's Python and with the collector's own overrides,
 and hands it each shard round through a spool directory. The service runs every round through Gym's own
 `run_from_config` (the same rows, resume and failures sidecar as the command) and gives all of them one budget of
-rollouts in flight (`budget`: gym.num_samples_in_parallel x cluster.rollouts_per_slot), so a shard's rollouts start
+rollouts in flight (`budget`: gym.num_samples_in_parallel x collector.rollouts_per_slot), so a shard's rollouts start
 while the one before it drains. The policy still sees at most gym.num_samples_in_parallel requests at once (the
 worker's slot gate); the rollouts beyond that run their agent and verification steps, or wait at the gate, so a slot
 is not left empty while its last rollout finishes those steps.
@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-import orjson
 
 from shardrun.core.config import GymConfig
 from shardrun.core.gym_adapter import GymAdapter
@@ -35,6 +34,7 @@ from shardrun.core.gym_names import MATERIALIZED, ROLLOUTS
 from shardrun.rundir import store
 from shardrun.shard import collector, processes
 from shardrun.shard.gym_stack import GymStack
+from shardrun.workers import spool
 
 PROGRAM = Path(__file__).with_name("collector_service_gym.py")
 POLL_S = 0.05
@@ -65,23 +65,28 @@ class Round:
     log_path: Path
     rc: int | None = None
 
-    def _exit_path(self) -> Path:
-        return self.service.spool / f"{self.name}.exit.json"
+    def path(self, suffix: str) -> Path:
+        return self.service.spool / f"{self.name}{suffix}"
 
     def poll(self) -> int | None:
         if self.rc is None:
             try:
-                self.rc = int(orjson.loads(self._exit_path().read_bytes())["rc"])
-            except FileNotFoundError:
-                if not self.service.alive():  # the service died under this round: it ends with it
-                    self.rc = self.service.proc.returncode or 1
+                done = spool.read(self.path(spool.EXIT), spool.RoundExit)
+            except spool.Garbled as e:  # the round is over, how is not known: a failed round (the shard retries)
+                with contextlib.suppress(OSError), open(self.log_path, "a") as log:
+                    log.write(f"[shardrun] round {self.name}: its exit record is unreadable ({e}); taken as failed\n")
+                done = spool.RoundExit(rc=1)
+            if done is not None:
+                self.rc = done.rc
+            elif not self.service.alive():  # the service died under this round: it ends with it
+                self.rc = self.service.proc.returncode or 1
             if self.rc is not None:
                 self._clear()
         return self.rc
 
     def _clear(self) -> None:
-        for suffix in (".run.json", ".cancel", ".exit.json", ".lend.json", ".lent.json"):
-            (self.service.spool / f"{self.name}{suffix}").unlink(missing_ok=True)
+        for suffix in spool.ROUND_FILES:
+            self.path(suffix).unlink(missing_ok=True)
 
     def alive(self) -> bool:
         return self.poll() is None
@@ -98,24 +103,23 @@ class Round:
         """Lend `fraction` of this round's rollouts still waiting for a slot (the last ones in input order): the
         service will not run them, and the round ends once the rest are done. Returns their identities (none when
         fewer than two wait, the round has ended, or the service does not answer within `timeout`)."""
-        answer = self.service.spool / f"{self.name}.lent.json"
+        answer = self.path(spool.LENT)
         answer.unlink(missing_ok=True)
-        with store.atomic_writer(self.service.spool / f"{self.name}.lend.json") as f:
-            f.write(orjson.dumps({"fraction": fraction}))
+        spool.write(self.path(spool.LEND), spool.LendAsk(fraction=fraction))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.poll() is None:
             try:
-                rows = orjson.loads(answer.read_bytes())["rows"]
-            except FileNotFoundError:
+                lent = spool.read(answer, spool.LentRows)
+            except spool.Garbled:  # not trusted: nothing is taken as lent (its rows park; the next round runs them)
+                return []
+            if lent is None:
                 time.sleep(POLL_S)
                 continue
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                return []
             answer.unlink(missing_ok=True)
-            return [(int(t), int(r)) for t, r in rows]
+            return [(t, r) for t, r in lent.rows]
         # no answer: the request is withdrawn. Had the service answered just now, its rows are lent to no one: the
         # round parks them and ends without them, and the shard's next round runs them
-        (self.service.spool / f"{self.name}.lend.json").unlink(missing_ok=True)
+        self.path(spool.LEND).unlink(missing_ok=True)
         return []
 
     def stop(self, grace: float = 10.0) -> int | None:
@@ -123,7 +127,7 @@ class Round:
         least STOP_GRACE_S), the service is stopped, which ends every round in it."""
         if self.poll() is not None:
             return self.rc
-        (self.service.spool / f"{self.name}.cancel").touch()
+        self.path(spool.CANCEL).touch()
         try:
             return self.wait(max(grace, STOP_GRACE_S))
         except subprocess.TimeoutExpired:
@@ -145,15 +149,14 @@ class CollectorService:
     def budget(self) -> BudgetLook:
         """What the service's slots.json says (nothing yet, or garbled: nothing known to be free)."""
         try:
-            data = orjson.loads((self.spool / "slots.json").read_bytes())
-            now = time.time()
-            idle, drained = (
-                0.0 if t is None else max(0.0, now - float(t)) for t in (data["idle_since"], data["drained_since"])
-            )
-            shards = {int(name.split("-")[1]) for name in data["started"] if isinstance(name, str)}
-        except (FileNotFoundError, orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError):
+            report = spool.read(self.spool / spool.SLOTS, spool.SlotsReport)
+        except spool.Garbled:
+            report = None
+        if report is None:
             return BudgetLook(0.0, 0.0, set())
-        return BudgetLook(idle, drained, shards)
+        now = time.time()
+        idle, drained = (0.0 if t is None else max(0.0, now - t) for t in (report.idle_since, report.drained_since))
+        return BudgetLook(idle, drained, report.shards_started())
 
     def submit(self, run_dir: Path, index: int, view: Path | None = None, log_path: Path | None = None) -> Round:
         """Start a round of shard `index` (`view`: collector.skipping_view, when rows are skipped, or a helper's
@@ -166,14 +169,13 @@ class CollectorService:
             log.write(
                 f"[shardrun] {time.strftime('%Y-%m-%d %H:%M:%S')} round {name} in the collector service\n".encode()
             )
-        job = {"input": str(where / MATERIALIZED), "output": str(where / ROLLOUTS), "log": str(log_path)}
-        with store.atomic_writer(self.spool / f"{name}.run.json") as f:
-            f.write(orjson.dumps(job))
+        job = spool.RoundJob(input=str(where / MATERIALIZED), output=str(where / ROLLOUTS), log=str(log_path))
+        spool.write(self.spool / f"{name}{spool.RUN}", job)
         return Round(self, name, log_path)
 
     def stop(self, grace: float = 10.0) -> None:
         with contextlib.suppress(OSError):
-            (self.spool / "stop").touch()
+            (self.spool / spool.STOP).touch()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.popen.wait(grace)
         processes.stop(self.proc, grace=grace)

@@ -1,4 +1,4 @@
-"""The collector service's one budget (shard/collector_service_gym.py: Budget, the semaphore every round's Gym
+"""The collector service's one budget (workers/collector_service_gym.py: Budget, the semaphore every round's Gym
 `run_from_config` takes its slots from): it counts the rollouts holding a slot and those waiting, and says when the
 rounds fill it, which is what a warm worker reads (slots.json) before it claims a further shard. The service's
 program runs under the Gym venv's Python; its Budget is plain asyncio and is tested here directly."""
@@ -10,7 +10,7 @@ import contextvars
 import importlib.util
 from pathlib import Path
 
-from shardrun.shard import collector_service
+from shardrun.workers import collector_service
 
 
 def service_program():

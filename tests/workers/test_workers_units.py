@@ -15,9 +15,10 @@ import pytest
 from shardrun.core import config
 from shardrun.core.errors import BadInput
 from shardrun.launch import after_workers, status, submission, warm_workers
-from shardrun.rundir import claims, records, store
+from shardrun.rundir import records, store
 from shardrun.rundir.records import Seal, WorkerState
-from shardrun.shard import processes, worker
+from shardrun.shard import processes
+from shardrun.workers import claims, worker
 from tests import builders
 
 
@@ -291,7 +292,7 @@ def test_a_worker_reaps_the_servers_a_dead_worker_on_its_host_left(tmp_path: Pat
 
 
 def test_slot_occupancy_counts_overlapping_shards_once_per_worker_and_for_the_run() -> None:
-    """Two shards held at once (cluster.pipeline_shards): the collecting time is the time with a shard held
+    """Two shards held at once (collector.pipeline_shards): the collecting time is the time with a shard held
     (holding_s), not the sum of the shards' times; occupancy = gate request-seconds / (slots x that time)."""
     from shardrun.rundir import cost
 
@@ -315,7 +316,7 @@ def test_slot_occupancy_counts_overlapping_shards_once_per_worker_and_for_the_ru
 
 
 def test_a_further_shard_is_claimed_only_when_the_held_ones_leave_the_budget_unfilled() -> None:
-    """The pipeline (cluster.pipeline_shards): the first shard always; a further one only below the depth, once the
+    """The pipeline (collector.pipeline_shards): the first shard always; a further one only below the depth, once the
     held shards have left the collector service's budget unfilled for SETTLE_S, when a look is due."""
     s = worker.SETTLE_S
     assert worker.room_for_another(held=0, depth=1, waited_s=0.0, look_due=False)

@@ -14,7 +14,7 @@ retries are Gym's, byte for byte as with the command. What the service adds:
 - one budget of BUDGET rollouts in flight (an integer, or `unlimited`: Gym's `num_samples_in_parallel` is unset)
   shared by every shard it runs (Gym makes its semaphore with `Semaphore(num_samples_in_parallel)` in
   `run_from_config`; the service hands every shard the same one), so the next shard's rollouts take the slots that
-  the draining one frees. shardrun sets BUDGET to num_samples_in_parallel x cluster.rollouts_per_slot: the policy's
+  the draining one frees. shardrun sets BUDGET to num_samples_in_parallel x collector.rollouts_per_slot: the policy's
   slots are num_samples_in_parallel, kept by the worker's slot gate, and the rollouts beyond them run their agent
   and verification steps meanwhile;
 - each shard's output (Gym's prints, tracebacks) in that shard's own collector log, as the command's would be.

@@ -1,4 +1,4 @@
-"""The slot gate (shard/slot_gate.py): at most `slots` requests reach the policy at once, the rest wait in arrival
+"""The slot gate (workers/slot_gate.py): at most `slots` requests reach the policy at once, the rest wait in arrival
 order; requests and responses pass unchanged; the request-seconds are summed. The upstream here is a small HTTP
 server whose requests each wait until the test lets them go."""
 
@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from shardrun.shard import slot_gate
+from shardrun.workers import slot_gate
 
 
 class Upstream:

@@ -1,4 +1,4 @@
-"""A helping worker's side of the end of a run (rundir/tail_help.py has the protocol): ask a shard's holder for part
+"""A helping worker's side of the end of a run (workers/tail_help.py has the protocol): ask a shard's holder for part
 of what still waits for a slot, collect that share in this worker's collector service, say when done.
 
 `ask_for_share` writes the ask and waits for the holder's grant (the holder answers from its watchdog, every
@@ -18,10 +18,11 @@ from typing import Callable, Sequence
 
 from shardrun.core.errors import ServerFailure, ShardFailed
 from shardrun.core.gym_names import FAILURES, ROLLOUTS
-from shardrun.rundir import seal, store, tail_help
-from shardrun.shard import collector_service, watchdog
-from shardrun.shard.runtime import size
 from shardrun.plan.planner import Plan
+from shardrun.rundir import seal, store
+from shardrun.shard import watchdog
+from shardrun.shard.runtime import size
+from shardrun.workers import collector_service, tail_help
 
 ASK_POLL_S = 0.25
 

@@ -1,4 +1,4 @@
-"""The end-of-run help protocol's files (rundir/tail_help.py): an ask, a grant that writes the helper's share, the
+"""The end-of-run help protocol's files (workers/tail_help.py): an ask, a grant that writes the helper's share, the
 share settling (done, revoked, or silent past the lease), and folding the helper's rows into the shard: only lent
 identities, never twice, never a torn or garbled line."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import orjson
 
 from shardrun.core.gym_names import MATERIALIZED, ROLLOUTS
-from shardrun.rundir import store, tail_help
+from shardrun.rundir import store
+from shardrun.workers import tail_help
 
 
 def shard(tmp_path: Path, rows: int = 6) -> Path:

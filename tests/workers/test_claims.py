@@ -1,4 +1,4 @@
-"""Claims on shards (shardrun/rundir/claims.py): exclusive create, heartbeat, lease, take-over by exactly one worker.
+"""Claims on shards (shardrun/workers/claims.py): exclusive create, heartbeat, lease, take-over by exactly one worker.
 
 The unit tests drive the lease with an injected clock. The race test runs four real processes on the real file
 system (the test's tmp dir) that make 500 claim and take-over attempts each on the same three shards; a holder that
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from shardrun.rundir import claims, store
+from shardrun.rundir import store
+from shardrun.workers import claims
 
 
 class Clock:

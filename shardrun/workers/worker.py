@@ -6,11 +6,11 @@
    endpoint, and ng_run), once.
 2. Pick the next shard: not sealed, not claimed by a live claim, not given up (its `.failed` records
    `cluster.max_attempts` attempts); partial progress first, then the longest expected first (rate of the sealed
-   shards); never one it cannot expect to finish before its job's time limit. Claim it (rundir/claims.py) and
+   shards); never one it cannot expect to finish before its job's time limit. Claim it (workers/claims.py) and
    collect it with `runtime.run_shard` against the running servers: the same rounds, retry ledger, failures sidecar
    and seal as a shard job, with two more watchdog checks: the claim is still ours (a heartbeat thread renews it
    every `cluster.claim_heartbeat_s`) and the time limit is not near. Release the claim; go on. A worker holds up
-   to `cluster.pipeline_shards` shards at once, each in its own thread and all in one collector service: it claims
+   to `collector.pipeline_shards` shards at once, each in its own thread and all in one collector service: it claims
    a further one when those it holds no longer fill the service's budget of slots (`room_for_another`).
 3. When nothing is left to claim, tear down and return (exit 0). A shard held by a claim whose worker died on this
    host is waited for until its lease runs out, then taken over.
@@ -42,9 +42,10 @@ from shardrun.core.config import RunConfig
 from shardrun.core.errors import ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan import planner
 from shardrun.plan.planner import Plan
-from shardrun.rundir import claims, decided, records, seal, store
-from shardrun.rundir.records import COLLECTING, DRAINING, FAILED, IDLE, STARTING, STOPPED, Seal, WorkerState
-from shardrun.shard import gym_stack, lent_share, processes, runtime, watchdog
+from shardrun.rundir import decided, records, seal, store
+from shardrun.rundir.records import COLLECTING, DRAINING, FAILED, IDLE, STARTING, STOPPED, Seal, SealWorker, WorkerState
+from shardrun.shard import gym_stack, processes, runtime, watchdog
+from shardrun.workers import claims, lending, lent_share, warm_servers
 
 WAIT_POLL_S = 2.0
 SETTLE_S = 0.25  # a further shard is claimed once the budget has gone unfilled this long
@@ -94,7 +95,7 @@ def order(candidates: list[Candidate], by_wave: bool = False) -> list[Candidate]
 
 def room_for_another(held: int, depth: int, waited_s: float, look_due: bool) -> bool:
     """Does a worker holding `held` shards claim a further one? Always when it holds none. Otherwise while it holds
-    fewer than `depth` (cluster.pipeline_shards), once the held shards have left its collector service's budget
+    fewer than `depth` (collector.pipeline_shards), once the held shards have left its collector service's budget
     unfilled for SETTLE_S (`waited_s`: no rollout waiting for a slot, or a slot free), when its next look is due."""
     if held == 0:
         return True
@@ -165,7 +166,7 @@ class Worker:
             self.state.server_starts, self.state.startup_s = previous.server_starts, previous.startup_s
         if previous:
             self.state.holding_s, self.state.request_s = previous.holding_s, previous.request_s
-        self.depth = self.cluster.pipeline_shards
+        self.depth = self.cfg.collector.pipeline_shards
         self.state.slots = self.gym.num_samples_in_parallel
         self.lock = threading.RLock()  # the worker's record, written from the shards' threads
         self.running: dict[int, threading.Thread] = {}  # shard -> its thread
@@ -178,7 +179,7 @@ class Worker:
         self.seen_sealed: dict[int, Seal] = {}  # shards found sealed (checked once; merging checks them again)
         self.no_help: set[int] = set()  # shards whose holders wanted no help (or did not answer): not asked again
         self.gate_seen = 0.0  # the slot gate's request-seconds already in the record
-        self.servers: runtime.Servers | None = None
+        self.servers: warm_servers.WarmServers | None = None
         self.warm = False  # the servers have already collected a shard
         self.restarts = 0
         self.reaped: set[tuple[str, int]] = set()  # (worker id, pid) whose leftovers were reaped
@@ -241,7 +242,7 @@ class Worker:
 
     def loop(self) -> None:
         """Claim and collect until nothing is left, the time limit is near, or the servers died too often. Up to
-        `cluster.pipeline_shards` shards at once, each in its own thread (their rounds share the collector service's
+        `collector.pipeline_shards` shards at once, each in its own thread (their rounds share the collector service's
         budget of slots): a further one is claimed when the held ones no longer fill it (room_for_another), so the
         next shard's rollouts start while the current one drains."""
         try:
@@ -385,16 +386,7 @@ class Worker:
     def start_servers(self) -> None:
         self.save(state=STARTING)
         t0 = time.monotonic()
-        self.servers = runtime.start_servers(
-            self.policy,
-            self.gym,
-            self.run_dir,
-            self.place,
-            self.log,
-            gated=True,
-            service=self.cluster.collector_service,
-            rollouts_per_slot=self.cluster.rollouts_per_slot,
-        )
+        self.servers = warm_servers.start(self.policy, self.gym, self.cfg.collector, self.run_dir, self.place, self.log)
         self.gate_seen = 0.0
         self.warm = False
         self.save(
@@ -513,7 +505,7 @@ class Worker:
 
     def help_with_the_tail(self) -> bool:
         """Nothing left to claim: ask the holders of the shards still collected, longest first, for a share of what
-        waits for a slot there (rundir/tail_help.py), and collect the first share granted. False when no holder
+        waits for a slot there (workers/tail_help.py), and collect the first share granted. False when no holder
         wants help (each is asked once), or this worker cannot help (no collector service, or the time limit)."""
         service = self.servers.service if self.servers is not None else None
         left = self.time_left()
@@ -599,12 +591,9 @@ class Worker:
             return None
 
         attempt = max(runtime.shard_attempt(self.run_dir, index), failed_attempts(self.run_dir, index) + 1)
-        worker = {
-            "id": self.worker_id,
-            "job_id": self.job_id,
-            "servers_warm": self.warm,
-            "servers_up_since": self.servers.up_since,
-        }
+        worker = SealWorker(
+            id=self.worker_id, job_id=self.job_id, servers_warm=self.warm, servers_up_since=self.servers.up_since
+        )
         self.save(state=COLLECTING)
         self.log(f"shard {index}: claimed (attempt {attempt}, servers {'warm' if self.warm else 'just started'})")
         heart = threading.Thread(target=beat, name=f"claim-heartbeat-{index}", daemon=True)
@@ -618,10 +607,12 @@ class Worker:
                 job_id=self.job_id,
                 plan=self.plan,
                 attempt=attempt,
-                servers=self.servers,
-                worker=worker,
+                servers=self.servers.base,
+                collector=self.servers.service,
+                lending=lending.HolderLending(self.run_dir, index, self.worker_id, self.cluster.claim_lease_s),
                 checks=[watchdog.Check("claim and time limit", claim_check)],
                 known=self.known,
+                worker=worker,
             )
             if result.state == "sealed":
                 self.warm = True

@@ -23,7 +23,7 @@ more. The stand-in writes every answered request's start and end, so what is pri
                 held)), what `shardrun status` and the report show
 
 each for the worker as it is (collector.service on, collector.pipeline_shards = `--pipeline-shards` and
-collector.rollouts_per_slot = `--rollouts-per-slot`, defaults the config's) and as it was (`collector_service: false`, `pipeline_shards: 1`: a collector process per shard, one
+collector.rollouts_per_slot = `--rollouts-per-slot`, defaults the config's) and as it was (`collector.service: false`, `collector.pipeline_shards: 1`: a collector process per shard, one
 shard after another; shown as pipeline 0). `--case large`: the same rollouts in one shard (the pipeline must be
 no worse); `both` runs both cases.
 Target (issue #22): occupancy >= 0.85 with the pipeline on the small case; on the large case no worse than today (pipeline 0).
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml
 
-from shardrun.core.config import ClusterConfig
+from shardrun.core.config import CollectorConfig
 from shardrun.rundir import records
 from tests.fakes import harness
 from tests.faults import gymkit
@@ -91,8 +91,10 @@ def write_config(tmp: Path, shards: int, depth: int, args: argparse.Namespace, g
         "cluster": {
             "executor": "local",
             "workers": 1,
+        },
+        "collector": {
             "pipeline_shards": max(depth, 1),
-            "collector_service": depth > 0,  # 0: today's behaviour, a collector process per shard
+            "service": depth > 0,  # 0: the behaviour before #22, a collector process per shard
             "rollouts_per_slot": args.rollouts_per_slot,  # the service's; a collector process has slots rollouts
         },
     }
@@ -247,13 +249,13 @@ def main() -> int:
     ap.add_argument(
         "--pipeline-shards",
         type=int,
-        default=ClusterConfig().pipeline_shards,
+        default=CollectorConfig().pipeline_shards,
         help="collector.pipeline_shards of the pipelined run (default: the config's)",
     )
     ap.add_argument(
         "--rollouts-per-slot",
         type=float,
-        default=ClusterConfig().rollouts_per_slot,
+        default=CollectorConfig().rollouts_per_slot,
         help="collector.rollouts_per_slot of the pipelined run (default: the config's; 1: a rollout holds its slot "
         "through its agent and verification steps)",
     )

@@ -97,7 +97,7 @@ def test_two_workers_over_eight_shards_equal_one_unsharded_gym_run(tmp_path: Pat
     assert sorted(i for s in states for i in s.sealed) == list(range(SHARDS))
     sealed_by = {m["shard_index"]: m["worker"] for m in markers(run_dir)}
     assert {w["id"] for w in sealed_by.values()} == {s.worker_id for s in states}
-    depth = config.ClusterConfig().pipeline_shards
+    depth = config.CollectorConfig().pipeline_shards
     for s in states:  # the shards claimed before a worker's first seal (up to collector.pipeline_shards at once)
         # found its servers just started; the rest found them warm
         warm = [sealed_by[i]["servers_warm"] for i in s.sealed]

@@ -113,7 +113,7 @@ def test_one_worker_starts_vllm_once_for_three_shards(
         assert all(reward == float(called) for reward, called in tool), tool
     warm = [json.loads(store.done_path(run_dir, i).read_text())["worker"]["servers_warm"] for i in state.sealed]
     # the shards claimed before the first seal (up to collector.pipeline_shards at once) found vLLM just started
-    assert warm[0] is False and warm.count(False) <= config.ClusterConfig().pipeline_shards, warm
+    assert warm[0] is False and warm.count(False) <= config.CollectorConfig().pipeline_shards, warm
     vllm_log = store.vllm_log_path(store.worker_dir(run_dir, "w0")).read_text()
     assert vllm_log.count("Starting vLLM server") == 1  # one vLLM for the three shards
     assert vllm_log.count('POST /v1/chat/completions HTTP/1.1" 200') >= TASKS * REPEATS

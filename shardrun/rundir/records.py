@@ -13,8 +13,8 @@
 Every field has its type; a record of another shape is shardrun's own file edited or damaged, and reading it raises
 BadRecord (exit 2) naming the file, the line (JSONL) and the field, never a traceback. A `.done` seal that does not
 validate is the exception: the shard counts as unsealed and the reason is reported (seal.check). A torn last line of
-launches.jsonl (a killed writer) is skipped, as every JSONL reader does (store.complete_lines). Every file is opened
-through store.open_regular: a FIFO, a device or a socket in its place is refused at once, naming the path.
+launches.jsonl (a killed writer) is skipped, as every JSONL reader does (fileio.complete_lines). Every file is opened
+through fileio.open_regular: a FIFO, a device or a socket in its place is refused at once, naming the path.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from shardrun.core import slurm_values
 from shardrun.core.errors import BadRecord
-from shardrun.rundir import store
+from shardrun.rundir import fileio, paths
 
 Count = Annotated[int, Field(ge=0)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -78,7 +78,7 @@ def parse(model: type[M], data: Any, where: str, what: str) -> M:
 def read_json(path: Path, model: type[M], what: str) -> M | None:
     """A JSON record file as `model`, or None when there is none."""
     try:
-        raw = store.read_regular(path)
+        raw = fileio.read_regular(path)
     except FileNotFoundError:
         return None
     except IsADirectoryError:
@@ -93,7 +93,7 @@ def read_json(path: Path, model: type[M], what: str) -> M | None:
 def read_jsonl(path: Path, model: type[M], what: str) -> list[M]:
     """Every complete line of a JSONL record file as `model` (a torn last line is skipped; blank lines too)."""
     out = []
-    for line_no, raw in enumerate(store.complete_lines(path), 1):
+    for line_no, raw in enumerate(fileio.complete_lines(path), 1):
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
@@ -180,7 +180,7 @@ def seal_problem(data: Any) -> tuple[Seal | None, str]:
 
 
 def write_seal(run_dir: Path, seal: Seal) -> None:
-    store.atomic_write_json(store.done_path(run_dir, seal.shard_index), seal.to_json())
+    fileio.atomic_write_json(paths.done_path(run_dir, seal.shard_index), seal.to_json())
 
 
 class SetAsideSeal(Record):
@@ -193,11 +193,11 @@ class SetAsideSeal(Record):
 
 
 def read_set_aside_seal(run_dir: Path, index: int) -> SetAsideSeal | None:
-    return read_json(store.damaged_seal_path(run_dir, index), SetAsideSeal, "a set-aside seal")
+    return read_json(paths.damaged_seal_path(run_dir, index), SetAsideSeal, "a set-aside seal")
 
 
 def write_set_aside_seal(run_dir: Path, index: int, record: SetAsideSeal) -> None:
-    store.atomic_write_json(store.damaged_seal_path(run_dir, index), record.model_dump(mode="json"))
+    fileio.atomic_write_json(paths.damaged_seal_path(run_dir, index), record.model_dump(mode="json"))
 
 
 # ---------------------------------------------------------------- launch records (launches.jsonl)
@@ -258,13 +258,13 @@ class LaunchRecord(Record):
 def append_launch(run_dir: Path, record: LaunchRecord | dict[str, Any]) -> None:
     """Append one launch record (checked against its model; one JSON line, fsynced). Callers hold run_lock."""
     rec = record if isinstance(record, LaunchRecord) else parse(LaunchRecord, record, "a new launch record", "launch")
-    store.append_jsonl(store.launches_path(run_dir), [rec.to_json()])
+    fileio.append_jsonl(paths.launches_path(run_dir), [rec.to_json()])
 
 
 def read_launches(run_dir: Path) -> list[LaunchRecord]:
     """Every launch record, oldest first; BadRecord naming the line and the field for one that is not a launch
     record (its job ids and names would reach Slurm commands and kill())."""
-    return read_jsonl(store.launches_path(run_dir), LaunchRecord, "a launch record")
+    return read_jsonl(paths.launches_path(run_dir), LaunchRecord, "a launch record")
 
 
 # ---------------------------------------------------------------- claims (.claim)
@@ -367,7 +367,7 @@ class WorkerState(BaseModel):
 
 
 def write_worker_state(run_dir: Path, state: WorkerState) -> None:
-    store.atomic_write_json(store.worker_state_path(run_dir, state.worker_id), state.to_json())
+    fileio.atomic_write_json(paths.worker_state_path(run_dir, state.worker_id), state.to_json())
 
 
 def read_worker_state(path: Path) -> WorkerState | None:
@@ -377,10 +377,10 @@ def read_worker_state(path: Path) -> WorkerState | None:
 
 def read_worker_states(run_dir: Path) -> list[WorkerState]:
     """Every worker that ran in this run directory, oldest first."""
-    root = store.workers_dir(run_dir)
+    root = paths.workers_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [read_worker_state(store.worker_state_path(run_dir, p.name)) for p in sorted(root.iterdir()) if p.is_dir()]
+    found = [read_worker_state(paths.worker_state_path(run_dir, p.name)) for p in sorted(root.iterdir()) if p.is_dir()]
     return sorted((s for s in found if s is not None), key=lambda s: s.started_at)
 
 
@@ -398,11 +398,11 @@ class FillRequest(Record):
 
 
 def read_fill(run_dir: Path) -> FillRequest:
-    return read_json(store.fill_path(run_dir), FillRequest, "a fill request") or FillRequest()
+    return read_json(paths.fill_path(run_dir), FillRequest, "a fill request") or FillRequest()
 
 
 def write_fill(run_dir: Path, request: FillRequest) -> None:
-    store.atomic_write_json(store.fill_path(run_dir), request.to_json())
+    fileio.atomic_write_json(paths.fill_path(run_dir), request.to_json())
 
 
 # ---------------------------------------------------------------- a shard's last error (.failed)
@@ -420,12 +420,12 @@ class ShardFailure(Record):
 
 
 def read_failure(run_dir: Path, index: int) -> ShardFailure | None:
-    return read_json(store.shard_failure_path(run_dir, index), ShardFailure, "a shard failure record")
+    return read_json(paths.shard_failure_path(run_dir, index), ShardFailure, "a shard failure record")
 
 
 def write_failure(run_dir: Path, index: int, failure: ShardFailure) -> None:
     """Written by the shard runtime as it fails (callers suppress OSError: a full disk must not hide the error)."""
-    store.atomic_write_json(store.shard_failure_path(run_dir, index), failure.to_json())
+    fileio.atomic_write_json(paths.shard_failure_path(run_dir, index), failure.to_json())
 
 
 # ---------------------------------------------------------------- the plan (plan.json)

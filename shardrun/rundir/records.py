@@ -2,7 +2,6 @@
 
 | file | model | written by | read by |
 |---|---|---|---|
-| `plan.json` | `PlanRecord` (its shape; `planner.Plan` is built from it) | plan / submit (`store.write_plan`) | every command |
 | `shards/NNNNN/.done` | `Seal` | the shard runtime | status, resume, merge, report, select, workers |
 | `launches.jsonl` | `LaunchRecord` (one per line) | submit / resume | status, resume, cancel, report, the runtime |
 | `shards/NNNNN/.claim` | `ClaimRecord` | warm workers (`claims.py`) | workers, status |
@@ -10,7 +9,8 @@
 | `fill.json` | `FillRequest` | `resume --fill` | the runtime, workers |
 | `shards/NNNNN/.failed` | `ShardFailure` | the shard runtime | status, resume, workers |
 
-Every field has its type; a record of another shape is shardrun's own file edited or damaged, and reading it raises
+plan.json's shape is the plan's own (planner.Plan, the one definition, read by store.load_plan). Every field has its
+type; a record of another shape is shardrun's own file edited or damaged, and reading it raises
 BadRecord (exit 2) naming the file, the line (JSONL) and the field, never a traceback. A `.done` seal that does not
 validate is the exception: the shard counts as unsealed and the reason is reported (seal.check). A torn last line of
 launches.jsonl (a killed writer) is skipped, as every JSONL reader does (fileio.complete_lines). Every file is opened
@@ -20,7 +20,7 @@ through fileio.open_regular: a FIFO, a device or a socket in its place is refuse
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -426,71 +426,3 @@ def read_failure(run_dir: Path, index: int) -> ShardFailure | None:
 def write_failure(run_dir: Path, index: int, failure: ShardFailure) -> None:
     """Written by the shard runtime as it fails (callers suppress OSError: a full disk must not hide the error)."""
     fileio.atomic_write_json(paths.shard_failure_path(run_dir, index), failure.to_json())
-
-
-# ---------------------------------------------------------------- the plan (plan.json)
-
-
-class ShardRecord(Record):
-    index: Count
-    num_rollouts: Count
-    kind: Literal["range", "stride"]
-    start: Count = 0
-    stop: Count = 0
-    offset: Count = 0
-    step: Annotated[int, Field(gt=0)] = 1
-
-
-class InputRecord(Record):
-    path: str
-    sha256: str
-    num_lines: Count
-
-
-class BlendEntryRecord(Record):
-    label: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$", min_length=1)]
-    agent: str
-    data: str
-    sha256: str
-    rows_in_file: Count
-    num_tasks: Count
-    num_rollouts: Count
-    repeats: Count
-    tasks: list[list[Count]]
-    configs: list[str] = Field(default_factory=list)
-    owner: str | None = None
-
-
-class PlanRecord(Record):
-    """plan.json's shape, checked before planner.Plan is built from it and its fingerprint compared
-    (store.load_plan, the one reader; store.write_plan the one writer)."""
-
-    planner_version: str
-    input: InputRecord
-    planning: dict[str, Any]
-    config: dict[str, Any]
-    num_tasks: Count
-    num_rollouts: Count
-    agents: dict[str, dict[str, int]]
-    shards: list[ShardRecord]
-    warnings: list[str] = Field(default_factory=list)
-    fingerprint: str
-    gym_version: str | None = None
-    blend: list[BlendEntryRecord] = Field(default_factory=list)
-
-    @field_validator("shards")
-    @classmethod
-    def _in_order(cls, shards: list[ShardRecord]) -> list[ShardRecord]:
-        for position, shard in enumerate(shards):
-            if shard.index != position:
-                raise ValueError(f"shard {position} has index {shard.index}")
-        return shards
-
-
-def plan_problem(data: Any) -> str | None:
-    """What is wrong with plan.json's content, naming the field; None when it has the plan's shape."""
-    try:
-        PlanRecord.model_validate(data)
-    except ValidationError as e:
-        return problem(e)
-    return None

@@ -73,7 +73,7 @@ def shard_lock(run_dir: Path, index: int, timeout: float = 0) -> FileLock:
 
 
 def load_plan(run_dir: Path) -> Plan:
-    """Read plan.json (the one reader; its shape is records.PlanRecord) and check it was not edited since it was
+    """Read plan.json (the one reader; its shape is planner.Plan's) and check it was not edited since it was
     written (and that no link at the top of the run directory or in merged/ leads out of it; a shard's own links are
     refused by seal.check)."""
     path = plan_path(run_dir)
@@ -83,16 +83,16 @@ def load_plan(run_dir: Path) -> Plan:
         raise RunDirError(f"{path}: no plan here; run `shardrun plan CONFIG --write` or `shardrun submit`")
     refuse_links(run_dir)
     try:
-        data = orjson.loads(read_regular(path))
-        wrong = records.plan_problem(data)
-        if wrong:
-            raise ValueError(wrong)
-        plan = Plan.from_json(data)
+        plan = Plan.from_json(orjson.loads(read_regular(path)))
     except FileNotFoundError:
         raise RunDirError(f"{path}: no plan here; run `shardrun plan CONFIG --write` or `shardrun submit`") from None
     except IsADirectoryError:
         raise RunDirError(f"{path}: a directory, not a plan; the run directory is damaged") from None
-    except (orjson.JSONDecodeError, TypeError, KeyError, ValueError) as e:
+    except ValidationError as e:  # not the plan's shape (planner.Plan): the field at fault
+        raise PlanMismatch(
+            f"{path}: unreadable plan ({records.problem(e)}); it was edited or damaged. Re-plan into a new run directory"
+        ) from None
+    except orjson.JSONDecodeError as e:
         raise PlanMismatch(
             f"{path}: unreadable plan ({e}); it was edited or damaged. Re-plan into a new run directory"
         ) from None

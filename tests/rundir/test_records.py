@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shardrun.core.errors import BadRecord, NotRegularFile
+from shardrun.core.errors import BadRecord, NotRegularFile, PlanMismatch
 from shardrun.rundir import records, store
 
 
@@ -122,7 +122,8 @@ def test_a_claim_token_is_a_file_name_part_never_a_path() -> None:
             records.parse_claim(Path("c"), orjson.dumps(good | {"token": token}))
 
 
-def test_the_plan_shape_names_the_field_at_fault() -> None:
+def test_the_plan_shape_names_the_field_at_fault(tmp_path: Path) -> None:
+    """plan.json's shape is planner.Plan's (the one definition): store.load_plan refuses another, naming the field."""
     shard = {"index": 0, "num_rollouts": 2, "kind": "range", "start": 0, "stop": 2}
     plan = {
         "planner_version": "1",
@@ -135,10 +136,35 @@ def test_the_plan_shape_names_the_field_at_fault() -> None:
         "shards": [shard],
         "fingerprint": "f",
     }
-    assert records.plan_problem(plan) is None
-    assert records.plan_problem(plan | {"shards": [shard | {"index": 1}]}).startswith("'shards'")
-    assert records.plan_problem(plan | {"num_tasks": -1}).startswith("'num_tasks'")
-    assert records.plan_problem({k: v for k, v in plan.items() if k != "input"}) == "no 'input'"
+
+    def loaded(data: dict) -> str:
+        store.plan_path(tmp_path).write_bytes(orjson.dumps(data))
+        with pytest.raises(PlanMismatch) as e:
+            store.load_plan(tmp_path)
+        return str(e.value)
+
+    assert "content does not match its fingerprint" in loaded(plan)  # the shape is right; only the hash is not
+    assert "unreadable plan ('shards' is a list: Value error, shard 0 has index 1)" in loaded(
+        plan | {"shards": [shard | {"index": 1}]}
+    )
+    assert "unreadable plan ('num_tasks' is -1:" in loaded(plan | {"num_tasks": -1})
+    assert "unreadable plan ('num_tasks' is \"1\":" in loaded(plan | {"num_tasks": "1"})  # strict: no "1" for 1
+    assert "unreadable plan (no 'input')" in loaded({k: v for k, v in plan.items() if k != "input"})
+    assert "unreadable plan ('shards.0.kind' is \"ring\":" in loaded(plan | {"shards": [shard | {"kind": "ring"}]})
+    assert "unreadable plan ('extra' is 1:" in loaded(plan | {"extra": 1})
+    entry = {
+        "label": "a b",
+        "agent": "a",
+        "data": "d",
+        "sha256": "0",
+        "rows_in_file": 1,
+        "num_tasks": 1,
+        "num_rollouts": 2,
+        "repeats": 2,
+        "tasks": [[0, 1]],
+    }
+    assert "unreadable plan ('blend.0.label' is \"a b\":" in loaded(plan | {"blend": [entry]})
+    assert str(tmp_path / "plan.json") in loaded(plan | {"num_tasks": -1})
 
 
 def test_only_regular_files_are_opened_and_never_waited_on(tmp_path: Path) -> None:

@@ -26,6 +26,10 @@ DAMAGED_SEAL = ".done.damaged"  # a seal the merge found disagreeing with the sh
 LOGS = "logs"
 
 __all__ = [
+    "BY_LABEL_DIR",
+    "LABELS_FILE",
+    "by_label_dir",
+    "labels_path",
     "FAILURES",
     "MATERIALIZED",
     "ROLLOUTS",
@@ -170,6 +174,20 @@ def merged_rollouts_path(run_dir: Path) -> Path:
 
 def merged_materialized_path(run_dir: Path) -> Path:
     return merged_dir(run_dir) / MATERIALIZED
+
+
+BY_LABEL_DIR = "by_label"
+LABELS_FILE = "labels.json"
+
+
+def by_label_dir(run_dir: Path, label: str) -> Path:
+    """A blend's label's own profile files after the merge: merged/by_label/<label>/."""
+    return merged_dir(run_dir) / BY_LABEL_DIR / label
+
+
+def labels_path(run_dir: Path) -> Path:
+    """A blend's per-label results after the merge (records.BlendLabels): merged/labels.json."""
+    return merged_dir(run_dir) / LABELS_FILE
 
 
 def merged_summary_path(run_dir: Path) -> Path:

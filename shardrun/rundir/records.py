@@ -8,6 +8,7 @@
 | `workers/<id>/worker.json` | `WorkerState` | warm workers | status, report, workers |
 | `fill.json` | `FillRequest` | `resume --fill` | the runtime, workers |
 | `shards/NNNNN/.failed` | `ShardFailure` | the shard runtime | status, resume, workers |
+| `merged/labels.json` | `BlendLabels` (a `LabelResult` per label) | merge-and-profile (a blend) | compare, the merge's summary |
 
 plan.json's shape is the plan's own (planner.Plan, the one definition, read by store.load_plan). Every field has its
 type; a record of another shape is shardrun's own file edited or damaged, and reading it raises
@@ -426,3 +427,67 @@ def read_failure(run_dir: Path, index: int) -> ShardFailure | None:
 def write_failure(run_dir: Path, index: int, failure: ShardFailure) -> None:
     """Written by the shard runtime as it fails (callers suppress OSError: a full disk must not hide the error)."""
     fileio.atomic_write_json(paths.shard_failure_path(run_dir, index), failure.to_json())
+
+
+# ---------------------------------------------------------------- a blend's labels after the merge (merged/labels.json)
+
+
+class LabelRate(Record):
+    """A label's share of the sealed shards' time and GPU-hours and its rates over them (profile/blend_labels.py);
+    a rate is None when its hours are 0, `basis` None when no sealed shard held the label."""
+
+    rollouts: Count
+    hours: Finite
+    gpu_hours: Finite
+    rollouts_per_hour: Finite | None
+    rollouts_per_gpu_hour: Finite | None
+    output_tokens: Count
+    output_tokens_per_s: Finite | None
+    basis: str | None
+
+
+class LabelResult(Record):
+    """One label's line of labels.json: planned, collected, failed, skipped and missing rollouts, its tasks,
+    mean reward, pass@1 (a fraction), rate, and its profile folder (relative to merged/)."""
+
+    label: str
+    agent: str
+    owner: str | None
+    tasks_planned: Count
+    rollouts_planned: Count
+    collected: Count
+    masked: Count
+    failed: Count
+    skipped: Count
+    missing: int
+    tasks_complete: Count
+    tasks_partial: Count
+    tasks_missing: int
+    mean_reward: Finite | None
+    pass_at_1: Finite | None
+    rate: LabelRate
+    profile: str
+
+    @property
+    def failed_lane(self) -> bool:
+        return self.collected == 0
+
+
+class BlendLabels(Record):
+    """`merged/labels.json`: a blend's labels in config order after the merge, the lanes that collected nothing,
+    and how the rates were shared out."""
+
+    run_dir: str
+    fingerprint: str
+    labels: list[LabelResult]
+    failed_lanes: list[str]
+    rate_basis: str
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.to_json(), option=orjson.OPT_INDENT_2) + b"\n"
+
+
+def read_labels(run_dir: Path) -> BlendLabels | None:
+    """A blend's labels.json (None when the run has none: not a blend, or not merged yet); BadRecord naming the
+    file and the field for one of another shape."""
+    return read_json(paths.labels_path(run_dir), BlendLabels, "a blend's labels")

@@ -5,6 +5,7 @@ launches.jsonl is skipped; only regular files are read (store.open_regular)."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -181,3 +182,61 @@ def test_only_regular_files_are_opened_and_never_waited_on(tmp_path: Path) -> No
         store.open_regular(tmp_path / "absent")
     (tmp_path / "f").write_bytes(b"x\n")
     assert store.read_regular(tmp_path / "f") == b"x\n"
+
+
+def label_row(**fields) -> dict:
+    rate = {
+        "rollouts": 4,
+        "hours": 0.5,
+        "gpu_hours": 0.5,
+        "rollouts_per_hour": 8.0,
+        "rollouts_per_gpu_hour": 8.0,
+        "output_tokens": 40,
+        "output_tokens_per_s": 0.02,
+        "basis": "output_tokens",
+    }
+    row = {
+        "label": "math",
+        "agent": "a",
+        "owner": None,
+        "tasks_planned": 2,
+        "rollouts_planned": 4,
+        "collected": 4,
+        "masked": 0,
+        "failed": 0,
+        "skipped": 0,
+        "missing": 0,
+        "tasks_complete": 2,
+        "tasks_partial": 0,
+        "tasks_missing": 0,
+        "mean_reward": 0.5,
+        "pass_at_1": 0.5,
+        "rate": rate,
+        "profile": "by_label/math",
+    }
+    return row | fields
+
+
+def test_labels_json_round_trips_and_a_damaged_one_names_the_file_and_the_field(tmp_path: Path) -> None:
+    assert records.read_labels(tmp_path) is None  # not a blend, or not merged yet
+    doc = {"run_dir": str(tmp_path), "fingerprint": "f", "labels": [label_row()], "failed_lanes": [], "rate_basis": "b"}
+    path = store.labels_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(records.BlendLabels.model_validate(doc).to_bytes())
+    labels = records.read_labels(tmp_path)
+    assert (
+        labels is not None and labels.labels[0].rate.rollouts_per_gpu_hour == 8.0 and not labels.labels[0].failed_lane
+    )
+    assert orjson.loads(path.read_bytes()) == doc
+    for row, field in (
+        (label_row(collected="4"), "'labels.0.collected'"),  # strict: no "4" for 4
+        (label_row(collected=-1), "'labels.0.collected'"),
+        ({k: v for k, v in label_row().items() if k != "agent"}, "no 'labels.0.agent'"),
+        (label_row(rate={"rollouts": 1}), "no 'labels.0.rate.hours'"),
+    ):
+        path.write_bytes(orjson.dumps(doc | {"labels": [row]}))
+        with pytest.raises(BadRecord, match=f"{path}: invalid a blend's labels: {re.escape(field)}"):
+            records.read_labels(tmp_path)
+    path.write_bytes(b"{")
+    with pytest.raises(BadRecord, match=f"{path}: not a blend's labels"):
+        records.read_labels(tmp_path)

@@ -53,7 +53,6 @@ CONFIDENCE = 0.95
 DEFAULT_RESAMPLES = 2000
 DEFAULT_KEY = f"sha256({RCP_KEY})"
 ALL = "all"
-BY_LABEL_DIR = "by_label"
 LISTED = 50  # unpaired tasks listed by key in compare.json (all are counted)
 
 
@@ -79,19 +78,14 @@ class Side:
         return not (t.task_index in self.stopped and t.num_rollouts < t.expected_num_rollouts)
 
 
-def task_labels(run_dir: Path) -> dict[int, str]:
-    """{task index: label} from a blend's per-label profiles (`merged/by_label/<label>/*_reward_profiling.jsonl`);
-    empty for a run without labels."""
-    root = store.merged_dir(run_dir) / BY_LABEL_DIR
-    out: dict[int, str] = {}
-    if not root.is_dir():
-        return out
-    for d in sorted(p for p in root.iterdir() if p.is_dir()):
-        for path in sorted(d.glob("*_reward_profiling.jsonl")):
-            for row in store.iter_jsonl_objects(path):
-                if isinstance(row.get(TASK_KEY), int):
-                    out[row[TASK_KEY]] = d.name
-    return out
+def task_labels(plan: Plan, task_indices: Iterable[int]) -> dict[int, str]:
+    """{task index: label} from the run's plan (its blend entries' task ranges); empty for a run without labels.
+    Never from folder names: whatever lies under merged/by_label/ is not taken for a label."""
+    indices = np.fromiter(task_indices, dtype=np.int64)
+    if not plan.blend or not len(indices):
+        return {}
+    codes = plan.label_codes(indices)
+    return {int(t): plan.labels[c] for t, c in zip(indices, codes) if c >= 0}
 
 
 def read_side(run_dir: Path, fields: Sequence[str] = ()) -> Side:
@@ -103,7 +97,7 @@ def read_side(run_dir: Path, fields: Sequence[str] = ()) -> Side:
         plan,
         {t.task_index: t for t in tasks},
         frozenset(selection.stopped_tasks(run_dir, plan)),
-        task_labels(run_dir),
+        task_labels(plan, (t.task_index for t in tasks)),
     )
 
 

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from shardrun.core.gym_errors import reason_text
-from shardrun.core.gym_adapter import GymAdapter, Key
+from shardrun.core.gym_release import GymAdapter, Key
 
 FAILED_RUN = re.compile(r"\[rollout_collection\] /run failed status=(\S+) row=(\{[^\n]*\})")
 RESPONSE_CONTENT = re.compile(r"Response content: (b?['\"].*)")

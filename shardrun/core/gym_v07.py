@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardrun.core.gym_adapter import GymAdapter
+from shardrun.core.gym_release import GymAdapter
 
 
 class GymV07(GymAdapter):

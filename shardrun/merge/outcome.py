@@ -14,7 +14,7 @@ from shardrun.core.terminal import shown
 from shardrun.plan.render import table
 from shardrun.rundir import cost
 from shardrun.rundir.ledger import FailedRollout
-from shardrun.rundir.records import Seal
+from shardrun.rundir.records import LabelResult, Seal
 
 MAX_LISTED_FAILED = 1000
 SHOWN_FAILED = 10
@@ -83,7 +83,7 @@ class MergeSummary:
     outputs: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    labels: list[dict[str, Any]] = field(default_factory=list)  # a blend's labels (profile/blend_labels.py)
+    labels: list[LabelResult] = field(default_factory=list)  # a blend's labels (labels.json's, records.BlendLabels)
     failed_lanes: list[str] = field(default_factory=list)  # a blend's labels that collected nothing
     failed_ids: list[tuple[int, int]] = field(default_factory=list, repr=False)  # every failed identity
 
@@ -121,6 +121,8 @@ class MergeSummary:
         del d["failed_ids"]  # `failed` lists them (the first MAX_LISTED_FAILED)
         if not self.labels:  # a run without a blend: merge_summary.json as before blends existed
             del d["labels"], d["failed_lanes"]
+        else:
+            d["labels"] = [r.to_json() for r in self.labels]
         for shard, row in zip(self.shards, d["shards"]):
             row["marker"] = shard.marker.to_json() if shard.marker is not None else None
         d.update(
@@ -235,15 +237,15 @@ def label_lines(s: MergeSummary) -> list[str]:
     """A blend's labels (merged/labels.json's rows) for the terminal, each failed lane named."""
     rows = [("label", "agent", "rollouts", "failed", "skipped", "tasks c/p/m", "mean reward", "pass@1", "per GPU-h")]
     for r in s.labels:
-        mean, pass1, rate = r.get("mean_reward"), r.get("pass_at_1"), (r.get("rate") or {}).get("rollouts_per_gpu_hour")
+        mean, pass1, rate = r.mean_reward, r.pass_at_1, r.rate.rollouts_per_gpu_hour
         rows.append(
             (
-                shown(r["label"]),
-                shown(r["agent"]),
-                f"{r['collected']:,}/{r['rollouts_planned']:,}",
-                f"{r['failed']:,}",
-                f"{r['skipped']:,}",
-                f"{r['tasks_complete']:,}/{r['tasks_partial']:,}/{r['tasks_missing']:,}",
+                shown(r.label),
+                shown(r.agent),
+                f"{r.collected:,}/{r.rollouts_planned:,}",
+                f"{r.failed:,}",
+                f"{r.skipped:,}",
+                f"{r.tasks_complete:,}/{r.tasks_partial:,}/{r.tasks_missing:,}",
                 "—" if mean is None else f"{mean:.4f}",
                 "—" if pass1 is None else f"{pass1:.4f}",
                 "—" if rate is None else f"{rate:,.1f}",

@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
 import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Annotated, Any, Callable, Iterable, Iterator, Literal
 
 import orjson
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter
 
 from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, RunConfig, SamplingConfig
 from shardrun.core.errors import BadInput
@@ -36,6 +38,9 @@ from shardrun.core.gym_names import AGENT_KEY, MAX_JSON_DEPTH, MAX_TASK_INDEX, R
 PLANNER_VERSION = "1"
 MAX_ROW_BYTES = 16 * 1024 * 1024
 MAX_LISTED_PROBLEMS = 50
+
+
+Count = Annotated[int, Field(ge=0)]  # a count or an index in plan.json (never negative)
 
 
 # ---------------------------------------------------------------- rows
@@ -411,13 +416,13 @@ def _count(lines: Iterable[tuple[int, bytes]], summary: InputSummary) -> Iterato
 class ShardSpec:
     """Which rollout ordinals a shard owns: range(start, stop) or every ordinal o with o % step == offset."""
 
-    index: int
-    num_rollouts: int
+    index: Count
+    num_rollouts: Count
     kind: Literal["range", "stride"]
-    start: int = 0
-    stop: int = 0
-    offset: int = 0
-    step: int = 1
+    start: Count = 0
+    stop: Count = 0
+    offset: Count = 0
+    step: Annotated[int, Field(gt=0)] = 1
 
     @property
     def name(self) -> str:
@@ -480,7 +485,7 @@ class Router:
 class InputInfo:
     path: str
     sha256: str
-    num_lines: int
+    num_lines: Count
 
 
 @dataclass(frozen=True)
@@ -488,29 +493,42 @@ class BlendEntry:
     """One entry of a blend (docs/blends.md), as planned: its label, where its rows came from, and which task
     indices it holds (`tasks`: sorted, disjoint [start, stop) ranges). A plan without a blend has none."""
 
-    label: str
+    label: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$", min_length=1)]
     agent: str
     data: str
     sha256: str
-    rows_in_file: int
-    num_tasks: int
-    num_rollouts: int
-    repeats: int
-    tasks: tuple[tuple[int, int], ...]
+    rows_in_file: Count
+    num_tasks: Count
+    num_rollouts: Count
+    repeats: Count
+    tasks: tuple[tuple[Count, Count], ...]
     configs: tuple[str, ...] = ()
     owner: str | None = None
 
 
+def _numbered_in_order(shards: tuple[ShardSpec, ...]) -> tuple[ShardSpec, ...]:
+    for position, shard in enumerate(shards):
+        if shard.index != position:
+            raise ValueError(f"shard {position} has index {shard.index}")
+    return shards
+
+
 @dataclass(frozen=True)
 class Plan:
+    """The plan, and plan.json's shape: these dataclasses (Plan, InputInfo, ShardSpec, BlendEntry) are its one
+    definition. `to_json` writes it; `from_json` reads it back checked against the same fields and their types
+    (pydantic, strict: no "16" for 16; no field it does not have), so a damaged plan.json names the field at fault."""
+
+    __pydantic_config__ = ConfigDict(strict=True, extra="forbid")
+
     planner_version: str
     input: InputInfo
     planning: dict[str, Any]
     config: dict[str, Any]
-    num_tasks: int
-    num_rollouts: int
+    num_tasks: Count
+    num_rollouts: Count
     agents: dict[str, dict[str, int]]
-    shards: tuple[ShardSpec, ...]
+    shards: Annotated[tuple[ShardSpec, ...], AfterValidator(_numbered_in_order)]
     warnings: tuple[str, ...] = ()
     fingerprint: str = ""
     gym_version: str | None = None  # the nemo-gym release of gym.venv when planned
@@ -529,16 +547,9 @@ class Plan:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Plan":
-        d = dict(d)
-        d["input"] = InputInfo(**d["input"])
-        d["shards"] = tuple(ShardSpec(**s) for s in d["shards"])
-        d["warnings"] = tuple(d.get("warnings", ()))
-        d["blend"] = tuple(
-            BlendEntry(**(e | {"tasks": tuple(tuple(r) for r in e["tasks"]), "configs": tuple(e.get("configs", ()))}))
-            for e in d.get("blend", ())
-        )
-        return cls(**d)
+    def from_json(cls, d: Any) -> "Plan":
+        """The plan `to_json` wrote (parsed JSON); pydantic's ValidationError, naming the field, for another shape."""
+        return _plan_json().validate_json(orjson.dumps(d))
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -597,6 +608,12 @@ class Plan:
         """The adaptive-sampling settings the plan was made with (None: every planned rollout is collected)."""
         view = self.planning.get("sampling")
         return None if view is None else SamplingConfig.model_validate(view)
+
+
+@functools.cache
+def _plan_json() -> TypeAdapter[Plan]:
+    """plan.json read as a Plan (JSON mode: its arrays are the plan's tuples)."""
+    return TypeAdapter(Plan)
 
 
 def _rollouts_payload(plan: Plan) -> dict[str, Any]:

@@ -21,28 +21,18 @@ the GPUs spend their time on), in proportion to their rollouts otherwise. `rate.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from shardrun.merge.merged_table import MergedTable
 from shardrun.plan.planner import BlendEntry, Plan
-from shardrun.rundir import cost, store
-from shardrun.rundir.records import Seal
+from shardrun.rundir import cost
+from shardrun.rundir.records import BlendLabels, LabelRate, LabelResult, Seal
 
-BY_LABEL_DIR = "by_label"
-LABELS_FILE = "labels.json"
 TOKENS = "output_tokens"
-
-
-def by_label_dir(run_dir: Path, label: str) -> Path:
-    return store.merged_dir(run_dir) / BY_LABEL_DIR / label
-
-
-def labels_path(run_dir: Path) -> Path:
-    return store.merged_dir(run_dir) / LABELS_FILE
 
 
 def task_ranks(plan: Plan, table: MergedTable) -> list[np.ndarray]:
@@ -78,39 +68,7 @@ def shard_share(table: MergedTable, num_shards: int) -> ShardShare:
     )
 
 
-@dataclass
-class LabelResult:
-    """One label's line of labels.json."""
-
-    label: str
-    agent: str
-    owner: str | None
-    tasks_planned: int
-    rollouts_planned: int
-    collected: int = 0
-    masked: int = 0
-    failed: int = 0
-    skipped: int = 0
-    missing: int = 0
-    tasks_complete: int = 0
-    tasks_partial: int = 0
-    tasks_missing: int = 0
-    mean_reward: float | None = None
-    pass_at_1: float | None = None
-    rate: dict[str, Any] = field(default_factory=dict)
-    profile: str = ""
-
-    @property
-    def failed_lane(self) -> bool:
-        return self.collected == 0
-
-    def to_json(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
-        return asdict(self)
-
-
-def label_rate(mine: ShardShare, whole: ShardShare, markers: Sequence[Seal | None]) -> dict[str, Any]:
+def label_rate(mine: ShardShare, whole: ShardShare, markers: Sequence[Seal | None]) -> LabelRate:
     """The label's share of the sealed shards' time and GPU-hours, and its rates over them (module docstring)."""
     hours = gpu_hours = 0.0
     tokens = 0.0
@@ -131,26 +89,26 @@ def label_rate(mine: ShardShare, whole: ShardShare, markers: Sequence[Seal | Non
         if not math.isnan(mine.tokens[i]):
             tokens += float(mine.tokens[i])
     rollouts = int(sum(int(mine.rollouts[m.shard_index]) for m in markers if m is not None))
-    return {
-        "rollouts": rollouts,
-        "hours": hours,
-        "gpu_hours": gpu_hours,
-        "rollouts_per_hour": rollouts / hours if hours > 0 else None,
-        "rollouts_per_gpu_hour": rollouts / gpu_hours if gpu_hours > 0 else None,
-        "output_tokens": int(tokens),
-        "output_tokens_per_s": tokens / (hours * 3600.0) if hours > 0 else None,
-        "basis": "+".join(sorted(bases)) if bases else None,
-    }
+    return LabelRate(
+        rollouts=rollouts,
+        hours=hours,
+        gpu_hours=gpu_hours,
+        rollouts_per_hour=rollouts / hours if hours > 0 else None,
+        rollouts_per_gpu_hour=rollouts / gpu_hours if gpu_hours > 0 else None,
+        output_tokens=int(tokens),
+        output_tokens_per_s=tokens / (hours * 3600.0) if hours > 0 else None,
+        basis="+".join(sorted(bases)) if bases else None,
+    )
 
 
-def labels_document(run_dir: Path, plan: Plan, results: Sequence[LabelResult]) -> dict[str, Any]:
-    """merged/labels.json: the labels in config order and the failed lanes."""
-    return {
-        "run_dir": str(run_dir),
-        "fingerprint": plan.fingerprint,
-        "labels": [r.to_json() for r in results],
-        "failed_lanes": [r.label for r in results if r.failed_lane],
-        "rate_basis": "each sealed shard's collection time and GPU-hours shared among its labels by their output "
+def labels_document(run_dir: Path, plan: Plan, results: Sequence[LabelResult]) -> BlendLabels:
+    """merged/labels.json (records.BlendLabels): the labels in config order and the failed lanes."""
+    return BlendLabels(
+        run_dir=str(run_dir),
+        fingerprint=plan.fingerprint,
+        labels=list(results),
+        failed_lanes=[r.label for r in results if r.failed_lane],
+        rate_basis="each sealed shard's collection time and GPU-hours shared among its labels by their output "
         "tokens there (by their rollouts where a rollout lacks output tokens); rollouts_per_hour is per "
         "hour of one shard's allocation",
-    }
+    )

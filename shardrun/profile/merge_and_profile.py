@@ -22,6 +22,7 @@ coverage says how many rollouts and tasks were masked.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import stat
 import time
@@ -40,6 +41,7 @@ from shardrun.profile import blend_labels, denominator, repeat_metrics, writers
 from shardrun.profile.writers import TaskInfo
 from shardrun.core.gym_names import ROLLOUT_KEY, ROLLOUTS, TASK_KEY
 from shardrun.rundir import store
+from shardrun.rundir.records import LabelResult
 from shardrun.rundir.seal import SealState
 from shardrun.core import gym_adapter
 from shardrun.core.errors import BadInput
@@ -136,7 +138,7 @@ def label_output_paths(run_dir: Path, release: gym_adapter.GymAdapter, label: st
     merged = store.merged_dir(run_dir)
     whole = output_paths(run_dir, release)
     names = ("reward_profiling", "agent_metrics", "aggregate_metrics", "repeat_level_metrics")
-    return {k: blend_labels.by_label_dir(run_dir, label) / whole[k].relative_to(merged) for k in names if k in whole}
+    return {k: store.by_label_dir(run_dir, label) / whole[k].relative_to(merged) for k in names if k in whole}
 
 
 def _profile_labels(
@@ -179,33 +181,41 @@ def _profile_labels(
         metrics: dict[str, Any] = next(
             (e["agent_metrics"] for e in entries if e["agent_ref"]["name"] == entry.agent), {}
         )
-        pass1 = metrics.get("pass@1/accuracy")
+        pass1 = _number(metrics.get("pass@1/accuracy"))
         in_label = np.isin(plan.label_codes(failed), [plan.labels.index(entry.label)])
-        result = blend_labels.LabelResult(
-            entry.label,
-            entry.agent,
-            entry.owner,
-            entry.num_tasks,
-            entry.num_rollouts,
-            collected=part.rollouts,
-            masked=part.masked_rollouts,
-            failed=int(in_label.sum()),
-            skipped=int((plan.label_codes(skipped) == plan.labels.index(entry.label)).sum()),
-            tasks_complete=part.tasks_complete,
-            tasks_partial=part.tasks_partial,
-            tasks_missing=entry.num_tasks - part.tasks_complete - part.tasks_partial,
-            mean_reward=metrics.get("mean/reward"),
-            pass_at_1=None if pass1 is None else pass1 / 100.0,
-            rate=blend_labels.label_rate(mine, whole, markers),
-            profile=str(paths["reward_profiling"].parent.relative_to(store.merged_dir(run_dir))),
+        n_failed = int(in_label.sum())
+        n_skipped = int((plan.label_codes(skipped) == plan.labels.index(entry.label)).sum())
+        results.append(
+            LabelResult(
+                label=entry.label,
+                agent=entry.agent,
+                owner=entry.owner,
+                tasks_planned=entry.num_tasks,
+                rollouts_planned=entry.num_rollouts,
+                collected=part.rollouts,
+                masked=part.masked_rollouts,
+                failed=n_failed,
+                skipped=n_skipped,
+                missing=entry.num_rollouts - part.rollouts - n_failed - n_skipped,
+                tasks_complete=part.tasks_complete,
+                tasks_partial=part.tasks_partial,
+                tasks_missing=entry.num_tasks - part.tasks_complete - part.tasks_partial,
+                mean_reward=_number(metrics.get("mean/reward")),
+                pass_at_1=None if pass1 is None else pass1 / 100.0,
+                rate=blend_labels.label_rate(mine, whole, markers),
+                profile=str(paths["reward_profiling"].parent.relative_to(store.merged_dir(run_dir))),
+            )
         )
-        result.missing = result.rollouts_planned - result.collected - result.failed - result.skipped
-        results.append(result)
-    summary.labels = [r.to_json() for r in results]
+    summary.labels = results
     summary.failed_lanes = [r.label for r in results if r.failed_lane]
     document = blend_labels.labels_document(run_dir, plan, results)
-    out_labels = stack.enter_context(store.atomic_writer(blend_labels.labels_path(run_dir)))
-    out_labels.write(orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n")
+    out_labels = stack.enter_context(store.atomic_writer(store.labels_path(run_dir)))
+    out_labels.write(document.to_bytes())
+
+
+def _number(value: Any) -> float | None:
+    """A metric as labels.json holds it: a float, or None for none (or a NaN: no mean over no rollout)."""
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
 MAX_FIELDS_LISTED = 40

@@ -24,7 +24,7 @@ from shardrun.core.config import EntryConfig, MaterializeConfig, RunConfig
 from shardrun.core.errors import BadInput
 from shardrun.core.gym_names import AGENT_KEY
 from shardrun.plan import planner
-from shardrun.rundir import store
+from shardrun.rundir import fileio
 
 BLEND_SOURCE = "blend"  # the source name of blended lines where no entry's file applies
 
@@ -50,7 +50,7 @@ def _part(entry: EntryConfig, spec: MaterializeConfig) -> planner.BlendPart:
     rows = 0
     rng = random.Random(sample_seed(spec.seed, entry.label)) if spec.sample == "random" and limit else None
     reservoir: list[int] = []
-    with store.open_input(Path(entry.data), hint) as f:
+    with fileio.open_input(Path(entry.data), hint) as f:
         for line_no, raw in enumerate(f, 1):
             hasher.update(raw)
             if not raw.strip():
@@ -89,7 +89,7 @@ def lines(plan_layout: planner.BlendLayout, hasher: "hashlib._Hash | None" = Non
     for part in plan_layout.parts:
         wanted = iter(part.line_numbers)
         target = next(wanted, None)
-        with store.open_input(Path(part.data), f" (entry {part.label!r}, field data)") as f:
+        with fileio.open_input(Path(part.data), f" (entry {part.label!r}, field data)") as f:
             for line_no, raw in enumerate(f, 1):
                 if target is None:
                     break

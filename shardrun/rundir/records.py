@@ -2,32 +2,33 @@
 
 | file | model | written by | read by |
 |---|---|---|---|
-| `plan.json` | `PlanRecord` (its shape; `planner.Plan` is built from it) | plan / submit (`store.write_plan`) | every command |
 | `shards/NNNNN/.done` | `Seal` | the shard runtime | status, resume, merge, report, select, workers |
 | `launches.jsonl` | `LaunchRecord` (one per line) | submit / resume | status, resume, cancel, report, the runtime |
 | `shards/NNNNN/.claim` | `ClaimRecord` | warm workers (`claims.py`) | workers, status |
 | `workers/<id>/worker.json` | `WorkerState` | warm workers | status, report, workers |
 | `fill.json` | `FillRequest` | `resume --fill` | the runtime, workers |
 | `shards/NNNNN/.failed` | `ShardFailure` | the shard runtime | status, resume, workers |
+| `merged/labels.json` | `BlendLabels` (a `LabelResult` per label) | merge-and-profile (a blend) | compare, the merge's summary |
 
-Every field has its type; a record of another shape is shardrun's own file edited or damaged, and reading it raises
+plan.json's shape is the plan's own (planner.Plan, the one definition, read by store.load_plan). Every field has its
+type; a record of another shape is shardrun's own file edited or damaged, and reading it raises
 BadRecord (exit 2) naming the file, the line (JSONL) and the field, never a traceback. A `.done` seal that does not
 validate is the exception: the shard counts as unsealed and the reason is reported (seal.check). A torn last line of
-launches.jsonl (a killed writer) is skipped, as every JSONL reader does (store.complete_lines). Every file is opened
-through store.open_regular: a FIFO, a device or a socket in its place is refused at once, naming the path.
+launches.jsonl (a killed writer) is skipped, as every JSONL reader does (fileio.complete_lines). Every file is opened
+through fileio.open_regular: a FIFO, a device or a socket in its place is refused at once, naming the path.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from shardrun.core import slurm_values
 from shardrun.core.errors import BadRecord
-from shardrun.rundir import store
+from shardrun.rundir import fileio, paths
 
 Count = Annotated[int, Field(ge=0)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -78,7 +79,7 @@ def parse(model: type[M], data: Any, where: str, what: str) -> M:
 def read_json(path: Path, model: type[M], what: str) -> M | None:
     """A JSON record file as `model`, or None when there is none."""
     try:
-        raw = store.read_regular(path)
+        raw = fileio.read_regular(path)
     except FileNotFoundError:
         return None
     except IsADirectoryError:
@@ -93,7 +94,7 @@ def read_json(path: Path, model: type[M], what: str) -> M | None:
 def read_jsonl(path: Path, model: type[M], what: str) -> list[M]:
     """Every complete line of a JSONL record file as `model` (a torn last line is skipped; blank lines too)."""
     out = []
-    for line_no, raw in enumerate(store.complete_lines(path), 1):
+    for line_no, raw in enumerate(fileio.complete_lines(path), 1):
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
@@ -189,7 +190,7 @@ def seal_problem(data: Any) -> tuple[Seal | None, str]:
 
 
 def write_seal(run_dir: Path, seal: Seal) -> None:
-    store.atomic_write_json(store.done_path(run_dir, seal.shard_index), seal.to_json())
+    fileio.atomic_write_json(paths.done_path(run_dir, seal.shard_index), seal.to_json())
 
 
 class SetAsideSeal(Record):
@@ -202,11 +203,11 @@ class SetAsideSeal(Record):
 
 
 def read_set_aside_seal(run_dir: Path, index: int) -> SetAsideSeal | None:
-    return read_json(store.damaged_seal_path(run_dir, index), SetAsideSeal, "a set-aside seal")
+    return read_json(paths.damaged_seal_path(run_dir, index), SetAsideSeal, "a set-aside seal")
 
 
 def write_set_aside_seal(run_dir: Path, index: int, record: SetAsideSeal) -> None:
-    store.atomic_write_json(store.damaged_seal_path(run_dir, index), record.model_dump(mode="json"))
+    fileio.atomic_write_json(paths.damaged_seal_path(run_dir, index), record.model_dump(mode="json"))
 
 
 # ---------------------------------------------------------------- launch records (launches.jsonl)
@@ -267,13 +268,13 @@ class LaunchRecord(Record):
 def append_launch(run_dir: Path, record: LaunchRecord | dict[str, Any]) -> None:
     """Append one launch record (checked against its model; one JSON line, fsynced). Callers hold run_lock."""
     rec = record if isinstance(record, LaunchRecord) else parse(LaunchRecord, record, "a new launch record", "launch")
-    store.append_jsonl(store.launches_path(run_dir), [rec.to_json()])
+    fileio.append_jsonl(paths.launches_path(run_dir), [rec.to_json()])
 
 
 def read_launches(run_dir: Path) -> list[LaunchRecord]:
     """Every launch record, oldest first; BadRecord naming the line and the field for one that is not a launch
     record (its job ids and names would reach Slurm commands and kill())."""
-    return read_jsonl(store.launches_path(run_dir), LaunchRecord, "a launch record")
+    return read_jsonl(paths.launches_path(run_dir), LaunchRecord, "a launch record")
 
 
 # ---------------------------------------------------------------- claims (.claim)
@@ -376,7 +377,7 @@ class WorkerState(BaseModel):
 
 
 def write_worker_state(run_dir: Path, state: WorkerState) -> None:
-    store.atomic_write_json(store.worker_state_path(run_dir, state.worker_id), state.to_json())
+    fileio.atomic_write_json(paths.worker_state_path(run_dir, state.worker_id), state.to_json())
 
 
 def read_worker_state(path: Path) -> WorkerState | None:
@@ -386,10 +387,10 @@ def read_worker_state(path: Path) -> WorkerState | None:
 
 def read_worker_states(run_dir: Path) -> list[WorkerState]:
     """Every worker that ran in this run directory, oldest first."""
-    root = store.workers_dir(run_dir)
+    root = paths.workers_dir(run_dir)
     if not root.is_dir():
         return []
-    found = [read_worker_state(store.worker_state_path(run_dir, p.name)) for p in sorted(root.iterdir()) if p.is_dir()]
+    found = [read_worker_state(paths.worker_state_path(run_dir, p.name)) for p in sorted(root.iterdir()) if p.is_dir()]
     return sorted((s for s in found if s is not None), key=lambda s: s.started_at)
 
 
@@ -407,11 +408,11 @@ class FillRequest(Record):
 
 
 def read_fill(run_dir: Path) -> FillRequest:
-    return read_json(store.fill_path(run_dir), FillRequest, "a fill request") or FillRequest()
+    return read_json(paths.fill_path(run_dir), FillRequest, "a fill request") or FillRequest()
 
 
 def write_fill(run_dir: Path, request: FillRequest) -> None:
-    store.atomic_write_json(store.fill_path(run_dir), request.to_json())
+    fileio.atomic_write_json(paths.fill_path(run_dir), request.to_json())
 
 
 # ---------------------------------------------------------------- a shard's last error (.failed)
@@ -429,77 +430,73 @@ class ShardFailure(Record):
 
 
 def read_failure(run_dir: Path, index: int) -> ShardFailure | None:
-    return read_json(store.shard_failure_path(run_dir, index), ShardFailure, "a shard failure record")
+    return read_json(paths.shard_failure_path(run_dir, index), ShardFailure, "a shard failure record")
 
 
 def write_failure(run_dir: Path, index: int, failure: ShardFailure) -> None:
     """Written by the shard runtime as it fails (callers suppress OSError: a full disk must not hide the error)."""
-    store.atomic_write_json(store.shard_failure_path(run_dir, index), failure.to_json())
+    fileio.atomic_write_json(paths.shard_failure_path(run_dir, index), failure.to_json())
 
 
-# ---------------------------------------------------------------- the plan (plan.json)
+# ---------------------------------------------------------------- a blend's labels after the merge (merged/labels.json)
 
 
-class ShardRecord(Record):
-    index: Count
-    num_rollouts: Count
-    kind: Literal["range", "stride"]
-    start: Count = 0
-    stop: Count = 0
-    offset: Count = 0
-    step: Annotated[int, Field(gt=0)] = 1
+class LabelRate(Record):
+    """A label's share of the sealed shards' time and GPU-hours and its rates over them (profile/blend_labels.py);
+    a rate is None when its hours are 0, `basis` None when no sealed shard held the label."""
+
+    rollouts: Count
+    hours: Finite
+    gpu_hours: Finite
+    rollouts_per_hour: Finite | None
+    rollouts_per_gpu_hour: Finite | None
+    output_tokens: Count
+    output_tokens_per_s: Finite | None
+    basis: str | None
 
 
-class InputRecord(Record):
-    path: str
-    sha256: str
-    num_lines: Count
+class LabelResult(Record):
+    """One label's line of labels.json: planned, collected, failed, skipped and missing rollouts, its tasks,
+    mean reward, pass@1 (a fraction), rate, and its profile folder (relative to merged/)."""
 
-
-class BlendEntryRecord(Record):
-    label: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$", min_length=1)]
+    label: str
     agent: str
-    data: str
-    sha256: str
-    rows_in_file: Count
-    num_tasks: Count
-    num_rollouts: Count
-    repeats: Count
-    tasks: list[list[Count]]
-    configs: list[str] = Field(default_factory=list)
-    owner: str | None = None
+    owner: str | None
+    tasks_planned: Count
+    rollouts_planned: Count
+    collected: Count
+    masked: Count
+    failed: Count
+    skipped: Count
+    missing: int
+    tasks_complete: Count
+    tasks_partial: Count
+    tasks_missing: int
+    mean_reward: Finite | None
+    pass_at_1: Finite | None
+    rate: LabelRate
+    profile: str
+
+    @property
+    def failed_lane(self) -> bool:
+        return self.collected == 0
 
 
-class PlanRecord(Record):
-    """plan.json's shape, checked before planner.Plan is built from it and its fingerprint compared
-    (store.load_plan, the one reader; store.write_plan the one writer)."""
+class BlendLabels(Record):
+    """`merged/labels.json`: a blend's labels in config order after the merge, the lanes that collected nothing,
+    and how the rates were shared out."""
 
-    planner_version: str
-    input: InputRecord
-    planning: dict[str, Any]
-    config: dict[str, Any]
-    num_tasks: Count
-    num_rollouts: Count
-    agents: dict[str, dict[str, int]]
-    shards: list[ShardRecord]
-    warnings: list[str] = Field(default_factory=list)
+    run_dir: str
     fingerprint: str
-    gym_version: str | None = None
-    blend: list[BlendEntryRecord] = Field(default_factory=list)
+    labels: list[LabelResult]
+    failed_lanes: list[str]
+    rate_basis: str
 
-    @field_validator("shards")
-    @classmethod
-    def _in_order(cls, shards: list[ShardRecord]) -> list[ShardRecord]:
-        for position, shard in enumerate(shards):
-            if shard.index != position:
-                raise ValueError(f"shard {position} has index {shard.index}")
-        return shards
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.to_json(), option=orjson.OPT_INDENT_2) + b"\n"
 
 
-def plan_problem(data: Any) -> str | None:
-    """What is wrong with plan.json's content, naming the field; None when it has the plan's shape."""
-    try:
-        PlanRecord.model_validate(data)
-    except ValidationError as e:
-        return problem(e)
-    return None
+def read_labels(run_dir: Path) -> BlendLabels | None:
+    """A blend's labels.json (None when the run has none: not a blend, or not merged yet); BadRecord naming the
+    file and the field for one of another shape."""
+    return read_json(paths.labels_path(run_dir), BlendLabels, "a blend's labels")

@@ -6,6 +6,7 @@ full one (the stand-in collector of tests/rundir/test_adaptive.py); the HTML and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -22,6 +23,7 @@ from shardrun.analysis import comparison
 from shardrun.cli import app
 from shardrun.core import config, task_rules
 from shardrun.core.errors import BadInput
+from shardrun.plan import planner
 from shardrun.rundir import decided, store
 
 K = 4
@@ -340,26 +342,72 @@ def test_an_adaptive_run_against_a_full_one(tmp_path: Path) -> None:
     assert "stopped early" in res.output
 
 
+def with_labels(run_dir: Path, blocks: tuple[tuple[str, range], ...]) -> None:
+    """The run's plan.json with a blend of these (label, task range) entries, its fingerprint made again."""
+    plan = store.load_plan(run_dir)
+    entries = tuple(
+        planner.BlendEntry(
+            label=label,
+            agent=AGENTS[0],
+            data=f"{label}.jsonl",
+            sha256="0" * 64,
+            rows_in_file=len(tasks),
+            num_tasks=len(tasks),
+            num_rollouts=len(tasks) * K,
+            repeats=K,
+            tasks=((tasks.start, tasks.stop),),
+        )
+        for label, tasks in blocks
+    )
+    plan = dataclasses.replace(plan, blend=entries)
+    plan = dataclasses.replace(plan, fingerprint=planner.fingerprint(plan))
+    store.plan_path(run_dir).write_bytes(orjson.dumps(plan.to_json()))
+    assert store.load_plan(run_dir) == plan
+
+
+def stray_label_folder(run_dir: Path, name: str, tasks: range) -> None:
+    """A folder under merged/by_label/ that looks like a label's profile (not one of the plan's labels)."""
+    d = store.by_label_dir(run_dir, name)
+    d.mkdir(parents=True)
+    (d / "rollouts_reward_profiling.jsonl").write_bytes(
+        b"".join(orjson.dumps({"_ng_task_index": t}) + b"\n" for t in tasks)
+    )
+
+
 def test_runs_with_labels_compare_per_label(tmp_path: Path) -> None:
-    """A blend's per-label profiles (merged/by_label/<label>/) give each task its label: a column of the task rows
-    and a group of the summary."""
+    """A blend's plan gives each task its label (its entries' task ranges): a column of the task rows and a group
+    of the summary."""
+    base = make_run(tmp_path / "base", solved_base)
+    cand = make_run(tmp_path / "cand", solved_cand)
+    half = TASKS // 2
+    for run_dir in (base, cand):
+        with_labels(run_dir, (("easy", range(0, half)), ("hard", range(half, TASKS))))
+    result = comparison.compare(base, [cand])
+    rows = result.task_rows()
+    assert [r["label"] for r in rows] == ["easy" if t < half else "hard" for t in range(TASKS)]
+    labels = {g["group"]: g for g in result.summary["candidates"][0]["groups"] if g["kind"] == "label"}
+    assert set(labels) == {"easy", "hard"}
+    easy = range(half)
+    want = sum(solved_cand(t) - solved_base(t) for t in easy) / K / len(easy)
+    assert labels["easy"]["tasks_paired"] == len(easy) and labels["easy"]["mean_reward"]["delta"] == pytest.approx(want)
+
+
+def test_a_folder_under_by_label_is_not_taken_for_a_label(tmp_path: Path) -> None:
+    """Labels come from the plan, never from folder names: a stray folder under merged/by_label/ (a label's
+    profile left from another run, a copy) gives no task a label, in a blend or in a run without one."""
     base = make_run(tmp_path / "base", solved_base)
     cand = make_run(tmp_path / "cand", solved_cand)
     for run_dir in (base, cand):
-        for label, tasks in (("easy", range(0, TASKS, 2)), ("hard", range(1, TASKS, 2))):
-            d = store.merged_dir(run_dir) / comparison.BY_LABEL_DIR / label
-            d.mkdir(parents=True)
-            (d / "rollouts_reward_profiling.jsonl").write_bytes(
-                b"".join(orjson.dumps({"_ng_task_index": t}) + b"\n" for t in tasks)
-            )
-    result = comparison.compare(base, [cand])
-    rows = result.task_rows()
-    assert [r["label"] for r in rows] == ["easy" if t % 2 == 0 else "hard" for t in range(TASKS)]
-    labels = {g["group"]: g for g in result.summary["candidates"][0]["groups"] if g["kind"] == "label"}
-    assert set(labels) == {"easy", "hard"}
-    easy = [t for t in range(TASKS) if t % 2 == 0]
-    want = sum(solved_cand(t) - solved_base(t) for t in easy) / K / len(easy)
-    assert labels["easy"]["tasks_paired"] == len(easy) and labels["easy"]["mean_reward"]["delta"] == pytest.approx(want)
+        stray_label_folder(run_dir, "old_label", range(TASKS))
+    plain = comparison.compare(base, [cand])
+    assert all("label" not in r for r in plain.task_rows())
+    assert not [g for g in plain.summary["candidates"][0]["groups"] if g["kind"] == "label"]
+    for run_dir in (base, cand):
+        with_labels(run_dir, (("all", range(TASKS)),))
+    blended = comparison.compare(base, [cand])
+    assert {r["label"] for r in blended.task_rows()} == {"all"}
+    groups = [g["group"] for g in blended.summary["candidates"][0]["groups"] if g["kind"] == "label"]
+    assert groups == ["all"]
 
 
 def test_failed_rollouts_are_compared_on_the_rollouts_there_are_and_said(two_runs, tmp_path: Path) -> None:

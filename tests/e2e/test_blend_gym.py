@@ -24,7 +24,6 @@ import pytest
 import yaml
 
 from shardrun.core import gym_adapter
-from shardrun.profile import blend_labels
 from shardrun.rundir import store
 from shardrun.shard import gym_stack
 from tests import builders
@@ -171,7 +170,7 @@ def test_each_label_profile_equals_gyms_own_profiler_on_its_rows(tmp_path: Path,
     rollouts = rows_of(merged / "rollouts.jsonl")
     question = {r["_ng_task_index"]: r["question"] for r in planned}
     assert set(question.values()) == set(label_of_question)  # diffs: its limit took 2 of its 4 rows
-    doc = orjson.loads(blend_labels.labels_path(run_dir).read_bytes())
+    doc = orjson.loads(store.labels_path(run_dir).read_bytes())
     assert [r["label"] for r in doc["labels"]] == ["sums", "diffs", "weather"] and doc["failed_lanes"] == []
     for entry in doc["labels"]:
         label = entry["label"]
@@ -187,7 +186,7 @@ def test_each_label_profile_equals_gyms_own_profiler_on_its_rows(tmp_path: Path,
         )
         gym = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=300, env=dict(os.environ))
         assert gym.returncode == 0, gym.stdout[-2000:] + gym.stderr[-2000:]
-        ours = blend_labels.by_label_dir(run_dir, label)
+        ours = store.by_label_dir(run_dir, label)
         want = sorted(rows_of(work / "rollouts_reward_profiling.jsonl"), key=lambda r: r["_ng_task_index"])
         same(rows_of(ours / "rollouts_reward_profiling.jsonl"), want, f"{label} profile")
         for suffix in release.profile_file_suffixes()[1:]:  # agent metrics; 0.7: and the repeat-level metrics
@@ -225,10 +224,10 @@ def test_a_lane_that_fails_every_rollout_is_named_and_the_others_profiled(tmp_pa
     merged_out = shardrun("merge-and-profile", str(run_dir), cwd=tmp_path)
     assert merged_out.returncode == 0, merged_out.stdout + merged_out.stderr
     assert "label lane collected nothing: that lane failed" in merged_out.stdout
-    doc = orjson.loads(blend_labels.labels_path(run_dir).read_bytes())
+    doc = orjson.loads(store.labels_path(run_dir).read_bytes())
     assert doc["failed_lanes"] == ["lane"]
     by = {r["label"]: r for r in doc["labels"]}
     assert by["lane"]["failed"] == 2 * REPEATS and by["lane"]["collected"] == 0
     for label in ("sums", "diffs"):
-        profile = rows_of(blend_labels.by_label_dir(run_dir, label) / "rollouts_reward_profiling.jsonl")
+        profile = rows_of(store.by_label_dir(run_dir, label) / "rollouts_reward_profiling.jsonl")
         assert len(profile) == by[label]["tasks_planned"] and by[label]["collected"] == by[label]["rollouts_planned"]

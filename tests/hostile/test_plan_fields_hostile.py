@@ -90,13 +90,22 @@ def test_the_fingerprint_covers_every_field_of_the_plan_but_the_run_directory(ru
     for key in data:
         changed = orjson.loads(orjson.dumps(data))
         value = changed[key]
-        changed[key] = {"x": 1} if not isinstance(value, dict) else {**value, "x": 1}
+        # each edit keeps the plan's shape (Plan.from_json checks every field's type)
+        if isinstance(value, str) or value is None:
+            changed[key] = (value or "") + "x"
+        elif isinstance(value, int):
+            changed[key] = value + 1
+        elif key == "agents":
+            changed[key] = {**value, "x": {"tasks": 1}}
+        elif isinstance(value, dict):
+            changed[key] = {**value, "x": 1}
         if key == "input":
             changed[key] = {**value, "num_lines": value["num_lines"] + 1}
         if key == "shards":
             changed[key] = [{**value[0], "num_rollouts": value[0]["num_rollouts"] + 1}, *value[1:]]
         if key == "warnings":
             changed[key] = ["w"]
+        assert changed[key] != value, key
         edited = planner.Plan.from_json({**changed, "fingerprint": plan.fingerprint})
         assert planner.fingerprint(edited) != plan.fingerprint, key
     moved = planner.Plan.from_json({**plan.to_json(), "config": {**plan.config, "run_dir": "/elsewhere"}})

@@ -19,7 +19,7 @@ from tests.machine_env import without_machine_gym_venv
 from shardrun import api
 from shardrun.cli import app
 from shardrun.core.errors import BadInput, RunDirError
-from shardrun.rundir import store
+from shardrun.rundir import fileio, store
 
 TASKS = 12
 REPEATS = {"math": 4, "_default": 2}
@@ -145,7 +145,7 @@ def test_iter_rollouts_streams_in_bounded_memory(tmp_path, monkeypatch):
     merge(run.run_dir)
     size = store.merged_rollouts_path(run.run_dir).stat().st_size
     assert size > 6_000_000
-    monkeypatch.setattr(store, "LINE_BLOCK", 64 << 10)
+    monkeypatch.setattr(fileio, "LINE_BLOCK", 64 << 10)
     tracemalloc.start()
     try:
         n = sum(1 for _ in api.iter_rollouts(run.run_dir))

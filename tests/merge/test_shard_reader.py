@@ -11,7 +11,7 @@ import pytest
 
 from shardrun.core.errors import PlanMismatch
 from shardrun.merge import shard_reader
-from shardrun.rundir import store
+from shardrun.rundir import fileio
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ def test_a_damaged_planned_row_is_named_by_file_and_line(tmp_path: Path, bad: by
 
 @pytest.mark.parametrize("block", [64, 1 << 20])
 def test_lines_longer_than_a_block_and_a_torn_tail(tmp_path: Path, monkeypatch, block: int) -> None:
-    monkeypatch.setattr(store, "LINE_BLOCK", block)
+    monkeypatch.setattr(fileio, "LINE_BLOCK", block)
     rows = [
         orjson.dumps({"_ng_task_index": i, "_ng_rollout_index": 0, "reward": 1.0, "text": "x" * (i * 97)})
         for i in range(12)

@@ -10,9 +10,8 @@ from typer.testing import CliRunner
 
 from shardrun.cli import app
 from shardrun.core.gym_names import TASK_KEY
-from shardrun.profile import blend_labels
 from shardrun.profile.merge_and_profile import merge_and_profile
-from shardrun.rundir import store
+from shardrun.rundir import records, store
 from tests.blendkit import LABELS, REPEATS, label_of, make_blend_run, write_lane_shards
 from tests.builders import input_rows, make_run, write_shard
 
@@ -42,7 +41,7 @@ def test_each_label_is_profiled_from_its_rows_and_counted(tmp_path: Path) -> Non
         aggregate = orjson.loads((d / "rollouts_aggregate_metrics.json").read_bytes())
         assert aggregate[0]["agent_metrics"]["coverage/expected"] == n * REPEATS[agent]
 
-    doc = orjson.loads(blend_labels.labels_path(run.run_dir).read_bytes())
+    doc = orjson.loads(store.labels_path(run.run_dir).read_bytes())
     assert [r["label"] for r in doc["labels"]] == ["alpha", "beta", "gamma"] and doc["failed_lanes"] == []
     by = {r["label"]: r for r in doc["labels"]}
     assert by["beta"]["owner"] == "team-b" and by["alpha"]["owner"] is None
@@ -60,7 +59,11 @@ def test_each_label_is_profiled_from_its_rows_and_counted(tmp_path: Path) -> Non
         assert rate["rollouts_per_gpu_hour"] == pytest.approx(len(mine) / rate["gpu_hours"])
     # the shards' GPU-hours are shared out whole among the labels (three shards of 0.25 h on one GPU)
     assert sum(r["rate"]["gpu_hours"] for r in doc["labels"]) == pytest.approx(0.75)
-    assert [r["label"] for r in summary.labels] == ["alpha", "beta", "gamma"]
+    assert [r.label for r in summary.labels] == ["alpha", "beta", "gamma"]
+    read_back = records.read_labels(run.run_dir)  # the one reader, through the model
+    assert (
+        read_back is not None and read_back.labels == summary.labels and read_back.fingerprint == run.plan.fingerprint
+    )
     assert "labels" in orjson.loads(store.merged_summary_path(run.run_dir).read_bytes())
 
 
@@ -70,7 +73,7 @@ def test_a_label_that_collected_nothing_is_a_failed_lane(tmp_path: Path) -> None
     result = CliRunner().invoke(app, ["merge-and-profile", str(run.run_dir)])
     assert result.exit_code == 0, result.output
     assert "label gamma collected nothing: that lane failed" in result.output
-    doc = orjson.loads(blend_labels.labels_path(run.run_dir).read_bytes())
+    doc = orjson.loads(store.labels_path(run.run_dir).read_bytes())
     assert doc["failed_lanes"] == ["gamma"]
     gamma = doc["labels"][2]
     assert (gamma["collected"], gamma["failed"], gamma["tasks_missing"]) == (0, len(got["failed"]), 2) == (0, 4, 2)
@@ -88,6 +91,6 @@ def test_a_run_without_a_blend_writes_no_labels(tmp_path: Path) -> None:
         write_shard(run, i, seed=i)
     merge_and_profile(run.run_dir)
     merged = store.merged_dir(run.run_dir)
-    assert not (merged / "by_label").exists() and not blend_labels.labels_path(run.run_dir).exists()
+    assert not (merged / "by_label").exists() and not store.labels_path(run.run_dir).exists()
     summary = orjson.loads(store.merged_summary_path(run.run_dir).read_bytes())
     assert "labels" not in summary and "failed_lanes" not in summary and "failed_ids" not in summary

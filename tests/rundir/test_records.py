@@ -5,13 +5,14 @@ launches.jsonl is skipped; only regular files are read (store.open_regular)."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
 import orjson
 import pytest
 
-from shardrun.core.errors import BadRecord, NotRegularFile
+from shardrun.core.errors import BadRecord, NotRegularFile, PlanMismatch
 from shardrun.rundir import records, store
 
 
@@ -122,7 +123,8 @@ def test_a_claim_token_is_a_file_name_part_never_a_path() -> None:
             records.parse_claim(Path("c"), orjson.dumps(good | {"token": token}))
 
 
-def test_the_plan_shape_names_the_field_at_fault() -> None:
+def test_the_plan_shape_names_the_field_at_fault(tmp_path: Path) -> None:
+    """plan.json's shape is planner.Plan's (the one definition): store.load_plan refuses another, naming the field."""
     shard = {"index": 0, "num_rollouts": 2, "kind": "range", "start": 0, "stop": 2}
     plan = {
         "planner_version": "1",
@@ -135,10 +137,35 @@ def test_the_plan_shape_names_the_field_at_fault() -> None:
         "shards": [shard],
         "fingerprint": "f",
     }
-    assert records.plan_problem(plan) is None
-    assert records.plan_problem(plan | {"shards": [shard | {"index": 1}]}).startswith("'shards'")
-    assert records.plan_problem(plan | {"num_tasks": -1}).startswith("'num_tasks'")
-    assert records.plan_problem({k: v for k, v in plan.items() if k != "input"}) == "no 'input'"
+
+    def loaded(data: dict) -> str:
+        store.plan_path(tmp_path).write_bytes(orjson.dumps(data))
+        with pytest.raises(PlanMismatch) as e:
+            store.load_plan(tmp_path)
+        return str(e.value)
+
+    assert "content does not match its fingerprint" in loaded(plan)  # the shape is right; only the hash is not
+    assert "unreadable plan ('shards' is a list: Value error, shard 0 has index 1)" in loaded(
+        plan | {"shards": [shard | {"index": 1}]}
+    )
+    assert "unreadable plan ('num_tasks' is -1:" in loaded(plan | {"num_tasks": -1})
+    assert "unreadable plan ('num_tasks' is \"1\":" in loaded(plan | {"num_tasks": "1"})  # strict: no "1" for 1
+    assert "unreadable plan (no 'input')" in loaded({k: v for k, v in plan.items() if k != "input"})
+    assert "unreadable plan ('shards.0.kind' is \"ring\":" in loaded(plan | {"shards": [shard | {"kind": "ring"}]})
+    assert "unreadable plan ('extra' is 1:" in loaded(plan | {"extra": 1})
+    entry = {
+        "label": "a b",
+        "agent": "a",
+        "data": "d",
+        "sha256": "0",
+        "rows_in_file": 1,
+        "num_tasks": 1,
+        "num_rollouts": 2,
+        "repeats": 2,
+        "tasks": [[0, 1]],
+    }
+    assert "unreadable plan ('blend.0.label' is \"a b\":" in loaded(plan | {"blend": [entry]})
+    assert str(tmp_path / "plan.json") in loaded(plan | {"num_tasks": -1})
 
 
 def test_only_regular_files_are_opened_and_never_waited_on(tmp_path: Path) -> None:
@@ -155,3 +182,61 @@ def test_only_regular_files_are_opened_and_never_waited_on(tmp_path: Path) -> No
         store.open_regular(tmp_path / "absent")
     (tmp_path / "f").write_bytes(b"x\n")
     assert store.read_regular(tmp_path / "f") == b"x\n"
+
+
+def label_row(**fields) -> dict:
+    rate = {
+        "rollouts": 4,
+        "hours": 0.5,
+        "gpu_hours": 0.5,
+        "rollouts_per_hour": 8.0,
+        "rollouts_per_gpu_hour": 8.0,
+        "output_tokens": 40,
+        "output_tokens_per_s": 0.02,
+        "basis": "output_tokens",
+    }
+    row = {
+        "label": "math",
+        "agent": "a",
+        "owner": None,
+        "tasks_planned": 2,
+        "rollouts_planned": 4,
+        "collected": 4,
+        "masked": 0,
+        "failed": 0,
+        "skipped": 0,
+        "missing": 0,
+        "tasks_complete": 2,
+        "tasks_partial": 0,
+        "tasks_missing": 0,
+        "mean_reward": 0.5,
+        "pass_at_1": 0.5,
+        "rate": rate,
+        "profile": "by_label/math",
+    }
+    return row | fields
+
+
+def test_labels_json_round_trips_and_a_damaged_one_names_the_file_and_the_field(tmp_path: Path) -> None:
+    assert records.read_labels(tmp_path) is None  # not a blend, or not merged yet
+    doc = {"run_dir": str(tmp_path), "fingerprint": "f", "labels": [label_row()], "failed_lanes": [], "rate_basis": "b"}
+    path = store.labels_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(records.BlendLabels.model_validate(doc).to_bytes())
+    labels = records.read_labels(tmp_path)
+    assert (
+        labels is not None and labels.labels[0].rate.rollouts_per_gpu_hour == 8.0 and not labels.labels[0].failed_lane
+    )
+    assert orjson.loads(path.read_bytes()) == doc
+    for row, field in (
+        (label_row(collected="4"), "'labels.0.collected'"),  # strict: no "4" for 4
+        (label_row(collected=-1), "'labels.0.collected'"),
+        ({k: v for k, v in label_row().items() if k != "agent"}, "no 'labels.0.agent'"),
+        (label_row(rate={"rollouts": 1}), "no 'labels.0.rate.hours'"),
+    ):
+        path.write_bytes(orjson.dumps(doc | {"labels": [row]}))
+        with pytest.raises(BadRecord, match=f"{path}: invalid a blend's labels: {re.escape(field)}"):
+            records.read_labels(tmp_path)
+    path.write_bytes(b"{")
+    with pytest.raises(BadRecord, match=f"{path}: not a blend's labels"):
+        records.read_labels(tmp_path)

@@ -18,7 +18,7 @@ import stat
 import re
 import tempfile
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 import orjson
 from filelock import FileLock
@@ -635,8 +635,9 @@ def iter_jsonl_objects(path: Path) -> Iterable[dict]:
 # ---------------------------------------------------------------- launch records and counting
 
 
-def append_launch(run_dir: Path, record: dict) -> None:
-    """Append one launch record: records.append_launch (its model, the one writer). Callers hold run_lock."""
+def append_launch(run_dir: Path, record: Any) -> None:
+    """Append one launch record (a records.LaunchRecord, or its JSON: checked against its model): records.append_launch
+    (the one writer). Callers hold run_lock."""
     from shardrun.rundir import records
 
     records.append_launch(run_dir, record)

@@ -17,14 +17,16 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import orjson
+from pydantic import ValidationError
 
 from shardrun.analysis import selection
-from shardrun.launch import scheduler
+from shardrun.launch import backends, scheduler
 from shardrun.rundir import cost
 from shardrun.rundir import records, seal
 from shardrun.rundir import store
 from shardrun.profile import intervals, taskstats
 from shardrun.core import task_rules
+from shardrun.core.config import ClusterConfig
 from shardrun.core.errors import BadInput, ShardrunError
 from shardrun.core.terminal import shown, shown_lines
 from shardrun.plan.planner import Plan
@@ -88,15 +90,26 @@ def read_key_metrics(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def slurm_job_ids(launches: Sequence[LaunchRecord], plan: Plan, shards: Sequence[cost.ShardCost]) -> list[str]:
-    """The sealed shards' job ids that are Slurm jobs: per the launch records (launch.py), or, for a run launched
-    without them, when the plan's cluster is Slurm. Local job ids (pids) never reach sacct."""
+    """The sealed shards' job ids that are Slurm jobs: per the launch records (those of a backend whose shard jobs
+    Slurm accounts for), or, for a run launched without them, when the plan's cluster runs on Slurm. Local job ids
+    (pids) never reach sacct."""
     if launches:
-        known = {j for rec in launches if rec.executor == "slurm" for j in rec.shard_jobs.values()}
-    elif (plan.config.get("cluster") or {}).get("executor") == "slurm":
+        known = {j for rec in launches if backends.for_record(rec).accounted_by_slurm for j in rec.shard_jobs.values()}
+    elif planned_on_slurm(plan):
         known = {s.job_id for s in shards if s.job_id}
     else:
         known = set()
     return sorted(s.job_id for s in shards if s.job_id in known)
+
+
+def planned_on_slurm(plan: Plan) -> bool:
+    """Does the plan's cluster config run its jobs on Slurm (the backend it selects says)? A cluster section this
+    release does not take is no Slurm run: its job ids are not asked of sacct."""
+    try:
+        cluster = ClusterConfig.model_validate(plan.config.get("cluster") or {})
+        return backends.for_cluster(cluster).runs_on_slurm(cluster)
+    except (ValidationError, BadInput):
+        return False
 
 
 def gather(run_dir: Path, use_sacct: bool = True) -> ReportData:

@@ -225,6 +225,13 @@ class ClusterConfig(StrictModel):
         "before it merges.",
     )
 
+    @property
+    def uses_slurm(self) -> bool:
+        """Do this config's jobs run on Slurm (`executor: slurm`)? The one place the executor is compared: asked by
+        the launch backends (which answer everyone else: launch/backends.py) and by this module's own checks
+        (tests/launch/test_launchers.py fails on any other comparison, and on this property read elsewhere)."""
+        return self.executor == "slurm"
+
     @model_validator(mode="after")
     def _lease_over_heartbeat(self) -> "ClusterConfig":
         if self.claim_lease_s < 2 * self.claim_heartbeat_s:
@@ -563,7 +570,7 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _run_dir_for_slurm(self) -> "RunConfig":
-        if self.cluster is not None and self.cluster.executor == "slurm":
+        if self.cluster is not None and self.cluster.uses_slurm:
             slurm_values.run_dir(str(self.run_dir), slurm=True)
         return self
 

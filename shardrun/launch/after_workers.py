@@ -60,11 +60,12 @@ def after_workers(run_dir: Path, round_no: int) -> int:
                 round_no=round_no + 1,
             )
             launch = Launch(jobs={})
+            backend = backends.REGISTRY[WarmWorkers.mode]
             try:
-                backends.REGISTRY[WarmWorkers.mode].submit(request, launch)
+                backend.submit(request, launch)
             finally:
-                if launch.workers:
-                    store.append_launch(run_dir, submission.launch_record(cfg, run_dir, launch))
+                if launch.anything:
+                    store.append_launch(run_dir, submission.launch_record(backend, request, launch))
             print(
                 f"[shardrun] resubmitted {len(launch.workers)} worker(s) ({', '.join(launch.workers.values())}) "
                 f"for shards {slurm.format_ranges(todo)}; next: job {launch.merge_job_id}",

@@ -2,11 +2,14 @@
 `launcher.Launcher` subclass, and one entry below (tests/launch/test_launchers.py checks that every Launcher subclass in
 launch/ is registered here, and that nothing else in shardrun picks a backend by the config's fields).
 
-| mode              | module           | selected by                                  |
-|-------------------|------------------|----------------------------------------------|
-| local jobs        | local_jobs.py    | cluster.executor=local, cluster.workers=null |
-| Slurm job arrays  | slurm_arrays.py  | cluster.executor=slurm, cluster.workers=null |
-| warm workers      | warm_workers.py  | cluster.workers=N (local or Slurm)           |
+| mode              | module           | selected by                                  | its launch records  |
+|-------------------|------------------|----------------------------------------------|---------------------|
+| local jobs        | local_jobs.py    | cluster.executor=local, cluster.workers=null | `LocalJobsLaunch`   |
+| Slurm job arrays  | slurm_arrays.py  | cluster.executor=slurm, cluster.workers=null | `SlurmArraysLaunch` |
+| warm workers      | warm_workers.py  | cluster.workers=N (local or Slurm)           | `WarmWorkersLaunch` |
+
+A launch record is mapped to the backend that wrote it by its model (`for_record`): what a record means (are its jobs
+Slurm jobs, do they run their shards in turn) is asked of that backend, never of the record's mode or executor.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from shardrun.launch.launcher import AskSlurm, Cancelled, Launched, Launcher, Li
 from shardrun.launch.local_jobs import LocalJobs
 from shardrun.launch.slurm_arrays import SlurmArrays
 from shardrun.launch.warm_workers import WarmWorkers
+from shardrun.rundir.records import LaunchBase
 
 REGISTRY: dict[str, Launcher] = {b.mode: b for b in (LocalJobs(), SlurmArrays(), WarmWorkers())}
+BY_RECORD: dict[type[LaunchBase], Launcher] = {b.record_type: b for b in REGISTRY.values()}
 
 
 def mode(cluster: ClusterConfig) -> str:
@@ -36,7 +41,16 @@ def mode(cluster: ClusterConfig) -> str:
 
 
 def for_config(cfg: RunConfig) -> Launcher:
-    return REGISTRY[mode(cfg.cluster_or_default)]
+    return for_cluster(cfg.cluster_or_default)
+
+
+def for_cluster(cluster: ClusterConfig) -> Launcher:
+    return REGISTRY[mode(cluster)]
+
+
+def for_record(record: LaunchBase) -> Launcher:
+    """The backend that wrote a launch record (and the one that reads it)."""
+    return BY_RECORD[type(record)]
 
 
 def asked_once(ask_slurm: AskSlurm) -> AskSlurm:
@@ -72,8 +86,8 @@ def cancel(launched: Launched, ask_slurm: AskSlurm) -> Cancelled:
     warning: nothing is cancelled on a guess."""
     out = Cancelled()
     ask_slurm = asked_once(ask_slurm)
-    if launched.names:
-        ask_slurm(launched.names)
+    if launched.slurm_names:
+        ask_slurm(launched.slurm_names)
     for backend in REGISTRY.values():
         live = backend.live(launched, ask_slurm)
         done = backend.cancel(live)

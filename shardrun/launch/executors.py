@@ -13,12 +13,14 @@ import signal
 import socket
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
 
 from shardrun.core.config import ClusterConfig, RunConfig
 from shardrun.core.errors import BadInput
 from shardrun.launch import scheduler, slurm
-from shardrun.launch.launcher import AskSlurm, Launched, Live, LiveJobs
+from shardrun.launch.launcher import AskSlurm, Live, LiveJobs
+from shardrun.rundir.records import LaunchBase
 from shardrun.rundir import store
 from shardrun.shard import processes
 
@@ -122,43 +124,59 @@ def queue_after_the_run(
 # ---------------------------------------------------------------- live jobs
 
 
-def live_pids(launched: Launched, pids: Iterable[str]) -> LiveJobs:
+@dataclass(frozen=True)
+class RecordedPid:
+    """A local job as its launch record has it: the pid's start time (clock ticks; None: unknown), the host it ran
+    on, and the record's line in launches.jsonl."""
+
+    start: int | None
+    host: str
+    line: int
+
+
+def recorded_pids(found: Iterable[tuple[int, LaunchBase]]) -> dict[str, RecordedPid]:
+    """The local jobs (pid -> RecordedPid) of launch records with their line numbers (a later record wins)."""
+    return {
+        pid: RecordedPid(start, rec.host or "", line) for line, rec in found for pid, start in rec.local_pids.items()
+    }
+
+
+def live_pids(pids: Mapping[str, RecordedPid]) -> LiveJobs:
     """Local jobs among `pids` whose recorded pid is still the same process: a live process with that pid whose
     start time is the one its launch record holds (pid reuse ruled out). A record with no start time, or whose pid
     is now another process, names no job of this run: it is never live, so never signalled, and `unconfirmed` (a
     warning too) says which record could not be confirmed. Jobs that ran on another host are named in a warning."""
     out = LiveJobs()
     host = socket.gethostname()
-    pids = list(pids)
-    foreign = sorted({h for p in pids if (h := launched.local_hosts.get(p, "")) and h != host})
+    foreign = sorted({p.host for p in pids.values() if p.host and p.host != host})
     if foreign:
         out.warnings.append(f"local jobs ran on {', '.join(foreign)}; run status there to see if they still run")
-    for pid in pids:
-        if launched.local_hosts.get(pid, host) != host:
-            continue
-        start = launched.local_pids.get(pid)
+    for pid, recorded in pids.items():
+        if recorded.host != host:
+            continue  # elsewhere, or a record without its host: never taken for a process here
+        start = recorded.start
         ticks = processes.start_ticks(int(pid))
         if ticks is None:
             continue  # ended
         if start is not None and ticks == start:
             out.jobs[pid] = Live("RUNNING", "", None)
             continue
-        recorded = "no start time recorded" if start is None else f"recorded start {start}, the live process's {ticks}"
+        said = "no start time recorded" if start is None else f"recorded start {start}, the live process's {ticks}"
         out.unconfirmed.append(
-            f"{store.LAUNCHES_FILE}:{launched.local_records.get(pid, '?')}: local job pid {pid} could not be "
-            f"confirmed as this run's ({recorded}); taken for another process, never signalled"
+            f"{store.LAUNCHES_FILE}:{recorded.line}: local job pid {pid} could not be confirmed as this run's "
+            f"({said}); taken for another process, never signalled"
         )
     out.warnings += out.unconfirmed
     return out
 
 
-def queued(launched: Launched, ask_slurm: AskSlurm, keep: Any = None) -> LiveJobs:
-    """The run's Slurm jobs squeue lists (by the run's job names), those `keep(job_id)` accepts."""
+def queued(names: set[str], ask_slurm: AskSlurm, keep: Any = None) -> LiveJobs:
+    """The run's Slurm jobs squeue lists (by the run's job names `names`), those `keep(job_id)` accepts."""
     out = LiveJobs()
-    if not launched.names:
+    if not names:
         return out
     try:
-        jobs = ask_slurm(launched.names)
+        jobs = ask_slurm(names)
     except scheduler.SlurmError as e:
         out.warnings.append(
             f"cannot ask Slurm which jobs are live ({e}); launched shards that are not sealed show as failed"

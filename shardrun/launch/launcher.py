@@ -4,13 +4,20 @@ A backend is one module with one `Launcher` subclass, registered in backends.py 
 
 - `submit(request, launch)`: launch the request's shards, filling `launch` as each job is accepted (the caller
   holds the run lock and appends the launch record, even when a later part of the submission failed);
+- `record(request, launch, common)`: the backend's own launch record (`record_type`, one model per backend in
+  rundir/records.py) of what `submit` launched; the records a backend wrote are read back by it only;
 - `describe(request, fingerprint)`: what `submit` would do, for `--dry-run` (nothing submitted or written);
 - `live(launched, ask_slurm)`: which of the jobs this backend launched for the run are queued or running now;
 - `cancel(live)`: stop those jobs.
 
 `selects(cluster)` says whether the backend is the one a config asks for; `waits_by_default(cluster)` whether a
-`submit` from the command line waits for its jobs (local jobs: yes; Slurm: no). The backends share the submitit
-seam (executors.py) and know nothing of status, submission or each other's jobs.
+`submit` from the command line waits for its jobs (local jobs: yes; Slurm: no); `runs_on_slurm(cluster)` whether its
+jobs are Slurm jobs (the run directory must then suit a job script; a container image hides the venvs). Of its
+records: `accounted_by_slurm` (its shard jobs are Slurm jobs: sacct says how they ended, and their GPU-hours) and
+`runs_shards_in_turn` (one job runs several shards one after another). Status, submission, resume, preflight and
+report ask these, never the executor. The backends share the submitit seam (executors.py) and know nothing of
+status, submission or each other's jobs (but Slurm arrays, which answer for every job under the run's names that no
+warm worker's record claims: the merge jobs whichever launch queued them).
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Protocol
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Protocol, TypeVar
 
 from shardrun.core.config import ClusterConfig, RunConfig
 from shardrun.launch import scheduler
+from shardrun.rundir.records import LaunchBase, LaunchRecord
 
 # squeue for the run's job names (scheduler.query_live_jobs, or a test's stand-in)
 AskSlurm = Callable[[Iterable[str]], Mapping[str, scheduler.LiveJob]]
@@ -44,36 +52,40 @@ class Request:
 
 
 @dataclass
-class Launch:
-    """What a submission launched (the launch record is written from it)."""
+class SlurmJobs:
+    """What a launch onto Slurm submitted besides its jobs: their job name, the arrays, the job after them's name."""
 
-    jobs: dict[int, str]  # shard index -> job id
+    tag: str
+    merge_name: str
+    arrays: list[str] = field(default_factory=list)  # the job array ids, in submission order
+
+
+@dataclass
+class Launch:
+    """What a submission launched, as the backend fills it (its launch record is built from it: Launcher.record)."""
+
+    jobs: dict[int, str]  # shard index -> job id (warm workers: none, they claim shards)
     handles: list[Any] = field(default_factory=list)  # submitit jobs (only to wait on them here)
-    arrays: list[str] = field(default_factory=list)  # Slurm: the job array ids, in submission order
-    tag: str | None = None  # Slurm: the job name of the shard jobs
-    merge_name: str | None = None  # Slurm: the job name of the merge job
-    merge_job_id: str | None = None
-    workers: dict[int, str] = field(default_factory=dict)  # warm workers (cluster.workers): worker -> job id
-    worker_shards: list[int] = field(default_factory=list)  # the shards the workers were launched for
+    workers: dict[int, str] = field(default_factory=dict)  # warm workers: worker -> job id
+    slurm: SlurmJobs | None = None  # a launch onto Slurm
+    merge_job_id: str | None = None  # Slurm: the job queued after the run
+
+    @property
+    def anything(self) -> bool:
+        """Was any job launched (then it is recorded, even when a later part of the launch failed)?"""
+        return bool(self.jobs or self.workers)
+
+
+R = TypeVar("R", bound=LaunchBase)
 
 
 class Launched(Protocol):
-    """What the run's launch records say was launched (status.Launches folds them)."""
+    """What the run's launch records say was launched (status.Launches folds them): each backend reads its own."""
+
+    def of(self, kind: type[R]) -> list[tuple[int, R]]: ...  # the records of one model, with their line numbers
 
     @property
-    def names(self) -> set[str]: ...  # Slurm job names of the run (shards and merge jobs)
-
-    @property
-    def local_pids(self) -> dict[str, int | None]: ...  # local jobs: pid -> its start time (clock ticks)
-
-    @property
-    def local_hosts(self) -> dict[str, str]: ...  # local jobs: pid -> the host it ran on
-
-    @property
-    def local_records(self) -> dict[str, int]: ...  # local jobs: pid -> its launch record (launches.jsonl line)
-
-    @property
-    def worker_jobs(self) -> dict[str, str]: ...  # warm workers: job id -> executor
+    def slurm_names(self) -> set[str]: ...  # the Slurm job names of the run, every launch's (shards, merge jobs)
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,9 @@ class Launcher(ABC):
     """One way of getting shards run. Implementations are stateless; backends.py holds one of each."""
 
     mode: ClassVar[str]  # the name a launch is known by (`shardrun submit --dry-run` prints it)
+    record_type: ClassVar[type[LaunchBase]]  # the model of its launch records (rundir/records.py)
+    accounted_by_slurm: ClassVar[bool] = False  # its shard jobs are Slurm jobs: sacct says how they ended
+    runs_shards_in_turn: ClassVar[bool] = False  # one job runs several shards, one after another
 
     @abstractmethod
     def selects(self, cluster: ClusterConfig) -> bool:
@@ -123,8 +138,16 @@ class Launcher(ABC):
         """Does a `submit` from the command line wait for the jobs (and show their progress)?"""
 
     @abstractmethod
+    def runs_on_slurm(self, cluster: ClusterConfig) -> bool:
+        """Are its jobs Slurm jobs under this config (its run directory then reaches a job script)?"""
+
+    @abstractmethod
     def submit(self, request: Request, launch: Launch) -> None:
         """Launch the request's shards, filling `launch` as each job is accepted."""
+
+    @abstractmethod
+    def record(self, request: Request, launch: Launch, common: dict[str, Any]) -> LaunchRecord:
+        """Its launch record of `launch` (`common`: the fields every launch record holds, LaunchBase's)."""
 
     @abstractmethod
     def describe(self, request: Request, fingerprint: str) -> str:

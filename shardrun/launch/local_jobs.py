@@ -14,6 +14,8 @@ from shardrun.core.config import ClusterConfig
 from shardrun.core.errors import ShardFailed, ShardrunError
 from shardrun.launch import executors, slurm
 from shardrun.launch.launcher import AskSlurm, Cancelled, Launch, Launched, Launcher, LiveJobs, Request
+from shardrun.rundir.records import LocalJobsLaunch
+from shardrun.shard import processes
 
 
 def shard_worker(run_dir: str, indices: Sequence[int]) -> list[dict[str, Any]]:
@@ -45,12 +47,17 @@ def local_groups(indices: Sequence[int], parallelism: int) -> list[list[int]]:
 
 class LocalJobs(Launcher):
     mode = "local jobs"
+    record_type = LocalJobsLaunch
+    runs_shards_in_turn = True  # a job runs its share of the shards one after another
 
     def selects(self, cluster: ClusterConfig) -> bool:
-        return cluster.executor == "local" and cluster.workers is None
+        return not cluster.uses_slurm and cluster.workers is None
 
     def waits_by_default(self, cluster: ClusterConfig) -> bool:
         return True
+
+    def runs_on_slurm(self, cluster: ClusterConfig) -> bool:
+        return False
 
     def submit(self, request: Request, launch: Launch) -> None:
         executor = executors.local_executor(request.cfg, request.run_dir)
@@ -60,6 +67,15 @@ class LocalJobs(Launcher):
             for i in group:
                 launch.jobs[i] = str(job.job_id)
 
+    def record(self, request: Request, launch: Launch, common: dict[str, Any]) -> LocalJobsLaunch:
+        """The jobs (pids) and each pid's start time, so that status and cancel never take another process for it."""
+        pids = sorted({int(j) for j in launch.jobs.values()})
+        return LocalJobsLaunch(
+            **common,
+            jobs={str(i): j for i, j in sorted(launch.jobs.items())},
+            pid_start={str(p): processes.start_ticks(p) for p in pids},
+        )
+
     def describe(self, request: Request, fingerprint: str) -> str:
         groups = local_groups(request.indices, request.cluster.array_parallelism)
         return "\n".join(
@@ -68,7 +84,7 @@ class LocalJobs(Launcher):
         )
 
     def live(self, launched: Launched, ask_slurm: AskSlurm) -> LiveJobs:
-        return executors.live_pids(launched, [p for p in launched.local_pids if p not in launched.worker_jobs])
+        return executors.live_pids(executors.recorded_pids(launched.of(LocalJobsLaunch)))
 
     def cancel(self, live: LiveJobs) -> Cancelled:
         return Cancelled(*executors.cancel_live(live))

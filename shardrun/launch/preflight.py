@@ -51,8 +51,10 @@ def check(cfg: RunConfig, run_dir: Path, plan: Plan, env: Mapping[str, str] | No
 def in_container(cfg: RunConfig) -> bool:
     """Slurm jobs that run in a container image (pyxis): the venv, the Gym configs and vLLM's interpreter are
     the image's, which cannot be looked into from here."""
+    from shardrun.launch import backends
+
     cluster = cfg.cluster_or_default
-    return cluster.executor == "slurm" and bool(cluster.containers.get(slurm.CONTAINER_ROLE))
+    return backends.for_config(cfg).runs_on_slurm(cluster) and bool(cluster.containers.get(slurm.CONTAINER_ROLE))
 
 
 def missing_environment(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:

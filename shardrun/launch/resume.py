@@ -94,7 +94,7 @@ def resume(
     plan = store.load_plan(run_dir)
     cfg = resume_config(run_dir, config_file, overrides)
     try:  # RUN_DIR from the command line reaches the job scripts as the config's run_dir does
-        slurm_values.run_dir(str(run_dir), slurm=cfg.cluster_or_default.executor == "slurm")
+        slurm_values.run_dir(str(run_dir), slurm=backends.for_config(cfg).runs_on_slurm(cfg.cluster_or_default))
     except ValueError as e:
         raise BadInput(f"run_dir: {e}") from None
     cfg.require("gym", "policy")

@@ -15,8 +15,9 @@ from submitit.helpers import Checkpointable
 
 from shardrun.core.config import DEFAULT_MAX_ARRAY_SIZE, ClusterConfig
 from shardrun.launch import executors, scheduler, slurm
-from shardrun.launch.launcher import AskSlurm, Cancelled, Launch, Launched, Launcher, LiveJobs, Request
+from shardrun.launch.launcher import AskSlurm, Cancelled, Launch, Launched, Launcher, LiveJobs, Request, SlurmJobs
 from shardrun.rundir import store
+from shardrun.rundir.records import SlurmArraysLaunch, WarmWorkersLaunch
 
 
 class CheckpointRequested(BaseException):
@@ -75,12 +76,17 @@ def max_array_size_for_dry_run(cluster: ClusterConfig) -> tuple[int, str]:
 
 class SlurmArrays(Launcher):
     mode = "Slurm job arrays"
+    record_type = SlurmArraysLaunch
+    accounted_by_slurm = True  # each shard's job is an array task: sacct says how it ended
 
     def selects(self, cluster: ClusterConfig) -> bool:
-        return cluster.executor == "slurm" and cluster.workers is None
+        return cluster.uses_slurm and cluster.workers is None
 
     def waits_by_default(self, cluster: ClusterConfig) -> bool:
         return False
+
+    def runs_on_slurm(self, cluster: ClusterConfig) -> bool:
+        return True
 
     def submit(self, request: Request, launch: Launch) -> None:
         """The shards as job arrays (one sbatch per array) and the merge job after them (one more sbatch)."""
@@ -94,22 +100,34 @@ class SlurmArrays(Launcher):
             max_array_size=scheduler.max_array_size(cluster),
             merge_job=False,
         )
-        launch.tag, launch.merge_name = sp.tag, sp.merge_name
+        launch.slurm = submitted = SlurmJobs(sp.tag, sp.merge_name)
         job = ShardJob(str(run_dir))
         for chunk in sp.layout:
             jobs = executors.slurm_executor(run_dir, cluster, sp.array_params(chunk)).map_array(job, list(chunk.shards))
             for i, j in zip(chunk.shards, jobs):
                 launch.jobs[i] = str(j.job_id)
-            launch.arrays.append(str(jobs[0].job_id).split("_", 1)[0])
+            submitted.arrays.append(str(jobs[0].job_id).split("_", 1)[0])
         if request.merge_job:
             launch.merge_job_id = executors.queue_after_the_run(
                 run_dir,
                 cluster,
                 set(request.run_job_names) | {sp.tag, sp.merge_name},
-                launch.arrays,
+                submitted.arrays,
                 sp.merge_name,
                 slurm.merge_command(run_dir),
             )
+
+    def record(self, request: Request, launch: Launch, common: dict[str, Any]) -> SlurmArraysLaunch:
+        """The array task of each shard, the arrays, their job name and the merge job's (name and id)."""
+        submitted = launch.slurm
+        return SlurmArraysLaunch(
+            **common,
+            jobs={str(i): j for i, j in sorted(launch.jobs.items())},
+            tag=submitted.tag if submitted else None,
+            merge_job_name=submitted.merge_name if submitted else None,
+            arrays=list(submitted.arrays) if submitted else [],
+            merge_job_id=launch.merge_job_id,
+        )
 
     def describe(self, request: Request, fingerprint: str) -> str:
         """The array layout and every sbatch script that would be submitted."""
@@ -135,9 +153,10 @@ class SlurmArrays(Launcher):
         return "\n".join(lines)
 
     def live(self, launched: Launched, ask_slurm: AskSlurm) -> LiveJobs:
-        """What squeue lists under the run's names, but the warm workers' arrays (warm_workers.py answers for
-        those); the merge jobs are answered for here, whichever launch queued them."""
-        return executors.queued(launched, ask_slurm, keep=lambda job_id: job_id not in launched.worker_jobs)
+        """What squeue lists under the run's names, but the warm workers' array tasks (warm_workers.py answers for
+        those, as their records list them); the merge jobs are answered for here, whichever launch queued them."""
+        workers = {job for _, rec in launched.of(WarmWorkersLaunch) for job in rec.worker_jobs}
+        return executors.queued(launched.slurm_names, ask_slurm, keep=lambda job_id: job_id not in workers)
 
     def cancel(self, live: LiveJobs) -> Cancelled:
         return Cancelled(*executors.cancel_live(live))

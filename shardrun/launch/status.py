@@ -17,13 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, TypeVar
 
 import orjson
 
 from shardrun.rundir import cost, ledger, records
 from shardrun.rundir import seal
-from shardrun.rundir.records import LaunchRecord, Seal, ShardFailure
+from shardrun.rundir.records import LaunchBase, LaunchRecord, Seal, ShardFailure
 from shardrun.shard import processes
 from shardrun.launch import backends, label_progress, scheduler, slurm
 from shardrun.launch.launcher import Live
@@ -37,6 +37,7 @@ DAMAGED = "damaged"  # a seal that disagrees with its rollouts file: not trusted
 STATES = (SEALED, RUNNING, PENDING, FAILED, DAMAGED, NEVER_STARTED)
 LIVE_STATES = (RUNNING, PENDING)
 MAX_LISTED = 40
+R = TypeVar("R", bound=LaunchBase)
 
 
 @dataclass(frozen=True)
@@ -100,49 +101,43 @@ class RunStatus:
 
 @dataclass
 class Launches:
-    """The launch records folded per shard."""
+    """The launch records folded per shard (its latest launch, attempts), and the records themselves for the backends
+    (launcher.Launched: each reads its own model's records), with what the run-wide views need of them."""
 
     last_job: dict[int, str] = field(default_factory=dict)
-    last_executor: dict[int, str] = field(default_factory=dict)
+    last_launch: dict[int, LaunchRecord] = field(default_factory=dict)  # the record of each shard's latest launch
     last_submitted: dict[int, float] = field(default_factory=dict)
     attempts: dict[int, int] = field(default_factory=dict)
-    names: set[str] = field(default_factory=set)  # Slurm job names of this run (shards and merge jobs)
-    local_pids: dict[str, int | None] = field(default_factory=dict)  # pid -> its start time (clock ticks)
-    local_hosts: dict[str, str] = field(default_factory=dict)  # pid -> host it ran on
-    local_records: dict[str, int] = field(default_factory=dict)  # pid -> its launch record (launches.jsonl line)
+    records: list[tuple[int, LaunchRecord]] = field(default_factory=list)  # (line in launches.jsonl, record)
+    slurm_names: set[str] = field(default_factory=set)  # Slurm job names of this run (shards and merge jobs)
+    local_pids: set[str] = field(default_factory=set)  # local processes the launches recorded
     merge_jobs: list[str] = field(default_factory=list)
     latest: LaunchRecord | None = None
     worker_shards: set[int] = field(default_factory=set)  # shards launched for warm workers (cluster.workers)
-    worker_jobs: dict[str, str] = field(default_factory=dict)  # a worker's job id -> executor
+    worker_jobs: set[str] = field(default_factory=set)  # the warm workers' jobs
+    local_worker_jobs: set[str] = field(default_factory=set)  # those that are processes (pids), not Slurm jobs
 
-    @property
-    def slurm_array_ids(self) -> set[str]:
-        return {j.split("_", 1)[0] for i, j in self.last_job.items() if self.last_executor.get(i) == "slurm"}
+    def of(self, kind: type[R]) -> list[tuple[int, R]]:
+        """The records of one model (one backend's), with their line numbers."""
+        return [(line, rec) for line, rec in self.records if isinstance(rec, kind)]
 
 
 def fold_launches(launches: Iterable[LaunchRecord]) -> Launches:
     out = Launches()
     for line, rec in enumerate(launches, 1):
-        executor = rec.executor
+        out.records.append((line, rec))
         for i, job_id in rec.shard_jobs.items():
             out.last_job[i] = job_id
-            out.last_executor[i] = executor
+            out.last_launch[i] = rec
             out.last_submitted[i] = rec.submitted_at or 0.0
             out.attempts[i] = out.attempts.get(i, 0) + 1
-        if executor == "slurm":
-            for name in (rec.tag, rec.merge_job_name):
-                if name:
-                    out.names.add(name)
-        else:
-            for pid, start in rec.pid_start.items():
-                out.local_pids[pid] = start
-                out.local_hosts[pid] = rec.host or ""
-                out.local_records[pid] = line
-        if rec.merge_job_id:
-            out.merge_jobs.append(rec.merge_job_id)
-        for job_id in rec.worker_jobs:
-            out.worker_jobs[job_id] = executor
-        out.worker_shards.update(rec.worker_shards)
+        out.slurm_names |= rec.slurm_names
+        out.local_pids.update(rec.local_pids)
+        if rec.merge_job:
+            out.merge_jobs.append(rec.merge_job)
+        out.worker_jobs.update(rec.worker_jobs)
+        out.local_worker_jobs.update(rec.local_worker_jobs)
+        out.worker_shards.update(rec.shards_for_workers)
         out.latest = rec
     return out
 
@@ -267,33 +262,89 @@ def collect(
     query_live: Callable[[Iterable[str]], dict[str, scheduler.LiveJob]] = scheduler.query_live_jobs,
     query_ended: Callable[[Iterable[str]], dict[str, scheduler.SacctJob]] = scheduler.query_sacct,
 ) -> RunStatus:
-    """Read the run directory, ask Slurm once for the run's live jobs, and classify every shard."""
+    """Read the run directory, ask Slurm once for the run's live jobs, and classify every shard: observe (seals,
+    live jobs, how ended jobs ended, lines recorded), classify_shards, the warm workers' view (worker_view), then
+    the run's totals."""
     run_dir = Path(run_dir)
     plan = plan or store.load_plan(run_dir)
     now = time.time() if now is None else now
     launches = fold_launches(records.read_launches(run_dir))
-    latest = launches.latest or LaunchRecord()
-    max_attempts = latest.max_attempts or 3
-    gpus_per_shard = latest.gpus_per_shard or 0
+    latest = launches.latest
+    max_attempts = (latest.max_attempts if latest else None) or 3
+    seen = observe(run_dir, plan, launches, query_live, query_ended)
+    shards = classify_shards(run_dir, plan, launches, seen, now=now, max_attempts=max_attempts)
+    workers: list[dict] = []
+    stale: list[dict] = []
+    if launches.worker_shards or launches.worker_jobs:  # warm workers: shards are held by claims, not jobs
+        shards, workers, stale = worker_view(run_dir, shards, launches, seen.live, now=now, max_attempts=max_attempts)
+    failed = failed_rollouts(run_dir, plan)
+    counts = {state: sum(1 for s in shards if s.state == state) for state in STATES}
+    rate, eta = throughput(latest, plan, shards, counts, now)
+    sealed = {i: st.marker for i, st in seen.seals.items() if st.sealed and st.marker is not None}
+    return RunStatus(
+        run_dir=str(run_dir),
+        fingerprint=plan.fingerprint,
+        checked_at=now,
+        shards=shards,
+        planned=plan.num_rollouts,
+        done=sum(s.done for s in shards),
+        failed_rollouts=sum(s.failed_rollouts for s in shards),
+        counts=counts,
+        gave_up=sum(1 for s in shards if s.gave_up),
+        throughput_per_min=rate,
+        eta_s=eta,
+        gpu_hours=sum(s.gpu_hours for s in shards),
+        live_source=live_source(launches, seen.live),
+        warnings=seen.warnings,
+        merge_jobs=merge_job_rows(launches, seen.live),
+        failed=failed[:MAX_FAILED],
+        failed_listed_of=len(failed),
+        gym_version=run_gym_version(plan, sealed.values()),
+        workers=workers,
+        stale_claims=stale,
+        worker_cost=cost.worker_costs(run_dir, now) if launches.worker_shards or launches.worker_jobs else {},
+        sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(sealed.values()))),
+        skipped_decided=sum(s.skipped_decided for s in shards),
+        saved_gpu_hours=saved_gpu_hours(shards),
+        labels=label_progress.label_rows(run_dir, plan, (f.task for f in failed), sealed),
+    )
 
-    # every backend says which of its jobs are live; Slurm answers in tens of milliseconds: ask while the run
-    # directory is read (threads wait on the commands)
+
+@dataclass
+class Observed:
+    """What `observe` read of the run: each shard's seal, the live jobs (and what could not be found out), the error
+    records of unsealed shards whose job is gone, the lines of unsealed shards' files, and how ended Slurm jobs
+    ended (sacct)."""
+
+    seals: dict[int, seal.SealState]
+    live: dict[str, Live]
+    warnings: list[str]
+    failures: dict[int, ShardFailure | None]
+    lines: dict[int, tuple[int, int]]  # unsealed shard -> (rollout lines, failure lines)
+    ended: dict[str, scheduler.SacctJob]
+
+
+def observe(
+    run_dir: Path,
+    plan: Plan,
+    launches: Launches,
+    query_live: Callable[[Iterable[str]], dict[str, scheduler.LiveJob]],
+    query_ended: Callable[[Iterable[str]], dict[str, scheduler.SacctJob]],
+) -> Observed:
+    """Every backend says which of its jobs are live (backends.live); Slurm answers in tens of milliseconds, so it
+    is asked while the run directory is read (threads wait on the commands), and sacct likewise."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         asking = pool.submit(backends.live, launches, query_live)
         seals = {spec.index: seal.check(run_dir, plan, spec.index) for spec in plan.shards}
         answer = asking.result()
-        live, warnings = answer.jobs, list(answer.warnings)
         gone = [
-            i for i, s in seals.items() if not s.sealed and i in launches.last_job and launches.last_job[i] not in live
+            i
+            for i, s in seals.items()
+            if not s.sealed and i in launches.last_job and launches.last_job[i] not in answer.jobs
         ]
         failures = {i: records.read_failure(run_dir, i) for i in gone}
-        slurm_gone = {
-            launches.last_job[i].split("_", 1)[0]
-            for i in gone
-            if launches.last_executor.get(i) == "slurm"
-            and (failures[i] is None or failures[i].job_id != launches.last_job[i])  # type: ignore[union-attr]
-        }
-        ending = pool.submit(query_ended, slurm_gone) if slurm_gone else None
+        to_ask = ended_jobs_to_ask(launches, gone, failures)
+        ending = pool.submit(query_ended, to_ask) if to_ask else None
         lines = {
             i: (
                 store.count_complete_lines(store.rollouts_path(run_dir, i)),
@@ -303,100 +354,93 @@ def collect(
             if not st.sealed
         }
         ended: dict[str, scheduler.SacctJob] = ending.result() if ending else {}
-    # a local worker runs its shards one after another: those it has not started since the launch are waiting
-    queued_locally = {
+    return Observed(seals, answer.jobs, list(answer.warnings), failures, lines, ended)
+
+
+def ended_jobs_to_ask(launches: Launches, gone: Iterable[int], failures: Mapping[int, ShardFailure | None]) -> set[str]:
+    """The jobs (arrays) to ask sacct how they ended: those of shards whose job is gone without an error record of
+    that job, launched by a backend whose shard jobs Slurm accounts for."""
+    out = set()
+    for i in gone:
+        job, failure = launches.last_job[i], failures.get(i)
+        if backends.for_record(launches.last_launch[i]).accounted_by_slurm and (
+            failure is None or failure.job_id != job
+        ):
+            out.add(job.split("_", 1)[0])
+    return out
+
+
+def waiting_in_turn(run_dir: Path, launches: Launches, seen: Observed) -> set[int]:
+    """Unsealed shards whose live job runs its shards one after another and has not started them since the launch
+    (their log is older than it): they wait for the shards before them."""
+    return {
         i
         for i, j in launches.last_job.items()
-        if launches.last_executor.get(i) == "local"
-        and j in live
-        and not seals[i].sealed
+        if backends.for_record(launches.last_launch[i]).runs_shards_in_turn
+        and j in seen.live
+        and not seen.seals[i].sealed
         and _mtime(store.shard_log_path(run_dir, i)) < launches.last_submitted.get(i, 0.0)
     }
-    merge_jobs = [
-        {"job_id": j, "state": live[j].state, "reason": live[j].reason} for j in launches.merge_jobs if j in live
+
+
+def classify_shards(
+    run_dir: Path, plan: Plan, launches: Launches, seen: Observed, *, now: float, max_attempts: int
+) -> list[ShardStatus]:
+    """Every shard's status from what was observed (`classify`, one shard); a running job's GPU-hours at the latest
+    launch's GPUs per shard."""
+    in_turn = waiting_in_turn(run_dir, launches, seen)
+    gpus = (launches.latest.gpus_per_shard or 0) if launches.latest else 0
+    return [
+        classify(
+            spec.index,
+            spec.num_rollouts,
+            seen.seals[spec.index],
+            launches,
+            seen.live,
+            seen.failures.get(spec.index),
+            seen.ended,
+            seen.lines.get(spec.index, (0, 0)),
+            max_attempts=max_attempts,
+            gpus_per_shard=gpus,
+            now=now,
+            run_dir=run_dir,
+            queued_locally=spec.index in in_turn,
+        )
+        for spec in plan.shards
     ]
+
+
+def merge_job_rows(launches: Launches, live: Mapping[str, Live]) -> list[dict]:
+    """The run's merge jobs (and jobs after the workers) still queued or running."""
+    return [{"job_id": j, "state": live[j].state, "reason": live[j].reason} for j in launches.merge_jobs if j in live]
+
+
+def live_source(launches: Launches, live: Mapping[str, Live]) -> str:
+    """How the live jobs were found: squeue by the run's job names, the recorded local pids."""
     sources = []
-    if launches.names:
+    if launches.slurm_names:
         slurm_live = sum(1 for j in live.values() if j.on_slurm)
-        sources.append(f"squeue --name={','.join(sorted(launches.names))}: {slurm_live} live")
+        sources.append(f"squeue --name={','.join(sorted(launches.slurm_names))}: {slurm_live} live")
     if launches.local_pids:
         sources.append(f"local pids: {sum(1 for p in launches.local_pids if p in live)} live")
+    return "; ".join(sources) or "nothing launched yet"
 
-    shards = []
-    for spec in plan.shards:
-        i = spec.index
-        shards.append(
-            classify(
-                i,
-                spec.num_rollouts,
-                seals[i],
-                launches,
-                live,
-                failures.get(i),
-                ended,
-                lines.get(i, (0, 0)),
-                max_attempts=max_attempts,
-                gpus_per_shard=gpus_per_shard,
-                now=now,
-                run_dir=run_dir,
-                queued_locally=i in queued_locally,
-            )
-        )
 
-    workers: list[dict] = []
-    stale: list[dict] = []
-    worker_cost: dict = {}
-    if launches.worker_shards or launches.worker_jobs:
-        shards, workers, stale = worker_view(run_dir, shards, launches, live, now=now, max_attempts=max_attempts)
-        worker_cost = cost.worker_costs(run_dir, now)
-
-    failed = failed_rollouts(run_dir, plan)
-    done = sum(s.done for s in shards)
-    counts = {state: 0 for state in STATES}
-    for s in shards:
-        counts[s.state] += 1
-    rate = None
-    eta = None
-    if latest.submitted_at is not None:
-        elapsed = now - latest.submitted_at
-        gained = done - (latest.done_at_submit or 0)
-        if elapsed > 0 and gained > 0:
-            rate = gained / elapsed * 60
-            remaining = plan.num_rollouts - done - sum(s.skipped_decided for s in shards)
-            if counts[RUNNING] + counts[PENDING] > 0 and remaining > 0:
-                eta = remaining / (rate / 60)
-    return RunStatus(
-        run_dir=str(run_dir),
-        fingerprint=plan.fingerprint,
-        checked_at=now,
-        shards=shards,
-        planned=plan.num_rollouts,
-        done=done,
-        failed_rollouts=sum(s.failed_rollouts for s in shards),
-        counts=counts,
-        gave_up=sum(1 for s in shards if s.gave_up),
-        throughput_per_min=rate,
-        eta_s=eta,
-        gpu_hours=sum(s.gpu_hours for s in shards),
-        live_source="; ".join(sources) or "nothing launched yet",
-        warnings=warnings,
-        merge_jobs=merge_jobs,
-        failed=failed[:MAX_FAILED],
-        failed_listed_of=len(failed),
-        gym_version=run_gym_version(plan, [s.marker for s in seals.values() if s.sealed]),
-        workers=workers,
-        stale_claims=stale,
-        worker_cost=worker_cost,
-        sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(s.marker for s in seals.values() if s.sealed))),
-        skipped_decided=sum(s.skipped_decided for s in shards),
-        saved_gpu_hours=saved_gpu_hours(shards),
-        labels=label_progress.label_rows(
-            run_dir,
-            plan,
-            (f.task for f in failed),
-            {i: s.marker for i, s in seals.items() if s.sealed and s.marker is not None},
-        ),
-    )
+def throughput(
+    latest: LaunchRecord | None, plan: Plan, shards: list[ShardStatus], counts: Mapping[str, int], now: float
+) -> tuple[float | None, float | None]:
+    """(rollouts per minute since the latest launch, seconds left at that rate while jobs are live), or None."""
+    if latest is None or latest.submitted_at is None:
+        return None, None
+    elapsed = now - latest.submitted_at
+    gained = sum(s.done for s in shards) - (latest.done_at_submit or 0)
+    if elapsed <= 0 or gained <= 0:
+        return None, None
+    rate = gained / elapsed * 60
+    remaining = plan.num_rollouts - sum(s.done for s in shards) - sum(s.skipped_decided for s in shards)
+    if counts[RUNNING] + counts[PENDING] > 0 and remaining > 0:
+        return rate, remaining / (rate / 60)
+    return rate, None
 
 
 # ---------------------------------------------------------------- warm workers
@@ -429,7 +473,7 @@ def worker_view(
     rows = []
     any_live = False
     for w in records.read_worker_states(run_dir):
-        if w.job_id in live or (w.job_id is None or launches.worker_jobs.get(w.job_id) == "local"):
+        if w.job_id in live or (w.job_id is None or w.job_id in launches.local_worker_jobs):
             alive = (w.job_id in live) or (
                 w.host == host and w.pid_start is not None and processes.start_ticks(w.pid) == w.pid_start
             )
@@ -550,28 +594,32 @@ _LABEL = {
 
 
 def render(st: RunStatus, *, show_all: bool = False) -> str:
+    """`shardrun status` as text: the summary table, the shards per state, the unsealed shards, the rollouts
+    recorded as failed, what to do next, a blend's labels, the warm workers and the warnings."""
     from shardrun.plan.render import table
 
-    n = len(st.shards)
+    out = [table(summary_rows(st)), ""]
+    out += state_lines(st)
+    out += unsealed_lines(st, show_all=show_all)
+    out += failed_rollout_lines(st)
+    out += advice_lines(st)
+    out += label_lines(st)
+    out += render_workers(st)
+    out += [f"warning: {shown(w)}" for w in st.warnings]
+    return "\n".join(out)
+
+
+def summary_rows(st: RunStatus) -> list[tuple[str, str]]:
+    """The summary table's rows: the run, shards and rollouts, throughput and ETA, cost, jobs, merge jobs."""
     rows = [
-        ("run", f"{shown(st.run_dir)} ({n:,} shards, plan {st.fingerprint[:12]}…)"),
+        ("run", f"{shown(st.run_dir)} ({len(st.shards):,} shards, plan {st.fingerprint[:12]}…)"),
         ("shards", " · ".join(f"{_LABEL[k]} {st.counts[k]:,}" for k in STATES if k != DAMAGED or st.counts[k])),
         (
             "rollouts",
             f"{st.done:,} / {st.planned:,} {progress_bar(st.done + st.skipped_decided, st.planned)}"
             + (f" ({st.failed_rollouts:,} recorded as failed)" if st.failed_rollouts else ""),
         ),
-        *(
-            [
-                (
-                    "skipped (decided)",
-                    f"{st.skipped_decided:,} rollouts ({100 * st.skipped_decided / st.planned:.0f}% of planned)"
-                    + (f", about {st.saved_gpu_hours:,.2f} GPU-hours saved" if st.saved_gpu_hours is not None else ""),
-                )
-            ]
-            if st.skipped_decided
-            else []
-        ),
+        *skipped_rows(st),
         ("throughput", f"{st.throughput_per_min:,.1f} rollouts/min" if st.throughput_per_min else "-"),
         ("ETA", duration(st.eta_s) if st.eta_s is not None else ("done" if st.complete else "-")),
         ("GPU-hours", f"{st.gpu_hours:,.2f} (sealed shards + running jobs)"),
@@ -582,56 +630,83 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
     if st.gym_version:
         rows.insert(1, ("Gym", f"nemo-gym {st.gym_version}"))
     for m in st.merge_jobs:
-        rows.append(
-            (
-                "merge job",
-                f"{m['job_id']} {m['state'].lower()}"
-                + (f" ({m['reason']})" if m["reason"] not in ("", "None") else ""),
-            )
+        why = f" ({m['reason']})" if m["reason"] not in ("", "None") else ""
+        rows.append(("merge job", f"{m['job_id']} {m['state'].lower()}{why}"))
+    return rows
+
+
+def skipped_rows(st: RunStatus) -> list[tuple[str, str]]:
+    """Adaptive sampling: the rollouts skipped as decided, and the GPU-hours that saved (none skipped: no row)."""
+    if not st.skipped_decided:
+        return []
+    saved = f", about {st.saved_gpu_hours:,.2f} GPU-hours saved" if st.saved_gpu_hours is not None else ""
+    return [
+        (
+            "skipped (decided)",
+            f"{st.skipped_decided:,} rollouts ({100 * st.skipped_decided / st.planned:.0f}% of planned){saved}",
         )
-    out = [table(rows), ""]
-    for k in STATES:
-        idx = st.indices(k)
-        if idx:
-            out.append(f"{_LABEL[k]:>13}: {slurm.format_ranges(idx)}")
+    ]
+
+
+def state_lines(st: RunStatus) -> list[str]:
+    """The shards in each state, as ranges."""
+    return [f"{_LABEL[k]:>13}: {slurm.format_ranges(idx)}" for k in STATES if (idx := st.indices(k))]
+
+
+def unsealed_lines(st: RunStatus, *, show_all: bool) -> list[str]:
+    """A table of the shards not sealed (the first MAX_LISTED unless `show_all`): state, rollouts, attempts, job,
+    and why (a failed shard: its reason and log)."""
     not_sealed = [s for s in st.shards if s.state != SEALED]
-    if not_sealed:
-        out += ["", f"{'shard':>5}  {'state':<13} {'rollouts':>15}  {'attempts':>8}  {'job':<14} reason / log"]
-        listed = not_sealed if show_all else not_sealed[:MAX_LISTED]
-        for s in listed:
-            detail = shown(s.reason)
-            if s.state == FAILED:
-                detail = f"{shown(s.reason)}{' [gave up]' if s.gave_up else ''}; log {shown(s.log)}"
-            out.append(
-                f"{s.index:>5}  {_LABEL[s.state]:<13} {f'{s.done:,}/{s.planned:,}':>15}  {s.attempts:>8}  "
-                f"{s.job_id or '-':<14} {detail}".rstrip()
-            )
-        if len(listed) < len(not_sealed):
-            out.append(f"... {len(not_sealed) - len(listed)} more (--all to list every shard, --json for machines)")
-    if st.failed:
-        out += ["", "rollouts recorded as failed (task:rollout, shard, attempts, reason):"]
-        out += [
-            f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {shown(f.reason)}"
-            for f in st.failed[:MAX_LISTED]
-        ]
-        if st.failed_listed_of > MAX_LISTED:
-            out.append(f"  ... and {st.failed_listed_of - MAX_LISTED:,} more (--json, or the shards' {store.FAILURES})")
+    if not not_sealed:
+        return []
+    out = ["", f"{'shard':>5}  {'state':<13} {'rollouts':>15}  {'attempts':>8}  {'job':<14} reason / log"]
+    listed = not_sealed if show_all else not_sealed[:MAX_LISTED]
+    for s in listed:
+        detail = shown(s.reason)
+        if s.state == FAILED:
+            detail = f"{shown(s.reason)}{' [gave up]' if s.gave_up else ''}; log {shown(s.log)}"
+        out.append(
+            f"{s.index:>5}  {_LABEL[s.state]:<13} {f'{s.done:,}/{s.planned:,}':>15}  {s.attempts:>8}  "
+            f"{s.job_id or '-':<14} {detail}".rstrip()
+        )
+    if len(listed) < len(not_sealed):
+        out.append(f"... {len(not_sealed) - len(listed)} more (--all to list every shard, --json for machines)")
+    return out
+
+
+def failed_rollout_lines(st: RunStatus) -> list[str]:
+    """The rollouts recorded as failed (the first MAX_LISTED)."""
+    if not st.failed:
+        return []
+    out = ["", "rollouts recorded as failed (task:rollout, shard, attempts, reason):"]
+    out += [
+        f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {shown(f.reason)}" for f in st.failed[:MAX_LISTED]
+    ]
+    if st.failed_listed_of > MAX_LISTED:
+        out.append(f"  ... and {st.failed_listed_of - MAX_LISTED:,} more (--json, or the shards' {store.FAILURES})")
+    return out
+
+
+def advice_lines(st: RunStatus) -> list[str]:
+    """What to do next: raise max_attempts for the shards given up on, or resume the others."""
     if st.gave_up:
-        out += [
+        return [
             "",
             f"{st.gave_up} shard(s) failed max_attempts times; resume will not retry them (see reasons "
             f"above; raise cluster.max_attempts to try again)",
         ]
-    elif st.counts[FAILED] or st.counts[NEVER_STARTED] or st.counts[DAMAGED]:
-        out += ["", "run `shardrun resume RUN_DIR` to resubmit the failed, damaged and never-started shards"]
-    out += label_progress.render_rows(st.labels, progress_bar)
+    if st.counts[FAILED] or st.counts[NEVER_STARTED] or st.counts[DAMAGED]:
+        return ["", "run `shardrun resume RUN_DIR` to resubmit the failed, damaged and never-started shards"]
+    return []
+
+
+def label_lines(st: RunStatus) -> list[str]:
+    """A blend's progress per label, and the labels that collected nothing (a failing lane)."""
+    out = label_progress.render_rows(st.labels, progress_bar)
     silent = [r["label"] for r in st.labels if r["silent"]]
     if silent:
         out.append(f"warning: label(s) {', '.join(shown(x) for x in silent)} collected nothing: that lane is failing")
-    out += render_workers(st)
-    for w in st.warnings:
-        out.append(f"warning: {shown(w)}")
-    return "\n".join(out)
+    return out
 
 
 def render_workers(st: RunStatus) -> list[str]:

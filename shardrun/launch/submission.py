@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from shardrun.shard import processes
 from shardrun.core import gym_version
 from shardrun.rundir import env_manifest
 from shardrun.rundir import seal
 from shardrun.core import gym_adapter
 from shardrun.launch import backends, preflight, slurm
 from shardrun.launch import status
-from shardrun.launch.launcher import Launch, Request
+from shardrun.launch.launcher import Launch, Launcher, Request
 from shardrun.rundir import store
 from shardrun.core.config import RunConfig
+from shardrun.rundir.records import LaunchRecord
 from shardrun.core.errors import PlanMismatch
 from shardrun.plan.planner import Plan
 
@@ -37,7 +37,7 @@ POLL_S = 1.0
 
 def run_job_names(run_dir: Path) -> frozenset[str]:
     """The Slurm job names the run's launches used (the merge job queued next replaces their waiting merge jobs)."""
-    return frozenset(status.fold_launches(store.read_launches(run_dir)).names)
+    return frozenset(status.fold_launches(store.read_launches(run_dir)).slurm_names)
 
 
 def submit_shards(
@@ -53,34 +53,23 @@ def submit_shards(
         try:
             backend.submit(request, launch)
         finally:
-            if launch.jobs or launch.workers:
-                store.append_launch(run_dir, launch_record(cfg, run_dir, launch))
+            if launch.anything:
+                store.append_launch(run_dir, launch_record(backend, request, launch))
     return launch
 
 
-def launch_record(cfg: RunConfig, run_dir: Path, launch: Launch) -> dict[str, Any]:
-    cluster = cfg.cluster_or_default
-    record: dict[str, Any] = {
-        "executor": cluster.executor,
+def launch_record(backend: Launcher, request: Request, launch: Launch) -> LaunchRecord:
+    """The backend's launch record of `launch`, with what every launch record holds: when and where it was
+    submitted, the attempt cap, GPUs per shard and the rollouts done at submit (status's throughput)."""
+    cluster = request.cluster
+    common: dict[str, Any] = {
         "submitted_at": time.time(),
         "host": socket.gethostname(),
-        "jobs": {str(i): j for i, j in sorted(launch.jobs.items())},
         "max_attempts": cluster.max_attempts,
         "gpus_per_shard": cluster.nodes * cluster.gpus_per_node,
-        "done_at_submit": rollouts_done(run_dir),
+        "done_at_submit": rollouts_done(request.run_dir),
     }
-    if cluster.executor == "slurm":
-        record.update(
-            tag=launch.tag, merge_job_name=launch.merge_name, arrays=launch.arrays, merge_job_id=launch.merge_job_id
-        )
-    if launch.workers:
-        record.update(
-            workers={str(k): j for k, j in sorted(launch.workers.items())}, worker_shards=launch.worker_shards
-        )
-    if cluster.executor == "local":
-        pids = sorted({int(j) for j in [*launch.jobs.values(), *launch.workers.values()]})
-        record["pid_start"] = {str(p): processes.start_ticks(p) for p in pids}
-    return record
+    return backend.record(request, launch, common)
 
 
 def rollouts_done(run_dir: Path) -> int:

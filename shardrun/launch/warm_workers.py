@@ -23,9 +23,11 @@ from submitit.helpers import Checkpointable
 
 from shardrun.core.config import ClusterConfig, RunConfig
 from shardrun.launch import executors, slurm
-from shardrun.launch.launcher import AskSlurm, Cancelled, Launch, Launched, Launcher, LiveJobs, Request
+from shardrun.launch.launcher import AskSlurm, Cancelled, Launch, Launched, Launcher, LiveJobs, Request, SlurmJobs
 from shardrun.plan.planner import Plan
 from shardrun.rundir import store
+from shardrun.rundir.records import WarmWorkersLaunch
+from shardrun.shard import processes
 
 AFTER_MODULE = "shardrun.launch.after_workers"
 
@@ -40,7 +42,7 @@ def deadline(cluster: ClusterConfig, environ: dict[str, str] | None = None) -> f
     end = env.get("SLURM_JOB_END_TIME", "")
     if end.isdigit():
         return float(end)
-    if cluster.executor == "slurm":
+    if cluster.uses_slurm:
         return time.time() + slurm.shard_time_minutes(cluster) * 60
     if cluster.time_limit:
         return time.time() + slurm.parse_time_limit(cluster.time_limit) * 60
@@ -122,22 +124,25 @@ def after_command(run_dir: Path, round_no: int) -> list[str]:
 
 class WarmWorkers(Launcher):
     mode = "warm workers"
+    record_type = WarmWorkersLaunch
 
     def selects(self, cluster: ClusterConfig) -> bool:
         return cluster.workers is not None
 
     def waits_by_default(self, cluster: ClusterConfig) -> bool:
-        return cluster.executor == "local"
+        return not cluster.uses_slurm
+
+    def runs_on_slurm(self, cluster: ClusterConfig) -> bool:
+        return cluster.uses_slurm
 
     def submit(self, request: Request, launch: Launch) -> None:
         """min(cluster.workers, shards) workers for the request's shards (Slurm: one array, and with `merge_job`
         the after job)."""
         cfg, run_dir, cluster = request.cfg, request.run_dir, request.cluster
         n = worker_count(cluster, len(request.indices))
-        launch.worker_shards = list(request.indices)
         if n < 1:
             return
-        if cluster.executor == "local":
+        if not cluster.uses_slurm:
             executor = executors.local_executor(cfg, run_dir)
             for k in range(n):
                 job = executor.submit(worker_job, str(run_dir))
@@ -146,14 +151,14 @@ class WarmWorkers(Launcher):
             return
         executors.require_pass_through(cfg)
         sp = worker_slurm_plan(cfg, run_dir, store.load_plan(run_dir), n)
-        launch.tag, launch.merge_name = sp.tag, sp.merge_name
+        launch.slurm = SlurmJobs(sp.tag, sp.merge_name)
         jobs = executors.slurm_executor(run_dir, cluster, sp.shard_params).map_array(
             WorkerJob(str(run_dir)), list(range(n))
         )
         for k, j in enumerate(jobs):
             launch.workers[k] = str(j.job_id)
         array = str(jobs[0].job_id).split("_", 1)[0]
-        launch.arrays.append(array)
+        launch.slurm.arrays.append(array)
         if request.merge_job:
             launch.merge_job_id = executors.queue_after_the_run(
                 run_dir,
@@ -164,6 +169,32 @@ class WarmWorkers(Launcher):
                 after_command(run_dir, request.round_no),
             )
 
+    def record(self, request: Request, launch: Launch, common: dict[str, Any]) -> WarmWorkersLaunch:
+        """The workers' jobs, the shards they were launched for, where they run; on this machine each worker pid's
+        start time, on Slurm the array, its job name and the after job's (name and id)."""
+        cluster = request.cluster
+        workers: dict[str, str | int] = {str(k): j for k, j in sorted(launch.workers.items())}
+        if not cluster.uses_slurm:
+            pids = sorted({int(j) for j in launch.workers.values()})
+            return WarmWorkersLaunch(
+                **common,
+                executor=cluster.executor,
+                workers=workers,
+                worker_shards=list(request.indices),
+                pid_start={str(p): processes.start_ticks(p) for p in pids},
+            )
+        submitted = launch.slurm
+        return WarmWorkersLaunch(
+            **common,
+            executor=cluster.executor,
+            workers=workers,
+            worker_shards=list(request.indices),
+            tag=submitted.tag if submitted else None,
+            merge_job_name=submitted.merge_name if submitted else None,
+            arrays=list(submitted.arrays) if submitted else [],
+            merge_job_id=launch.merge_job_id,
+        )
+
     def describe(self, request: Request, fingerprint: str) -> str:
         cluster, indices = request.cluster, request.indices
         n = worker_count(cluster, len(indices))
@@ -171,7 +202,7 @@ class WarmWorkers(Launcher):
             f"warm workers: {n} job(s) for {len(indices)} shard(s) ({slurm.format_ranges(indices)}); each starts its "
             f"servers once and claims shards until none are left"
         ]
-        if cluster.executor == "slurm":
+        if cluster.uses_slurm:
             lines.append(f"one job array --array=0-{n - 1} with the per-shard resources")
             if request.merge_job:
                 lines.append(
@@ -182,10 +213,13 @@ class WarmWorkers(Launcher):
 
     def live(self, launched: Launched, ask_slurm: AskSlurm) -> LiveJobs:
         """The workers' jobs: local ones by pid, Slurm ones (their array tasks) from squeue."""
-        local = [p for p, executor in launched.worker_jobs.items() if executor == "local"]
-        out = executors.live_pids(launched, [p for p in local if p in launched.local_pids])
-        if any(executor == "slurm" for executor in launched.worker_jobs.values()):
-            out.add(executors.queued(launched, ask_slurm, keep=lambda job_id: job_id in launched.worker_jobs))
+        records = launched.of(WarmWorkersLaunch)
+        local = {job for _, rec in records for job in rec.local_worker_jobs}
+        pids = executors.recorded_pids(records)
+        out = executors.live_pids({pid: pids[pid] for pid in pids if pid in local})
+        on_slurm = {job for _, rec in records for job in rec.slurm_worker_jobs}
+        if on_slurm:
+            out.add(executors.queued(launched.slurm_names, ask_slurm, keep=lambda job_id: job_id in on_slurm))
         return out
 
     def cancel(self, live: LiveJobs) -> Cancelled:

@@ -3,7 +3,7 @@
 | file | model | written by | read by |
 |---|---|---|---|
 | `shards/NNNNN/.done` | `Seal` | the shard runtime | status, resume, merge, report, select, workers |
-| `launches.jsonl` | `LaunchRecord` (one per line) | submit / resume | status, resume, cancel, report, the runtime |
+| `launches.jsonl` | `LaunchRecord`: one model per `mode` (one per line) | submit / resume | status, resume, cancel, report, the runtime |
 | `shards/NNNNN/.claim` | `ClaimRecord` | warm workers (`claims.py`) | workers, status |
 | `workers/<id>/worker.json` | `WorkerState` | warm workers | status, report, workers |
 | `fill.json` | `FillRequest` | `resume --fill` | the runtime, workers |
@@ -21,10 +21,20 @@ through fileio.open_regular: a FIFO, a device or a socket in its place is refuse
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from shardrun.core import slurm_values
 from shardrun.core.errors import BadRecord
@@ -47,11 +57,16 @@ class Record(BaseModel):
 M = TypeVar("M", bound=Record)
 
 
-def problem(e: ValidationError) -> str:
-    """The first thing wrong in a record, in words, naming the field ('not an object' for the record itself)."""
+def problem(e: ValidationError, skip: int = 0) -> str:
+    """The first thing wrong in a record, in words, naming the field ('not an object' for the record itself; a rule
+    over several fields says which). `skip`: leading parts of the location that name no field (a union's tag)."""
     err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
+    loc = ".".join(str(x) for x in err["loc"][skip:])
     if not loc:
+        if err["type"] == "value_error":
+            return str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            return f"'mode' is {shown((err.get('input') or {}).get('mode'))}: not one of {', '.join(MODEL_OF)}"
         return "not an object"
     if err["type"] == "missing":
         return f"no {loc!r}"
@@ -212,69 +227,269 @@ def write_set_aside_seal(run_dir: Path, index: int, record: SetAsideSeal) -> Non
 
 # ---------------------------------------------------------------- launch records (launches.jsonl)
 
+LOCAL_JOBS: Literal["local_jobs"] = "local_jobs"
+SLURM_ARRAYS: Literal["slurm_arrays"] = "slurm_arrays"
+WARM_WORKERS: Literal["warm_workers"] = "warm_workers"
 
-class LaunchRecord(Record):
-    """One line of launches.jsonl: what one submit or resume launched. `jobs` maps a shard index to its job (Slurm
-    job id, "123_4" for an array task; local: the pid), `pid_start` a local pid to its start time in clock ticks
-    (None: unknown, so never taken for a live process), `workers` a warm worker's number to its job."""
 
-    executor: str = "slurm"
+class LaunchBase(Record):
+    """What every line of launches.jsonl holds, whichever backend launched: when and where, the attempt cap, GPUs
+    per shard and the rollouts done at submit (status's throughput). `mode` names the backend (launch/backends.py
+    maps a record to it); each mode's model holds its own fields only, and another mode's field is refused."""
+
+    mode: str
     submitted_at: Finite | None = None
     host: str | None = None
-    jobs: dict[str, str | int] = Field(default_factory=dict)
     max_attempts: Count | None = None
     gpus_per_shard: Count | None = None
     done_at_submit: Count | None = None
-    tag: str | None = None
-    merge_job_name: str | None = None
-    merge_job_id: str | None = None
-    arrays: list[str | int] | None = None
-    workers: dict[str, str | int] = Field(default_factory=dict)
-    worker_shards: list[Count] = Field(default_factory=list)
-    pid_start: dict[str, int | None] = Field(default_factory=dict)
 
-    @field_validator("jobs")
+    @model_validator(mode="before")
     @classmethod
-    def _shard_keys(cls, jobs: dict[str, str | int]) -> dict[str, str | int]:
-        for key in jobs:
-            if not key.isdigit():
-                raise ValueError(f"maps {key!r} to a job, not a shard index")
-        return jobs
+    def _no_other_modes_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data:
+                owners = [m for m in LAUNCH_MODELS if name in m.model_fields and name not in cls.model_fields]
+                if owners:
+                    raise ValueError(
+                        f"{name!r} is a field of {' and '.join(m.what for m in owners)} launch records, not of "
+                        f"{cls.what} ones"
+                    )
+        return data
 
-    @field_validator("tag", "merge_job_name")
-    @classmethod
-    def _job_name(cls, name: str | None) -> str | None:
-        if name is not None and not slurm_values.NAME.fullmatch(name):
-            raise ValueError(f"{name!r} is not a Slurm job name ({slurm_values.NAME_RULE})")
-        return name
+    what: ClassVar[str] = "launch"
 
-    @field_validator("pid_start")
-    @classmethod
-    def _pid_keys(cls, pids: dict[str, int | None]) -> dict[str, int | None]:
-        for key in pids:
-            if not key.isdigit() or int(key) <= 0:
-                raise ValueError(f"{key!r} is not a process id")
-        return pids
+    def to_json(self) -> dict[str, Any]:
+        """The record as written: its mode and the fields it was given."""
+        return {"mode": self.mode} | self.model_dump(mode="json", exclude_unset=True)
+
+    @property
+    def shard_jobs(self) -> dict[int, str]:
+        """Shard index -> the job launched for it (none: the launch's jobs are not tied to shards)."""
+        return {}
+
+    @property
+    def slurm_names(self) -> set[str]:
+        """The Slurm job names its jobs run under (squeue finds them by these)."""
+        return set()
+
+    @property
+    def local_pids(self) -> dict[str, int | None]:
+        """Its jobs that are processes on `host`: pid -> start time in clock ticks (None: never taken as live)."""
+        return {}
+
+    @property
+    def merge_job(self) -> str | None:
+        """The job it queued after the run (merge, or the job after the workers), if any."""
+        return None
+
+    @property
+    def worker_jobs(self) -> list[str]:
+        """Its warm workers' jobs (none: it launched no warm workers)."""
+        return []
+
+    @property
+    def local_worker_jobs(self) -> list[str]:
+        """Those of its warm workers' jobs that are processes on `host`."""
+        return []
+
+    @property
+    def shards_for_workers(self) -> list[int]:
+        """The shards its warm workers were launched for (they claim them: no job is tied to a shard)."""
+        return []
+
+
+def _job_name(name: str | None) -> str | None:
+    if name is not None and not slurm_values.NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a Slurm job name ({slurm_values.NAME_RULE})")
+    return name
+
+
+def _pid_keys(pids: dict[str, int | None]) -> dict[str, int | None]:
+    for key in pids:
+        if not key.isdigit() or int(key) <= 0:
+            raise ValueError(f"{key!r} is not a process id")
+    return pids
+
+
+def _shard_keys(jobs: dict[str, str | int]) -> dict[str, str | int]:
+    for key in jobs:
+        if not key.isdigit():
+            raise ValueError(f"maps {key!r} to a job, not a shard index")
+    return jobs
+
+
+JobName = Annotated[str | None, AfterValidator(_job_name)]
+PidStarts = Annotated[dict[str, int | None], AfterValidator(_pid_keys)]
+ShardJobs = Annotated[dict[str, str | int], AfterValidator(_shard_keys)]
+
+
+class LocalJobsLaunch(LaunchBase):
+    """Local jobs (launch/local_jobs.py): `jobs` maps a shard index to the pid of the job that runs it (one job runs
+    several shards in turn), `pid_start` each pid to its start time in clock ticks."""
+
+    what: ClassVar[str] = "local jobs"
+    mode: Literal["local_jobs"] = LOCAL_JOBS
+    jobs: ShardJobs = Field(default_factory=dict)
+    pid_start: PidStarts = Field(default_factory=dict)
 
     @property
     def shard_jobs(self) -> dict[int, str]:
         return {int(k): str(v) for k, v in self.jobs.items()}
 
     @property
+    def local_pids(self) -> dict[str, int | None]:
+        return dict(self.pid_start)
+
+
+class SlurmLaunch(LaunchBase):
+    """What a launch onto Slurm records: the job name of its jobs (`tag`), the job arrays, and the job queued after
+    them (name and id)."""
+
+    tag: JobName = None
+    arrays: list[str | int] | None = None
+    merge_job_name: JobName = None
+    merge_job_id: str | None = None
+
+    @property
+    def slurm_names(self) -> set[str]:
+        return {n for n in (self.tag, self.merge_job_name) if n}
+
+    @property
+    def merge_job(self) -> str | None:
+        return self.merge_job_id
+
+
+class SlurmArraysLaunch(SlurmLaunch):
+    """Slurm job arrays (launch/slurm_arrays.py): `jobs` maps a shard index to its array task ("123_4")."""
+
+    what: ClassVar[str] = "Slurm job arrays"
+    mode: Literal["slurm_arrays"] = SLURM_ARRAYS
+    jobs: ShardJobs = Field(default_factory=dict)
+
+    @property
+    def shard_jobs(self) -> dict[int, str]:
+        return {int(k): str(v) for k, v in self.jobs.items()}
+
+
+class WarmWorkersLaunch(SlurmLaunch):
+    """Warm workers (launch/warm_workers.py), on this machine (`executor: local`: `workers` are pids, `pid_start`
+    their start times) or as one Slurm array (`executor: slurm`: `workers` are array tasks, with the Slurm fields).
+    `workers` maps a worker's number to its job, `worker_shards` lists the shards they were launched for (they claim
+    them: no job is tied to a shard)."""
+
+    what: ClassVar[str] = "warm workers"
+    mode: Literal["warm_workers"] = WARM_WORKERS
+    executor: Literal["local", "slurm"]
+    workers: dict[str, str | int] = Field(default_factory=dict)
+    worker_shards: list[Count] = Field(default_factory=list)
+    pid_start: PidStarts = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _fields_of_its_executor(self) -> "WarmWorkersLaunch":
+        for name in NOT_ON[self.executor]:
+            if getattr(self, name):
+                raise ValueError(f"{name!r} is not a field of warm workers run with executor {self.executor!r}")
+        return self
+
+    @property
     def worker_jobs(self) -> list[str]:
         return [str(v) for v in self.workers.values()]
 
+    @property
+    def local_pids(self) -> dict[str, int | None]:
+        return dict(self.pid_start)
 
-def append_launch(run_dir: Path, record: LaunchRecord | dict[str, Any]) -> None:
+    @property
+    def local_worker_jobs(self) -> list[str]:
+        """Its workers' jobs that are processes on `host` (none on Slurm)."""
+        return self.worker_jobs if RUNS_LOCALLY[self.executor] else []
+
+    @property
+    def shards_for_workers(self) -> list[int]:
+        return list(self.worker_shards)
+
+    @property
+    def slurm_worker_jobs(self) -> list[str]:
+        """Its workers' jobs that are Slurm array tasks (none on this machine)."""
+        return [] if RUNS_LOCALLY[self.executor] else self.worker_jobs
+
+
+# warm workers: the fields a record of each executor must leave empty, and whether its workers are local processes
+NOT_ON: dict[str, tuple[str, ...]] = {
+    "local": ("tag", "arrays", "merge_job_name", "merge_job_id"),
+    "slurm": ("pid_start",),
+}
+RUNS_LOCALLY: dict[str, bool] = {"local": True, "slurm": False}
+
+LAUNCH_MODELS: tuple[type[LaunchBase], ...] = (LocalJobsLaunch, SlurmArraysLaunch, WarmWorkersLaunch)
+
+# one line of launches.jsonl: the model its `mode` names
+LaunchRecord = Annotated[Union[LocalJobsLaunch, SlurmArraysLaunch, WarmWorkersLaunch], Field(discriminator="mode")]
+LAUNCH_RECORD: TypeAdapter[LaunchRecord] = TypeAdapter(LaunchRecord)
+
+
+def with_mode(data: Any) -> Any:
+    """A line written before launch records had a mode, with the mode its fields imply: `workers` set -> warm
+    workers (its `executor` says where); otherwise `executor` (Slurm when absent, as it always defaulted) -> local
+    jobs or Slurm arrays, whose `executor` is implied by the mode. A field such a line left empty (null, {} or [])
+    that its mode does not have is dropped; one with a value is kept, so the record is refused naming it."""
+    if not isinstance(data, dict) or "mode" in data:
+        return data
+    executor = data.get("executor", "slurm")
+    mode = WARM_WORKERS if data.get("workers") else OLD_MODES.get(executor) if isinstance(executor, str) else None
+    if mode is None:
+        return data  # an executor of no mode: refused, naming it
+    model = MODEL_OF[mode]
+    out = {"mode": mode}
+    for name, value in data.items():
+        if name in model.model_fields or value not in (None, {}, []):
+            out[name] = value
+    if "executor" not in model.model_fields:
+        out.pop("executor", None)  # implied by the mode
+    return out
+
+
+OLD_MODES: dict[str, str] = {"local": LOCAL_JOBS, "slurm": SLURM_ARRAYS}
+MODEL_OF: dict[str, type[LaunchBase]] = {m.model_fields["mode"].default: m for m in LAUNCH_MODELS}
+
+
+def parse_launch(data: Any, where: str) -> LaunchRecord:
+    """One launch record (an old line without a mode too: with_mode); BadRecord naming `where` and the field."""
+    data = with_mode(data)
+    if isinstance(data, dict) and "mode" not in data:
+        raise BadRecord(
+            f"{where}: invalid launch record: 'executor' is {shown(data.get('executor'))}: not one of "
+            f"{', '.join(OLD_MODES)}; the file was edited or damaged"
+        )
+    try:
+        return LAUNCH_RECORD.validate_python(data)
+    except ValidationError as e:
+        loc = e.errors()[0]["loc"]
+        tag = 1 if loc and str(loc[0]) in MODEL_OF else 0  # the union's tag names no field
+        raise BadRecord(
+            f"{where}: invalid launch record: {problem(e, skip=tag)}; the file was edited or damaged"
+        ) from None
+
+
+def append_launch(run_dir: Path, record: LaunchBase | dict[str, Any]) -> None:
     """Append one launch record (checked against its model; one JSON line, fsynced). Callers hold run_lock."""
-    rec = record if isinstance(record, LaunchRecord) else parse(LaunchRecord, record, "a new launch record", "launch")
+    rec = record if isinstance(record, LaunchBase) else parse_launch(record, "a new launch record")
     fileio.append_jsonl(paths.launches_path(run_dir), [rec.to_json()])
 
 
 def read_launches(run_dir: Path) -> list[LaunchRecord]:
     """Every launch record, oldest first; BadRecord naming the line and the field for one that is not a launch
-    record (its job ids and names would reach Slurm commands and kill())."""
-    return read_jsonl(paths.launches_path(run_dir), LaunchRecord, "a launch record")
+    record (its job ids and names would reach Slurm commands and kill()). A torn last line is skipped."""
+    path = paths.launches_path(run_dir)
+    out = []
+    for line_no, raw in enumerate(fileio.complete_lines(path), 1):
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise BadRecord(f"{path}:{line_no}: not a launch record ({e}); the file was edited or damaged") from None
+        out.append(parse_launch(data, f"{path}:{line_no}"))
+    return out
 
 
 # ---------------------------------------------------------------- claims (.claim)

@@ -14,7 +14,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import orjson
 from filelock import FileLock
@@ -286,8 +286,9 @@ def _write_shard_group(plan: Plan, cfg: RunConfig, group: list[int], layout: pla
 # ---------------------------------------------------------------- launch records and counting
 
 
-def append_launch(run_dir: Path, record: dict) -> None:
-    """Append one launch record: records.append_launch (its model, the one writer). Callers hold run_lock."""
+def append_launch(run_dir: Path, record: Any) -> None:
+    """Append one launch record (a records.LaunchRecord, or its JSON: checked against its model): records.append_launch
+    (the one writer). Callers hold run_lock."""
     records.append_launch(run_dir, record)
 
 

@@ -171,8 +171,7 @@ def launch_config(run_dir: Path, plan: Plan) -> RunConfig:
 
 def shard_attempt(run_dir: Path, index: int) -> int:
     """How many launches included this shard, this one too (from the launch records; 1 when run by hand)."""
-    key = str(index)
-    launched = sum(1 for rec in records.read_launches(run_dir) if key in rec.jobs)
+    launched = sum(1 for rec in records.read_launches(run_dir) if index in rec.shard_jobs)
     return max(1, launched)
 
 

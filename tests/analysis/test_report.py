@@ -13,7 +13,7 @@ import orjson
 
 import pytest
 
-from shardrun.rundir.records import LaunchRecord, Seal
+from shardrun.rundir.records import LocalJobsLaunch, Seal
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -186,7 +186,7 @@ def test_slurm_run_adds_sacct_gpu_hours(tmp_path, monkeypatch):
     plan = store.load_plan(run_dir)
     base = {"plan_fingerprint": "f", "rollouts_sha256": "0", "rollouts_bytes": 0, "num_rollouts": 0, "num_failed": 0}
     shards = cost.shard_costs([Seal.model_validate(base | {"shard_index": i, "job_id": f"500_{i}"}) for i in (1, 0)])
-    assert report.slurm_job_ids([LaunchRecord(executor="local", jobs={"0": "500_0"})], plan, shards) == []
+    assert report.slurm_job_ids([LocalJobsLaunch(jobs={"0": "500_0"})], plan, shards) == []
     assert report.slurm_job_ids([], plan, shards) == ["500_0", "500_1"]  # no records: the plan says Slurm
 
 

@@ -77,7 +77,7 @@ def test_submit_waits_and_reports_every_failed_shard(tmp_path: Path) -> None:
         assert failure["error"].startswith("ServerFailure") and "exited with code 3" in failure["error"]
         assert failure["job_id"]
     records = [rec.to_json() for rec in store.read_launches(run_dir)]
-    assert len(records) == 1 and records[0]["executor"] == "local"
+    assert len(records) == 1 and records[0]["mode"] == "local_jobs"
     jobs = records[0]["jobs"]
     assert sorted(jobs) == ["0", "1", "2"] and len(set(jobs.values())) == 2  # cap 2: two workers for 3 shards
     assert jobs["0"] == jobs["2"] != jobs["1"]

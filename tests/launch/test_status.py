@@ -302,3 +302,52 @@ def test_count_complete_lines_across_blocks(tmp_path):
     block = 1 << 20
     path.write_bytes(b"x" * (block - 1) + b"\n" + b"\n" + b"y\n" + b"z")  # blank line right at the block boundary
     assert store.count_complete_lines(path) == 2 == sum(1 for _ in store.complete_lines(path))
+
+
+@pytest.mark.parametrize("mode", [{"mode": "slurm_arrays"}, {"executor": "slurm"}], ids=["typed", "old line"])
+def test_slurm_array_records_typed_or_old_ask_sacct_for_the_latest_array(tmp_path, mode):
+    run_dir, plan = make_run(tmp_path, shards=2)
+    for attempt in range(2):
+        store.append_launch(
+            run_dir,
+            mode | {"submitted_at": time.time() - 60, "tag": "sr-test", "jobs": {"0": f"{10 + attempt}_0"}},
+        )
+    asked = []
+
+    def ended(ids):
+        asked.append(sorted(ids))
+        return scheduler.parse_sacct("11_0|TIMEOUT|0:0|x|y|60|cpu=1\n")
+
+    st = status.collect(run_dir, query_live=squeue(""), query_ended=ended)
+    assert asked == [["11"]] and st.shards[0].reason == "Slurm job 11_0 hit its time limit"
+    assert st.shards[0].attempts == 2 and st.shards[1].state == "never_started"
+    assert st.live_source.startswith("squeue --name=sr-test")
+
+
+@pytest.mark.parametrize("mode", [{"mode": "local_jobs"}, {"executor": "local"}], ids=["typed", "old line"])
+def test_local_job_records_typed_or_old_never_reach_sacct_and_wait_in_turn(tmp_path, mode):
+    run_dir, plan = make_run(tmp_path, shards=3)
+    me = os.getpid()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store.append_launch(
+        run_dir,
+        mode
+        | {
+            "submitted_at": time.time() - 5,
+            "host": os.uname().nodename,
+            "jobs": {"0": str(me), "1": str(me), "2": str(dead.pid)},
+            "pid_start": {str(me): processes.start_ticks(me), str(dead.pid): 1},
+        },
+    )
+    log = store.shard_log_path(run_dir, 0)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("start: attempt 1\n")
+
+    def no_sacct_here(ids):
+        raise AssertionError(f"sacct asked about local pids {ids}")
+
+    st = status.collect(run_dir, query_live=squeue(""), query_ended=no_sacct_here)
+    assert [s.state for s in st.shards] == ["running", "pending", "failed"]
+    assert "waiting for its local worker" in st.shards[1].reason
+    assert st.live_source == "local pids: 1 live"

@@ -55,13 +55,149 @@ def test_a_seal_without_a_field_it_needs_names_it() -> None:
 
 
 def test_launch_records_round_trip_and_a_torn_last_line_is_skipped(tmp_path: Path) -> None:
-    records.append_launch(tmp_path, {"executor": "local", "jobs": {"0": "12"}, "pid_start": {"12": None}})
-    records.append_launch(tmp_path, records.LaunchRecord(executor="slurm", jobs={"1": "7_1"}, tag="sr-a"))
+    records.append_launch(tmp_path, {"mode": "local_jobs", "jobs": {"0": "12"}, "pid_start": {"12": None}})
+    records.append_launch(tmp_path, records.SlurmArraysLaunch(jobs={"1": "7_1"}, tag="sr-a"))
     with open(store.launches_path(tmp_path), "ab") as f:
-        f.write(b'{"executor": "slurm", "jobs": {"2":')  # a killed writer's half line
+        f.write(b'{"mode": "slurm_arrays", "jobs": {"2":')  # a killed writer's half line
     got = records.read_launches(tmp_path)
-    assert [r.executor for r in got] == ["local", "slurm"]
-    assert got[0].shard_jobs == {0: "12"} and got[0].pid_start == {"12": None} and got[1].tag == "sr-a"
+    assert [type(r) for r in got] == [records.LocalJobsLaunch, records.SlurmArraysLaunch]
+    assert got[0].shard_jobs == {0: "12"} and got[0].local_pids == {"12": None} and got[1].slurm_names == {"sr-a"}
+
+
+EACH_MODE = [
+    records.LocalJobsLaunch(
+        submitted_at=1.5,
+        host="h",
+        max_attempts=3,
+        gpus_per_shard=2,
+        done_at_submit=0,
+        jobs={"0": "12", "1": "12"},
+        pid_start={"12": 345},
+    ),
+    records.SlurmArraysLaunch(
+        submitted_at=1.5,
+        host="h",
+        jobs={"0": "7_0", "1": "7_1"},
+        tag="sr-a",
+        arrays=["7"],
+        merge_job_name="sr-a-merge",
+        merge_job_id="8",
+    ),
+    records.WarmWorkersLaunch(executor="local", workers={"0": "55"}, worker_shards=[0, 1], pid_start={"55": 9}),
+    records.WarmWorkersLaunch(
+        executor="slurm",
+        workers={"0": "9_0", "1": "9_1"},
+        worker_shards=[0, 1, 2],
+        tag="sr-a",
+        arrays=["9"],
+        merge_job_name="sr-a-merge",
+        merge_job_id="10",
+    ),
+]
+
+
+@pytest.mark.parametrize("record", EACH_MODE, ids=lambda r: f"{r.mode}")
+def test_each_modes_launch_record_round_trips(tmp_path: Path, record) -> None:
+    records.append_launch(tmp_path, record)
+    records.append_launch(tmp_path, record.to_json())  # as JSON too: checked against the model its mode names
+    first, second = records.read_launches(tmp_path)
+    assert first == second == record and type(first) is type(record)
+    assert orjson.loads(store.launches_path(tmp_path).read_bytes().splitlines()[0])["mode"] == record.mode
+
+
+@pytest.mark.parametrize(
+    "old, model, check",
+    [
+        (  # local jobs, as submit wrote them before launch records had a mode
+            {
+                "executor": "local",
+                "submitted_at": 1.0,
+                "host": "h",
+                "jobs": {"0": "12"},
+                "max_attempts": 3,
+                "gpus_per_shard": 0,
+                "done_at_submit": 0,
+                "pid_start": {"12": 345},
+            },
+            records.LocalJobsLaunch,
+            lambda r: r.shard_jobs == {0: "12"} and r.local_pids == {"12": 345} and r.max_attempts == 3,
+        ),
+        (  # Slurm arrays: the Slurm fields, nulls kept
+            {
+                "executor": "slurm",
+                "jobs": {"0": "7_0"},
+                "tag": "sr-a",
+                "merge_job_name": "sr-a-merge",
+                "arrays": ["7"],
+                "merge_job_id": None,
+            },
+            records.SlurmArraysLaunch,
+            lambda r: r.shard_jobs == {0: "7_0"} and r.slurm_names == {"sr-a", "sr-a-merge"} and r.merge_job is None,
+        ),
+        (  # no executor at all: Slurm, as the model always defaulted
+            {"jobs": {"3": "7_3"}},
+            records.SlurmArraysLaunch,
+            lambda r: r.shard_jobs == {3: "7_3"},
+        ),
+        (  # warm workers on this machine: an empty `jobs` and the workers' pids
+            {"executor": "local", "jobs": {}, "workers": {"0": "55"}, "worker_shards": [0, 1], "pid_start": {"55": 9}},
+            records.WarmWorkersLaunch,
+            lambda r: r.local_worker_jobs == ["55"] and r.shards_for_workers == [0, 1] and r.shard_jobs == {},
+        ),
+        (  # warm workers on Slurm
+            {
+                "executor": "slurm",
+                "jobs": {},
+                "workers": {"0": "9_0"},
+                "worker_shards": [2],
+                "tag": "sr-a",
+                "merge_job_name": "sr-a-merge",
+                "arrays": ["9"],
+                "merge_job_id": "10",
+            },
+            records.WarmWorkersLaunch,
+            lambda r: r.slurm_worker_jobs == ["9_0"] and r.local_worker_jobs == [] and r.merge_job == "10",
+        ),
+    ],
+)
+def test_an_old_launch_line_without_a_mode_reads_as_its_backends_record(tmp_path: Path, old, model, check) -> None:
+    store.launches_path(tmp_path).write_bytes(orjson.dumps(old) + b"\n")
+    (got,) = records.read_launches(tmp_path)
+    assert type(got) is model and check(got)
+
+
+@pytest.mark.parametrize(
+    "line, said",
+    [
+        ({"mode": "slurm_arrays", "jobs": {"0": "7_0"}, "pid_start": {"7": 1}}, "'pid_start' is a field of local jobs"),
+        ({"mode": "local_jobs", "jobs": {"0": "12"}, "tag": "sr-a"}, "'tag' is a field of Slurm job arrays"),
+        ({"mode": "local_jobs", "workers": {"0": "12"}}, "'workers' is a field of warm workers"),
+        ({"mode": "slurm_arrays", "executor": "slurm"}, "'executor' is a field of warm workers"),
+        ({"mode": "warm_workers", "executor": "slurm", "jobs": {"0": "7_0"}}, "'jobs' is a field of local jobs"),
+        (
+            {"mode": "warm_workers", "executor": "local", "workers": {"0": "5"}, "tag": "a"},
+            "'tag' is not a field of warm workers run with executor 'local'",
+        ),
+        (
+            {"mode": "warm_workers", "executor": "slurm", "pid_start": {"5": 1}},
+            "'pid_start' is not a field of warm workers run with executor 'slurm'",
+        ),
+        (
+            {"executor": "slurm", "jobs": {"0": "7_0"}, "pid_start": {"7": 1}},
+            "'pid_start' is a field of local jobs",
+        ),  # old
+        ({"mode": "warm_workers", "workers": {}}, "no 'executor'"),
+        ({"mode": "cloud"}, "'mode' is \"cloud\": not one of local_jobs, slurm_arrays, warm_workers"),
+        ({"executor": "cloud"}, "'executor' is \"cloud\": not one of local, slurm"),
+    ],
+)
+def test_a_launch_record_with_another_modes_field_is_refused_naming_it(tmp_path: Path, line, said) -> None:
+    store.launches_path(tmp_path).write_bytes(b'{"mode": "local_jobs"}\n' + orjson.dumps(line) + b"\n")
+    with pytest.raises(BadRecord) as err:
+        records.read_launches(tmp_path)
+    assert f"{store.launches_path(tmp_path)}:2: invalid launch record: {said}" in str(err.value)
+    with pytest.raises(BadRecord, match="a new launch record"):
+        records.append_launch(tmp_path, line)
 
 
 @pytest.mark.parametrize(
@@ -69,8 +205,11 @@ def test_launch_records_round_trip_and_a_torn_last_line_is_skipped(tmp_path: Pat
     [
         (b'{"jobs": {"x": "1"}}', "'jobs'"),
         (b'{"tag": "a,b"}', "'tag'"),
-        (b'{"pid_start": {"-1": 5}}', "'pid_start'"),
+        (b'{"executor": "local", "pid_start": {"-1": 5}}', "'pid_start'"),
+        (b'{"mode": "warm_workers", "executor": "local", "pid_start": {"0": 5}}', "'pid_start'"),
+        (b'{"mode": "warm_workers", "executor": "slurm", "merge_job_name": "x y"}', "'merge_job_name'"),
         (b'{"submitted_at": "now"}', "'submitted_at'"),
+        (b'{"mode": "local_jobs", "max_attempts": -1}', "'max_attempts'"),
         (b"[]", "not an object"),
         (b"{", "not a launch record"),
     ],
@@ -85,6 +224,8 @@ def test_a_launch_record_of_the_wrong_shape_names_file_line_and_field(tmp_path: 
 def test_a_new_launch_record_of_the_wrong_shape_is_never_written(tmp_path: Path) -> None:
     with pytest.raises(BadRecord, match="'jobs'"):
         records.append_launch(tmp_path, {"jobs": ["7_0"]})
+    with pytest.raises(ValueError, match="'pid_start' is a field of local jobs"):
+        records.SlurmArraysLaunch(pid_start={"5": 1})  # type: ignore[call-arg]
     assert not store.launches_path(tmp_path).exists()
 
 

@@ -92,7 +92,8 @@ def test_worker_array_usr2_requeue_and_the_job_after_them(tmp_path, env) -> None
         tag, after_job = rec["tag"], rec["merge_job_id"]
         try:
             array = rec["arrays"][0]
-            assert rec["jobs"] == {} and rec["workers"] == {"0": f"{array}_0", "1": f"{array}_1"}
+            assert rec["mode"] == "warm_workers" and rec["executor"] == "slurm" and "jobs" not in rec
+            assert rec["workers"] == {"0": f"{array}_0", "1": f"{array}_1"}
             assert sorted(rec["worker_shards"]) == list(range(SHARDS))
             assert "warm workers: 2 job(s)" in out.stdout
             script = (store.jobs_dir(run_dir) / f"{array}_submission.sh").read_text()

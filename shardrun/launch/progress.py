@@ -18,6 +18,7 @@ from typing import Any, Callable
 from shardrun.core.errors import BadInput
 from shardrun.core.terminal import shown
 from shardrun.launch import status
+from shardrun.workers import worker_view
 from shardrun.plan.planner import Plan
 
 
@@ -31,8 +32,8 @@ def eta_text(st: status.RunStatus) -> str:
     return status.duration(st.eta_s) if st.eta_s is not None else "-"
 
 
-def live_workers(st: status.RunStatus) -> list[dict]:
-    return [w for w in st.workers if w["state"] not in ("stopped", "failed", "gone")]
+def live_workers(st: status.RunStatus) -> list[worker_view.WorkerRow]:
+    return [w for w in st.workers if w.live]
 
 
 def line(st: status.RunStatus) -> str:
@@ -44,7 +45,7 @@ def line(st: status.RunStatus) -> str:
         f"failed {c[status.FAILED]:,} pending {c[status.PENDING] + c[status.NEVER_STARTED]:,}"
     )
     if st.workers:
-        busy = [w for w in live_workers(st) if w["current_shard"] is not None]
+        busy = [w for w in live_workers(st) if w.current_shards]
         text += f" · workers {len(live_workers(st))} live ({len(busy)} collecting)"
     return text
 
@@ -76,10 +77,7 @@ def view(st: status.RunStatus) -> Any:
     if st.workers:
         table = Table("worker", "job", "host", "state", "shard", "sealed", box=None, pad_edge=False)
         for w in st.workers:
-            shard = ",".join(map(str, w.get("current_shards") or [])) or (
-                "-" if w["current_shard"] is None else str(w["current_shard"])
-            )
-            cells = (w["worker_id"], w["job_id"] or "-", w["host"], w["state"], shard, str(w["sealed"]))
+            cells = (w.worker_id, w.job_id or "-", w.host, w.state, w.holding, str(w.sealed))
             table.add_row(*(Text(shown(c)) for c in cells))  # Text: data is never read as rich markup
         parts.append(table)
     return Group(*parts)

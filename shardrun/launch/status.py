@@ -11,7 +11,6 @@ appends to RUN_DIR/launches.jsonl, never from submitit's pickles.
 
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -23,41 +22,28 @@ import orjson
 
 from shardrun.rundir import cost, ledger, records
 from shardrun.rundir import seal
+from shardrun.rundir.shard_status import (  # noqa: F401  (status.SEALED and the rest: the names its readers use)
+    DAMAGED,
+    FAILED,
+    LIVE_STATES,
+    NEVER_STARTED,
+    PENDING,
+    RUNNING,
+    SEALED,
+    STATES,
+    ShardStatus,
+)
 from shardrun.rundir.records import LaunchBase, LaunchRecord, Seal, ShardFailure
-from shardrun.shard import processes
 from shardrun.launch import backends, label_progress, scheduler, slurm
 from shardrun.launch.launcher import Live
+from shardrun.workers import worker_view
 from shardrun.rundir import store
 from shardrun.core.gym_names import ROLLOUT_KEY, TASK_KEY
 from shardrun.core.terminal import shown
 from shardrun.plan.planner import Plan
 
-SEALED, RUNNING, PENDING, FAILED, NEVER_STARTED = "sealed", "running", "pending", "failed", "never_started"
-DAMAGED = "damaged"  # a seal that disagrees with its rollouts file: not trusted, resume runs the shard again
-STATES = (SEALED, RUNNING, PENDING, FAILED, DAMAGED, NEVER_STARTED)
-LIVE_STATES = (RUNNING, PENDING)
 MAX_LISTED = 40
 R = TypeVar("R", bound=LaunchBase)
-
-
-@dataclass(frozen=True)
-class ShardStatus:
-    index: int
-    state: str
-    planned: int
-    rollouts: int  # successful rollouts recorded
-    failed_rollouts: int  # rollouts recorded as failed (after their retries)
-    attempts: int  # times the shard was submitted
-    job_id: str | None  # the latest job (Slurm job id, "123_4" for an array task; local: the pid)
-    reason: str  # why it failed, why it waits, or why a marker was ignored; "" otherwise
-    log: str | None  # the latest job's log
-    gpu_hours: float
-    gave_up: bool  # failed max_attempts times: resume will not resubmit it
-    skipped_decided: int = 0  # rows its seal records as skipped because their task was decided (adaptive sampling)
-
-    @property
-    def done(self) -> int:
-        return self.rollouts + self.failed_rollouts
 
 
 @dataclass(frozen=True)
@@ -81,8 +67,8 @@ class RunStatus:
     failed: list[ledger.FailedRollout] = field(default_factory=list)  # rollouts recorded as failed (first MAX_FAILED)
     failed_listed_of: int = 0  # how many there are in all
     gym_version: str | None = None  # the run's nemo-gym release (the plan's, else its sealed shards')
-    workers: list[dict] = field(default_factory=list)  # warm workers: job, host, state, shard, sealed, servers
-    stale_claims: list[dict] = field(default_factory=list)  # claims not renewed within the lease
+    workers: list[worker_view.WorkerRow] = field(default_factory=list)  # warm workers (workers/worker_view.py)
+    stale_claims: list[worker_view.StaleClaim] = field(default_factory=list)  # claims not renewed within the lease
     worker_cost: dict = field(default_factory=dict)  # cost.workers_row: start-up, collecting, idle GPU-hours
     skipped_decided: int = 0  # rollouts never run because their task was decided (adaptive sampling)
     saved_gpu_hours: float | None = None  # what they would have cost at the sealed shards' GPU-hours per rollout
@@ -273,10 +259,18 @@ def collect(
     max_attempts = (latest.max_attempts if latest else None) or 3
     seen = observe(run_dir, plan, launches, query_live, query_ended)
     shards = classify_shards(run_dir, plan, launches, seen, now=now, max_attempts=max_attempts)
-    workers: list[dict] = []
-    stale: list[dict] = []
+    workers: list[worker_view.WorkerRow] = []
+    stale: list[worker_view.StaleClaim] = []
     if launches.worker_shards or launches.worker_jobs:  # warm workers: shards are held by claims, not jobs
-        shards, workers, stale = worker_view(run_dir, shards, launches, seen.live, now=now, max_attempts=max_attempts)
+        shards, workers, stale = worker_view.view(
+            run_dir,
+            shards,
+            live_jobs=seen.live.keys(),
+            local_jobs=launches.local_worker_jobs,
+            launched=launches.worker_shards,
+            now=now,
+            max_attempts=max_attempts,
+        )
     failed = failed_rollouts(run_dir, plan)
     counts = {state: sum(1 for s in shards if s.state == state) for state in STATES}
     rate, eta = throughput(latest, plan, shards, counts, now)
@@ -444,104 +438,6 @@ def throughput(
 
 
 # ---------------------------------------------------------------- warm workers
-
-
-def worker_view(
-    run_dir: Path,
-    shards: list[ShardStatus],
-    launches: Launches,
-    live: Mapping[str, Live],
-    *,
-    now: float,
-    max_attempts: int,
-) -> tuple[list[ShardStatus], list[dict], list[dict]]:
-    """Shards run by warm workers are not tied to a job: running = held by a live claim, pending = waiting for a
-    live worker, failed = its last attempt failed (attempts from `.failed`) or its workers ended without sealing
-    it. Also the workers section and the stale claims."""
-    from dataclasses import replace
-
-    from shardrun.core.config import ClusterConfig
-    from shardrun.core.errors import ShardrunError
-    from shardrun.workers import claims
-
-    try:
-        settings = store.read_launch_settings(run_dir)
-    except ShardrunError:
-        settings = None
-    lease = (settings.cluster_or_default if settings else ClusterConfig()).claim_lease_s
-    host = socket.gethostname()
-    rows = []
-    any_live = False
-    for w in records.read_worker_states(run_dir):
-        if w.job_id in live or (w.job_id is None or w.job_id in launches.local_worker_jobs):
-            alive = (w.job_id in live) or (
-                w.host == host and w.pid_start is not None and processes.start_ticks(w.pid) == w.pid_start
-            )
-        else:
-            alive = False
-        alive = alive and w.state not in (records.STOPPED, records.FAILED)
-        any_live = any_live or alive
-        rows.append(
-            {
-                "worker_id": w.worker_id,
-                "job_id": w.job_id,
-                "host": w.host,
-                "state": w.state if alive or w.state in (records.STOPPED, records.FAILED) else "gone",
-                "current_shard": w.current_shard if alive else None,
-                "current_shards": (w.current_shards or ([] if w.current_shard is None else [w.current_shard]))
-                if alive
-                else [],
-                "sealed": len(w.sealed),
-                "servers_up_since": w.servers_up_since if alive else None,
-                "server_starts": w.server_starts,
-                "exit_reason": w.exit_reason,
-            }
-        )
-    stale: list[dict] = []
-    out = []
-    for s in shards:
-        if s.state == SEALED or (s.index not in launches.worker_shards and s.job_id is not None):
-            out.append(s)
-            continue
-        info = claims.read(run_dir, s.index)
-        failure = records.read_failure(run_dir, s.index)
-        attempts = failure.attempt if failure is not None else 0
-        if info is not None and info.stale(now, lease):
-            stale.append({"shard": s.index, **info.to_json(), "age_s": round(info.age(now), 1)})
-        if info is not None and not info.stale(now, lease):
-            out.append(
-                replace(
-                    s,
-                    state=RUNNING,
-                    job_id=info.job_id,
-                    attempts=attempts,
-                    reason=f"worker {info.worker_id} on {info.host}",
-                    log=str(store.shard_log_path(run_dir, s.index)),
-                )
-            )
-        elif any_live and attempts < max_attempts:
-            why = (
-                f"stale claim of worker {info.worker_id} (no heartbeat for {info.age(now):.0f} s): taken over next"
-                if info is not None
-                else "waiting for a warm worker"
-            )
-            out.append(replace(s, state=PENDING, attempts=attempts, reason=why, job_id=None))
-        elif failure is not None or s.index in launches.worker_shards:
-            reason = (failure.error if failure is not None else "") or "its workers ended without sealing it"
-            out.append(
-                replace(
-                    s,
-                    state=FAILED,
-                    attempts=attempts,
-                    reason=reason,
-                    job_id=failure.job_id if failure is not None else None,
-                    log=str(store.shard_log_path(run_dir, s.index)),
-                    gave_up=attempts >= max_attempts,
-                )
-            )
-        else:
-            out.append(s)
-    return out, rows, stale
 
 
 def _mtime(path: Path) -> float:
@@ -718,19 +614,16 @@ def render_workers(st: RunStatus) -> list[str]:
             f"{'worker':<22} {'job':<14} {'host':<16} {'state':<11} {'shard':>5} {'sealed':>6}  servers up since",
         ]
         for w in st.workers:
-            since = datetime.fromtimestamp(w["servers_up_since"]).strftime("%H:%M:%S") if w["servers_up_since"] else "-"
-            shard = ",".join(map(str, w.get("current_shards") or [])) or (
-                "-" if w["current_shard"] is None else str(w["current_shard"])
-            )
+            since = datetime.fromtimestamp(w.servers_up_since).strftime("%H:%M:%S") if w.servers_up_since else "-"
             out.append(
-                f"{shown(w['worker_id']):<22} {shown(w['job_id'] or '-'):<14} {shown(w['host']):<16} "
-                f"{shown(w['state']):<11} {shard:>5} {w['sealed']:>6}  {since}"
-                + (f" ({shown(w['exit_reason'])})" if w["state"] == "failed" else "")
+                f"{shown(w.worker_id):<22} {shown(w.job_id or '-'):<14} {shown(w.host):<16} "
+                f"{shown(w.state):<11} {w.holding:>5} {w.sealed:>6}  {since}"
+                + (f" ({shown(w.exit_reason)})" if w.state == FAILED else "")
             )
     for c in st.stale_claims:
         out.append(
-            f"stale claim: shard {c['shard']} by worker {shown(c['worker_id'])} (job {shown(c['job_id'])}, host "
-            f"{shown(c['host'])}, pid {c['pid']}): no heartbeat for {c['age_s']:.0f} s; the next worker to look takes it over"
+            f"stale claim: shard {c.shard} by worker {shown(c.worker_id)} (job {shown(c.job_id)}, host "
+            f"{shown(c.host)}, pid {c.pid}): no heartbeat for {c.age_s:.0f} s; the next worker to look takes it over"
         )
     return out
 

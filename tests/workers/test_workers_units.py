@@ -18,7 +18,7 @@ from shardrun.launch import after_workers, status, submission, warm_workers
 from shardrun.rundir import records, store
 from shardrun.rundir.records import Seal, WorkerState
 from shardrun.shard import processes
-from shardrun.workers import claims, worker
+from shardrun.workers import claims, worker, worker_view
 from tests import builders
 
 
@@ -137,9 +137,9 @@ def test_status_shows_workers_claims_and_stale_claims(tmp_path: Path) -> None:
     assert by[1].state == status.RUNNING and by[1].reason.startswith("worker w-live") and by[1].job_id == str(me)
     assert by[2].state == status.PENDING and "stale claim of worker w-dead" in by[2].reason
     assert by[3].state == status.FAILED and by[3].gave_up and by[3].reason == "ShardFailed: boom"
-    assert [w["worker_id"] for w in st.workers] == ["w-live"]
-    assert st.workers[0]["state"] == worker.COLLECTING and st.workers[0]["current_shard"] == 1
-    assert [c["shard"] for c in st.stale_claims] == [2] and st.stale_claims[0]["worker_id"] == "w-dead"
+    assert [w.worker_id for w in st.workers] == ["w-live"]
+    assert st.workers[0].state == worker.COLLECTING and st.workers[0].current_shards == [1] and st.workers[0].live
+    assert [c.shard for c in st.stale_claims] == [2] and st.stale_claims[0].worker_id == "w-dead"
     text = status.render(st)
     assert "w-live" in text and "stale claim: shard 2 by worker w-dead" in text
     assert "worker GPU-hours" in text and st.worker_cost["workers"] == 1
@@ -149,7 +149,7 @@ def test_status_shows_workers_claims_and_stale_claims(tmp_path: Path) -> None:
     state.job_id, state.pid_start = "99999999", -1
     records.write_worker_state(run.run_dir, state)
     st = status.collect(run.run_dir)
-    assert st.workers[0]["state"] == "gone"
+    assert st.workers[0].state == "gone" and not st.workers[0].live
     assert {s.index: s.state for s in st.shards}[2] == status.FAILED
 
 
@@ -180,7 +180,18 @@ def test_progress_view_renders_workers_with_rich(tmp_path: Path) -> None:
     run = builders.make_run(tmp_path, builders.input_rows(4), num_shards=2)
     st = status.collect(run.run_dir)
     st.workers.append(
-        {"worker_id": "w7", "job_id": "77_1", "host": "node3", "state": "collecting", "current_shard": 1, "sealed": 4}
+        worker_view.WorkerRow(
+            worker_id="w7",
+            job_id="77_1",
+            host="node3",
+            state="collecting",
+            current_shard=1,
+            current_shards=[1],
+            sealed=4,
+            servers_up_since=None,
+            server_starts=1,
+            exit_reason=None,
+        )
     )
     console = Console(record=True, width=120, force_terminal=True)
     console.print(progress.view(st))

@@ -12,6 +12,8 @@ import tomllib
 from collections import defaultdict
 from pathlib import Path
 
+import grimp
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "shardrun"
 ARCHITECTURE = REPO / "docs" / "architecture.md"
@@ -116,72 +118,30 @@ def test_the_import_contract_is_kept():
     assert re.search(r"Contracts: 2 kept, 0 broken", done.stdout), done.stdout
 
 
-def imports_among_modules() -> dict[str, set[str]]:
-    """{module: the shardrun modules it imports}, function-level imports included (`from shardrun.rundir import
-    store` imports the module shardrun.rundir.store)."""
-    modules = {"shardrun." + ".".join(Path(m).with_suffix("").parts) for m in modules_in_code()}
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for module in modules:
-        path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardrun"):
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            graph[module].update(t for t in targets if t in modules and t != module)
-    return graph
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
+def cycles(graph: "grimp.ImportGraph") -> list[tuple[str, ...]]:
+    """Each import that lies on a cycle, with the way back: (importer, imported, ..., importer) (grimp)."""
     found = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            back = graph.find_shortest_chain(importer=imported, imported=importer)
+            if back:
+                found.append((importer, *back))
     return found
 
 
 def test_the_cycle_finder_finds_a_cycle_through_three_modules():
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
-    assert cycles(graph) == [["a", "b", "c"]]
-    assert cycles({"a": {"b"}, "b": set()}) == []
+    graph = grimp.ImportGraph()
+    for importer, imported in [("a", "b"), ("b", "c"), ("c", "a"), ("d", "a")]:
+        graph.add_import(importer=importer, imported=imported)
+    graph.add_module("e")
+    assert cycles(graph) == [("a", "b", "c", "a"), ("b", "c", "a", "b"), ("c", "a", "b", "c")]
+    acyclic = grimp.ImportGraph()
+    acyclic.add_import(importer="a", imported="b")
+    assert cycles(acyclic) == []
 
 
 def test_no_module_imports_one_that_imports_it_back():
-    """No import cycle among shardrun's modules, at any depth, function-level imports included (a cycle hidden
-    inside a function is still one): e.g. rundir/store.py imports records.py, never the other way round."""
-    assert not cycles(imports_among_modules())
+    """No import cycle among shardrun's modules, at any depth, function-level imports included (grimp reads those
+    too: a cycle hidden inside a function is still one): e.g. rundir/store.py imports records.py, never the other
+    way round."""
+    assert not cycles(grimp.build_graph("shardrun"))

@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardrun.core import config
-from shardrun.rundir import seal
 from shardrun.launch import scheduler
 from shardrun.launch import status
 from shardrun.rundir import store
 from shardrun.shard import processes
+from tests import builders
 
 
 def make_run(tmp_path: Path, num_tasks: int = 12, repeats: int = 2, shards: int = 6) -> tuple[Path, object]:
@@ -60,24 +60,17 @@ def write_rollouts(run_dir: Path, plan, i: int, n: int, torn: bool = False, fail
 def seal_shard(run_dir: Path, plan, i: int, gpus: int = 2, hours: float = 0.5) -> None:
     planned = plan.shards[i].num_rollouts
     write_rollouts(run_dir, plan, i, planned)
-    path = store.rollouts_path(run_dir, i)
-    marker = seal.make_marker(
-        plan,
+    builders.seal_shard(
+        run_dir,
         i,
-        num_rollouts=planned,
-        num_failed=0,
-        rollouts_sha256=store.sha256_file(path),
-        rollouts_bytes=path.stat().st_size,
+        plan=plan,
         started_at=1000.0,
         finished_at=1000.0 + hours * 3600 / gpus,
         host="h",
         job_id="7_0",
-        attempt=1,
-        server_wait_s=1.0,
         collect_s=2.0,
         gpus=gpus,
     )
-    seal.write_marker(run_dir, i, marker)
 
 
 def record(run_dir: Path, jobs: dict[int, str], **kw) -> None:

@@ -57,7 +57,7 @@ def write_rollouts(run_dir: Path, plan, i: int, n: int, torn: bool = False, fail
         store.failures_path(run_dir, i).write_bytes(b'{"_ng_task_index": 1, "error": "x"}\n' * failed)
 
 
-def seal_shard(run_dir: Path, plan, i: int, gpus: int = 2, hours: float = 0.5) -> None:
+def complete_and_seal(run_dir: Path, plan, i: int, gpus: int = 2, hours: float = 0.5) -> None:
     planned = plan.shards[i].num_rollouts
     write_rollouts(run_dir, plan, i, planned)
     builders.seal_shard(
@@ -97,8 +97,8 @@ def no_sacct(ids):
 
 def test_states_counts_and_reasons(tmp_path):
     run_dir, plan = make_run(tmp_path)
-    seal_shard(run_dir, plan, 0)
-    seal_shard(run_dir, plan, 1)
+    complete_and_seal(run_dir, plan, 0)
+    complete_and_seal(run_dir, plan, 1)
     write_rollouts(run_dir, plan, 2, 2, torn=True)  # running, torn tail not counted
     write_rollouts(run_dir, plan, 4, 1, failed=1)  # failed, one rollout and one failed rollout recorded
     store.atomic_write_json(
@@ -166,7 +166,7 @@ def test_failure_reason_from_sacct_and_gave_up(tmp_path):
 
 def test_marker_of_another_plan_is_not_sealed(tmp_path):
     run_dir, plan = make_run(tmp_path, shards=2)
-    seal_shard(run_dir, plan, 0)
+    complete_and_seal(run_dir, plan, 0)
     marker = orjson.loads(store.done_path(run_dir, 0).read_bytes())
     marker["plan_fingerprint"] = "0" * 64
     store.atomic_write_json(store.done_path(run_dir, 0), marker)
@@ -251,7 +251,7 @@ def test_squeue_unavailable_is_a_warning(tmp_path):
 def test_complete_run(tmp_path):
     run_dir, plan = make_run(tmp_path, shards=3)
     for i in range(3):
-        seal_shard(run_dir, plan, i)
+        complete_and_seal(run_dir, plan, i)
     st = status.collect(run_dir, query_live=squeue(""), query_ended=no_sacct)
     assert st.complete and st.done == st.planned and st.eta_s is None
     assert "100.0%" in status.render(st)
@@ -266,7 +266,7 @@ def test_progress_bar():
 
 def test_cli_status_json_and_watch(tmp_path):
     run_dir, plan = make_run(tmp_path, shards=2)
-    seal_shard(run_dir, plan, 0)
+    complete_and_seal(run_dir, plan, 0)
     shardrun = [sys.executable, "-m", "shardrun.cli"]
     out = subprocess.run(shardrun + ["status", str(run_dir), "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

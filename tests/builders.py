@@ -10,6 +10,10 @@ A rollout row is what `ng_collect_rollouts` writes: the resources server's verif
 `response` with `output` text and `usage`, `reward`, server fields such as `library_reward`/`extracted_answer`)
 plus `_ng_task_index`, `_ng_rollout_index` and `agent_ref`. Values are a pure function of the identity, so tests can
 recompute them. `seal_shard` writes a valid `.done` marker via shardrun.rundir.seal.
+
+The one writer of run config files is here too (`write_config`; a `Stack` holds a test area's defaults for runs
+against a real Gym stack and the stand-in policy), as is the one writer of seals (`seal_shard`): docs/architecture.md,
+Tests.
 """
 
 from __future__ import annotations

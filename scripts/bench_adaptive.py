@@ -40,9 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import yaml
 
 from shardrun.rundir import store
+from tests import builders
 from tests.fakes import harness
 
 RULES = {"drop_solved": True, "drop_unsolved": True}
@@ -76,26 +76,23 @@ def write_input(path: Path, tasks: int) -> None:
 
 
 def write_config(tmp: Path, name: str, url: str, args: argparse.Namespace, gym_venv: Path, adaptive: bool) -> Path:
-    data = {
-        "input_jsonl": str(tmp / "input.jsonl"),
-        "run_dir": str(tmp / name),
-        "num_repeats": args.repeats,
-        "sharding": {"num_shards": max(1, args.repeats // args.wave)},
-        "gym": {
+    return builders.write_config(
+        tmp / f"{name}.yaml",
+        tmp / "input.jsonl",
+        tmp / name,
+        repeats=args.repeats,
+        shards=max(1, args.repeats // args.wave),
+        gym={
             "config_paths": harness.CONFIG_PATHS,
             "venv": str(gym_venv),
             "num_samples_in_parallel": args.parallel_rollouts,
             "stall_timeout_s": 600,
             "ready_timeout_s": 900,
         },
-        "policy": {"base_url": url, "model_name": "fake-model", "api_key_env": harness.API_KEY_ENV},
-        "cluster": {"executor": "local", "workers": args.workers, "array_parallelism": args.workers},
-    }
-    if adaptive:
-        data["sampling"] = {"stop_when_decided": RULES, "wave": args.wave}
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+        policy={"base_url": url, "model_name": "fake-model", "api_key_env": harness.API_KEY_ENV},
+        cluster={"executor": "local", "workers": args.workers, "array_parallelism": args.workers},
+        **({"sampling": {"stop_when_decided": RULES, "wave": args.wave}} if adaptive else {}),
+    )
 
 
 def shardrun(*argv: str, cwd: Path) -> str:

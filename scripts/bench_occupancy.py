@@ -45,10 +45,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import yaml
 
 from shardrun.core.config import CollectorConfig
 from shardrun.rundir import records
+from tests import builders
 from tests.fakes import harness
 from tests.faults import gymkit
 
@@ -72,35 +72,30 @@ def write_config(tmp: Path, shards: int, depth: int, args: argparse.Namespace, g
         f"--answer-log={tmp / 'answers.jsonl'}",
         "--correct-share=0.5",
     ]
-    data = {
-        "input_jsonl": str(tmp / "input.jsonl"),
-        "run_dir": str(tmp / "run"),
-        "num_repeats": repeats,
-        "sharding": {"num_shards": shards},
-        "gym": {
+    return builders.write_config(
+        tmp / "run.yaml",
+        tmp / "input.jsonl",
+        tmp / "run",
+        repeats=repeats,
+        shards=shards,
+        gym={
             "config_paths": gymkit.CONFIG_PATHS,
             "venv": str(gym_venv),
             "num_samples_in_parallel": args.slots,
             "stall_timeout_s": 600,
             "ready_timeout_s": 900,
         },
-        "policy": {
+        policy={
             "api_key_env": harness.API_KEY_ENV,
             "vllm": {"model": "stand-in", "served_model_name": "fake-model", "command": stand_in},
         },
-        "cluster": {
-            "executor": "local",
-            "workers": 1,
-        },
-        "collector": {
+        cluster={"executor": "local", "workers": 1},
+        collector={
             "pipeline_shards": max(depth, 1),
             "service": depth > 0,  # 0: the behaviour before #22, a collector process per shard
             "rollouts_per_slot": args.rollouts_per_slot,  # the service's; a collector process has slots rollouts
         },
-    }
-    path = tmp / "run.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    )
 
 
 ROLES = (  # what a process is, by a word of its command line; the first that matches names it

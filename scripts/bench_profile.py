@@ -39,8 +39,8 @@ sys.path.insert(0, str(REPO))
 
 from shardrun.core import config
 from shardrun.plan import planner
-from shardrun.rundir import seal
 from shardrun.rundir import store
+from tests import builders
 
 GYM_VENV = Path(os.environ.get("SHARDRUN_GYM_VENV", Path.home() / ".cache" / "shardrun" / "gym-venv"))
 TEXT = (
@@ -137,25 +137,17 @@ def write_rollouts(path: Path, ordinals: np.ndarray, repeats: int, seed: int) ->
 
 
 def seal_all(plan: planner.Plan, run_dir: Path) -> None:
-    for spec in plan.shards:
-        path = store.rollouts_path(run_dir, spec.index)
-        marker = seal.make_marker(
-            plan,
+    for spec in plan.shards:  # the tests' one writer of seals, an hour's collection each
+        builders.seal_shard(
+            run_dir,
             spec.index,
-            num_rollouts=spec.num_rollouts,
-            num_failed=0,
-            rollouts_sha256=store.sha256_file(path),
-            rollouts_bytes=path.stat().st_size,
+            plan=plan,
             started_at=0.0,
             finished_at=3600.0,
             host="bench",
-            job_id=None,
-            attempt=1,
             server_wait_s=0.0,
             collect_s=3600.0,
-            gpus=1,
         )
-        seal.write_marker(run_dir, spec.index, marker)
 
 
 def build(tmp: Path, rollouts: int, repeats: int, shards: int, slicing: str) -> Path:

@@ -44,10 +44,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import yaml
 
 from shardrun.rundir import store
 from shardrun.workers import worker
+from tests import builders
 from tests.fakes import harness
 from tests.faults import gymkit
 
@@ -68,19 +68,20 @@ def write_config(tmp: Path, mode: str, args: argparse.Namespace, gym_venv: Path)
         f"--delay={args.policy_delay_s:g}",
         "--correct-share=0.5",
     ]
-    data = {
-        "input_jsonl": str(tmp / "input.jsonl"),
-        "run_dir": str(tmp / "run"),
-        "num_repeats": args.repeats,
-        "sharding": {"num_shards": args.shards},
-        "gym": {
+    return builders.write_config(
+        tmp / "run.yaml",
+        tmp / "input.jsonl",
+        tmp / "run",
+        repeats=args.repeats,
+        shards=args.shards,
+        gym={
             "config_paths": gymkit.CONFIG_PATHS,
             "venv": str(gym_venv),
             "num_samples_in_parallel": args.parallel_rollouts,
             "stall_timeout_s": 600,
             "ready_timeout_s": 900,
         },
-        "policy": {
+        policy={
             "api_key_env": harness.API_KEY_ENV,
             "vllm": {
                 "model": "stand-in",
@@ -89,15 +90,12 @@ def write_config(tmp: Path, mode: str, args: argparse.Namespace, gym_venv: Path)
                 "ready_timeout_s": args.policy_startup_s + 600,
             },
         },
-        "cluster": {
+        cluster={
             "executor": "local",
             "array_parallelism": args.parallel,
             "workers": args.parallel if mode == "workers" else None,
         },
-    }
-    path = tmp / "run.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    )
 
 
 def stamp(text: str) -> float:

@@ -7,19 +7,25 @@
 #
 # Tests run on $SHARDRUN_TEST_WORKERS pytest-xdist workers (default 2; 0: in this process), tests that share a
 # cluster or a costly fixture on one worker (tests/conftest.py: xdist_group); `-n` among the arguments overrides it.
+# The 25 slowest tests are printed at the end of every run (docs/architecture.md, Tests: the suite's time budget);
+# `--durations` among the arguments overrides it.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 parallel=(-n "${SHARDRUN_TEST_WORKERS:-2}" --dist loadgroup)
+durations=(--durations=25)
 for arg in "$@"; do
-  case "$arg" in -n | -n* | --numprocesses*) parallel=() ;; esac
+  case "$arg" in
+    -n | -n* | --numprocesses*) parallel=() ;;
+    --durations*) durations=() ;;
+  esac
 done
 if [ "${1:-}" = "--fast" ]; then
   shift
   ./scripts/setup.sh project
-  exec .venv/bin/python -m pytest "${parallel[@]}" -m "not gym and not vllm and not slurm and not slow" "$@"
+  exec .venv/bin/python -m pytest "${parallel[@]}" "${durations[@]}" -m "not gym and not vllm and not slurm and not slow" "$@"
 fi
 # gyms: every supported NeMo Gym version (the vs-Gym tests run against each); browser: Chromium and chromedriver
 # (tests/analysis/test_report_browser.py opens a report in it)
 ./scripts/setup.sh project gyms vllm browser
-exec .venv/bin/python -m pytest "${parallel[@]}" "$@"
+exec .venv/bin/python -m pytest "${parallel[@]}" "${durations[@]}" "$@"

@@ -10,14 +10,19 @@ A rollout row is what `ng_collect_rollouts` writes: the resources server's verif
 `response` with `output` text and `usage`, `reward`, server fields such as `library_reward`/`extracted_answer`)
 plus `_ng_task_index`, `_ng_rollout_index` and `agent_ref`. Values are a pure function of the identity, so tests can
 recompute them. `seal_shard` writes a valid `.done` marker via shardrun.rundir.seal.
+
+The one writer of run config files is here too (`write_config`; a `Stack` holds a test area's defaults for runs
+against a real Gym stack and the stand-in policy), as is the one writer of seals (`seal_shard`): docs/architecture.md,
+Tests.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -50,31 +55,90 @@ def arith_input(path: Path, rows: int) -> Path:
     return path
 
 
-def write_gym_config(
+TOOL_CALL_AGENT = "example_single_tool_call_simple_agent"
+GYM_CONFIG_PATHS = [
+    "resources_servers/math_with_judge/configs/math_with_judge.yaml",
+    "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
+    "responses_api_models/vllm_model/configs/vllm_model.yaml",
+]
+MATH_CONFIG_PATHS = [p for p in GYM_CONFIG_PATHS if "example_single_tool_call" not in p]  # the quickest real stack
+
+
+def gym_config_paths(input_jsonl: Path) -> list[str]:
+    """The Gym servers an input needs: the tool-call environment only where a row names its agent (its three idle
+    servers cost a Gym 0.7 stack start about 12 s on 2 cores)."""
+    rows = (json.loads(line) for line in Path(input_jsonl).read_text().splitlines() if line.strip())
+    if any(row.get("agent_ref", {}).get("name") == TOOL_CALL_AGENT for row in rows):
+        return GYM_CONFIG_PATHS
+    return MATH_CONFIG_PATHS
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A test area's defaults for runs against a real Gym stack and the stand-in policy server (tests/fakes): the
+    runtime tests' (tests/fakes/harness.py), the fault suite's (tests/faults/gymkit.py), the local Slurm's
+    (tests/slurm/slurm_helpers.py). Each key of `gym` and `cluster` is a default a caller's own dict overrides;
+    config_paths None: the servers the input needs (gym_config_paths)."""
+
+    api_key_env: str
+    gym: dict[str, Any]
+    cluster: dict[str, Any]
+    repeats: int = 2
+    shards: int = 1
+    config_paths: list[str] | None = None
+
+    def but(self, *, gym: dict[str, Any] | None = None, cluster: dict[str, Any] | None = None, **fields: Any) -> Stack:
+        """These defaults with some changed (gym and cluster merged key by key)."""
+        return replace(self, gym=self.gym | (gym or {}), cluster=self.cluster | (cluster or {}), **fields)
+
+
+def write_config(
     path: Path,
     input_jsonl: Path,
     run_dir: Path,
-    policy_url: str,
+    policy_url: str | None = None,
     *,
-    repeats: int,
-    shards: int,
-    config_paths: list[str],
-    api_key_env: str,
-    gym: dict[str, Any],
-    cluster: dict[str, Any],
+    stack: Stack | None = None,
+    repeats: int | dict[str, int] | None = None,
+    shards: int | None = None,
+    gym: dict[str, Any] | None = None,
+    cluster: dict[str, Any] | None = None,
+    policy: dict[str, Any] | None = None,
+    config_paths: list[str] | None = None,
+    api_key_env: str | None = None,
+    as_json: bool = False,
+    **settings: Any,
 ) -> Path:
-    """A run config (YAML) for a real Gym stack against the stand-in model server (tests/fakes): the one writer the
-    harness, the fault, Slurm and worker tests share; each passes its own gym and cluster settings."""
-    data = {
+    """A run config file: the one writer every test and benchmark shares.
+
+    Without `stack`: input_jsonl, run_dir, num_repeats (default 2), sharding.num_shards where `shards` is given, the
+    gym, policy and cluster sections as given. With `stack` (a run against a real Gym stack and the stand-in policy
+    at policy_url): the stack's defaults under the caller's gym and cluster settings, the servers from
+    config_paths (else the stack's, else those the input needs) and the policy section for the stand-in, with
+    the key in `api_key_env` (default the stack's). `settings` are further top-level keys (they replace a section
+    built here). YAML, or JSON with as_json (JSON is YAML)."""
+    data: dict[str, Any] = {
         "input_jsonl": str(input_jsonl),
         "run_dir": str(run_dir),
-        "num_repeats": repeats,
-        "sharding": {"num_shards": shards},
-        "gym": {"config_paths": config_paths} | gym,
-        "policy": {"base_url": policy_url, "model_name": "fake-model", "api_key_env": api_key_env},
-        "cluster": cluster,
+        "num_repeats": repeats if repeats is not None else stack.repeats if stack else 2,
     }
-    path.write_text(yaml.safe_dump(data))
+    if shards is None and stack:
+        shards = stack.shards
+    if shards is not None:
+        data["sharding"] = {"num_shards": shards}
+    if stack:
+        paths = config_paths or stack.config_paths or gym_config_paths(input_jsonl)
+        gym = {"config_paths": paths} | stack.gym | (gym or {})
+        key_env = api_key_env or stack.api_key_env
+        policy = {"base_url": policy_url, "model_name": "fake-model", "api_key_env": key_env} | (policy or {})
+        cluster = stack.cluster | (cluster or {})
+    elif policy_url is not None or config_paths is not None or api_key_env is not None:
+        raise TypeError("policy_url, config_paths and api_key_env go with a stack")
+    for key, section in (("gym", gym), ("policy", policy), ("cluster", cluster)):
+        if section is not None:
+            data[key] = section
+    data.update(settings)
+    path.write_text(json.dumps(data) if as_json else yaml.safe_dump(data))
     return path
 
 
@@ -309,35 +373,52 @@ def _write_failures(
 
 
 def seal_shard(
-    run: Run,
+    run: Run | Path,
     shard: int,
     *,
+    plan: planner.Plan | None = None,
+    num_rollouts: int | None = None,
     num_failed: int | None = None,
     gpus: int = 1,
     hours: float = 0.5,
-    label_rollouts: list[int] | None = None,
-) -> dict:
-    """Write a valid .done marker for the shard's current rollouts.jsonl (a blend's: with its rollouts per label)."""
-    path = store.rollouts_path(run.run_dir, shard)
-    planned = run.plan.shards[shard].num_rollouts
+    started_at: float | None = None,
+    finished_at: float | None = None,
+    host: str = "testhost",
+    job_id: str | None = None,
+    attempt: int = 1,
+    server_wait_s: float = 1.0,
+    collect_s: float | None = None,
+    **fields: Any,
+) -> seal.Seal:
+    """Write a valid .done marker for the shard's current rollouts.jsonl, as a job seals it: the one writer of
+    seals for tests and benchmarks. `run` is a Run or a run directory (its plan loaded unless `plan` is given).
+    Counts: num_failed (default 0) and num_rollouts (default the planned rollouts less the failed). Times: ending
+    now (or finished_at), `hours` long (or from started_at), collecting all but 1 s of it (or collect_s). `fields`
+    go to seal.make_marker as they are (extra accounting, label_rollouts, skipped tasks of an adaptive run)."""
+    if isinstance(run, Path):
+        run_dir, plan = run, plan or store.load_plan(run)
+    else:  # a Run (of this module, or of `builders` as scripts and reportkit import it)
+        run_dir, plan = run.run_dir, plan or run.plan
+    path = store.rollouts_path(run_dir, shard)
     failed = num_failed if num_failed is not None else 0
-    now = time.time()
+    finished = finished_at if finished_at is not None else time.time()
+    started = started_at if started_at is not None else finished - hours * 3600
     marker = seal.make_marker(
-        run.plan,
+        plan,
         shard,
-        num_rollouts=planned - failed,
+        num_rollouts=num_rollouts if num_rollouts is not None else plan.shards[shard].num_rollouts - failed,
         num_failed=failed,
         rollouts_sha256=store.sha256_file(path),
         rollouts_bytes=path.stat().st_size,
-        started_at=now - hours * 3600,
-        finished_at=now,
-        host="testhost",
-        job_id=None,
-        attempt=1,
-        server_wait_s=1.0,
-        collect_s=hours * 3600 - 1,
+        started_at=started,
+        finished_at=finished,
+        host=host,
+        job_id=job_id,
+        attempt=attempt,
+        server_wait_s=server_wait_s,
+        collect_s=collect_s if collect_s is not None else hours * 3600 - 1,
         gpus=gpus,
-        label_rollouts=label_rollouts,
+        **fields,
     )
-    seal.write_marker(run.run_dir, shard, marker)
+    seal.write_marker(run_dir, shard, marker)
     return marker

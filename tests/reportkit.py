@@ -8,12 +8,10 @@ Rewards are a pure function of (task, rollout) so tests know every expected stat
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
 import orjson
-import yaml
 
 import builders
 from shardrun.core import config
@@ -45,16 +43,9 @@ def planned_run(
     tmp: Path, rows: list[Any], num_repeats: Any = 4, num_shards: int = 3, cluster: dict | None = None
 ) -> tuple[Path, config.RunConfig]:
     inp = write_input(tmp / "input.jsonl", rows)
-    data = {
-        "input_jsonl": str(inp),
-        "run_dir": str(tmp / "run"),
-        "num_repeats": num_repeats,
-        "sharding": {"num_shards": num_shards},
-    }
-    if cluster:
-        data["cluster"] = cluster
-    cfg_path = tmp / "run.yaml"
-    cfg_path.write_text(yaml.safe_dump(data))
+    cfg_path = builders.write_config(
+        tmp / "run.yaml", inp, tmp / "run", repeats=num_repeats, shards=num_shards, cluster=cluster or None
+    )
     cfg = config.load(cfg_path)
     store.write_plan(cfg)
     return cfg.run_dir, cfg
@@ -117,13 +108,12 @@ def seal_shards(
         if s.index in unsealed:
             continue
         start = t0 + 600 * s.index
-        marker = seal.make_marker(
-            plan,
+        marker = builders.seal_shard(
+            run_dir,
             s.index,
+            plan=plan,
             num_rollouts=len(out),
             num_failed=len(rows) - len(out),
-            rollouts_sha256=hashlib.sha256(data).hexdigest(),
-            rollouts_bytes=len(data),
             started_at=start,
             finished_at=start + 1800 + 60 * s.index,
             host=f"node{s.index}",
@@ -138,7 +128,6 @@ def seal_shards(
                 "total_tokens": sum(o["response"]["usage"]["total_tokens"] for o in out),
             },
         )
-        seal.write_marker(run_dir, s.index, marker)
         markers.append(marker)
     return markers
 
@@ -165,23 +154,18 @@ def collect_shard(run_dir: Path, index: int, reward: Callable[[int, int], float]
     ]
     data = b"".join(orjson.dumps(o) + b"\n" for o in out)
     store.rollouts_path(run_dir, index).write_bytes(data)
-    marker = seal.make_marker(
-        plan,
+    marker = builders.seal_shard(
+        run_dir,
         index,
+        plan=plan,
         num_rollouts=len(out),
         num_failed=0,
-        rollouts_sha256=hashlib.sha256(data).hexdigest(),
-        rollouts_bytes=len(data),
         started_at=0.0,
         finished_at=1.0,
         host="h",
-        job_id=None,
-        attempt=1,
         server_wait_s=0.0,
         collect_s=1.0,
-        gpus=1,
         skipped_decided_tasks=sorted({t for t, _ in skip}),
         num_skipped_decided=len(skip),
     )
-    seal.write_marker(run_dir, index, marker)
     return marker.to_json()  # as the seal holds it on disk

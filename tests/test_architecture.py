@@ -145,3 +145,33 @@ def test_no_module_imports_one_that_imports_it_back():
     too: a cycle hidden inside a function is still one): e.g. rundir/store.py imports records.py, never the other
     way round."""
     assert not cycles(grimp.build_graph("shardrun"))
+
+
+TESTS = REPO / "tests"
+ONE_WRITER = {  # what the shared test helpers write once (docs/architecture.md, Tests): name -> the module defining it
+    "write_config": "builders.py",
+    "seal_shard": "builders.py",
+    "fake_policy": "fakes/harness.py",
+    "free_port": "ports.py",
+}
+SEAL_CALLS = {"make_marker", "write_marker"}
+SEAL_CALLS_ALLOWED = {
+    "builders.py",  # the one writer of seals
+    "rundir/test_cost.py",  # the cost of a marker it builds in memory: no seal written
+    "rundir/test_seal_aside.py",  # writes back a seal the writer made (the shard sealed again)
+}
+
+
+def test_the_shared_test_helpers_have_one_writer_each():
+    """A run config, the stand-in policy, a free port and a seal each have one definition in the shared helpers;
+    an area binds it to its defaults (functools.partial), it never writes a second."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        where = path.relative_to(TESTS).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and ONE_WRITER.get(node.name, where) != where:
+                found.append(f"{where}:{node.lineno} defines {node.name} (the one is in tests/{ONE_WRITER[node.name]})")
+            called = node.func.attr if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+            if called in SEAL_CALLS and where not in SEAL_CALLS_ALLOWED:
+                found.append(f"{where}:{node.lineno} calls seal.{called} (seal through builders.seal_shard)")
+    assert found == []

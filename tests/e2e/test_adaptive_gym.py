@@ -183,8 +183,8 @@ def test_a_worker_killed_mid_way(world, tmp_path: Path) -> None:
             "claim_heartbeat_s": 1,
             "claim_lease_s": 10,
             "max_attempts": 3,
-            "pipeline_shards": 1,
         }
+        data["collector"] = {"pipeline_shards": 1}
         cfg.write_text(yaml.safe_dump(data))
         run_dir = tmp / "killed"
         proc = subprocess.Popen(

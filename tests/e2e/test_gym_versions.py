@@ -13,13 +13,13 @@ from pathlib import Path
 
 import orjson
 import pytest
-import yaml
 
 from shardrun.core.errors import BadInput, PlanMismatch
 from shardrun.launch import status, submission
 from shardrun.rundir import env_manifest, store
 from shardrun.core import gym_adapter
 from shardrun.shard import runtime
+from tests import builders
 from tests.builders import input_rows
 
 CONFIG = "resources_servers/toy/configs/toy.yaml"
@@ -41,20 +41,18 @@ def stand_in_venv(root: Path, version: str) -> Path:
     return venv
 
 
-def write_config(tmp: Path, venv: Path, **policy) -> Path:
+def config_file(tmp: Path, venv: Path, **policy) -> Path:
+    """A 2-shard run of 4 tasks with the Gym venv `venv` (one server config, one override) and these policy settings."""
     src = tmp / "input.jsonl"
     src.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in input_rows(4)))
-    data = {
-        "input_jsonl": str(src),
-        "run_dir": str(tmp / "run"),
-        "num_repeats": 2,
-        "sharding": {"num_shards": 2},
-        "gym": {"venv": str(venv), "config_paths": [CONFIG], "overrides": ["+a=1"]},
-        "policy": {"base_url": "http://127.0.0.1:9/v1", "model_name": "m1"} | policy,
-    }
-    path = tmp / "run.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return builders.write_config(
+        tmp / "run.yaml",
+        src,
+        tmp / "run",
+        shards=2,
+        gym={"venv": str(venv), "config_paths": [CONFIG], "overrides": ["+a=1"]},
+        policy={"base_url": "http://127.0.0.1:9/v1", "model_name": "m1"} | policy,
+    )
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -67,7 +65,7 @@ def launched(tmp: Path, venv: Path) -> tuple[Path, Path]:
     """A planned run whose first launch saved its settings and manifest (what submit does before launching)."""
     from shardrun.core import config as config_mod
 
-    cfg_path = write_config(tmp, venv)
+    cfg_path = config_file(tmp, venv)
     done = cli("plan", str(cfg_path), "--write", cwd=tmp)
     assert done.returncode == 0, done.stderr
     cfg = config_mod.load(cfg_path, [])
@@ -148,7 +146,7 @@ def test_the_manifest_never_holds_the_key(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setenv("SHARDRUN_TEST_KEY_NAME", "sk-not-in-any-file-1234567890")
     cfg = config_mod.load(
-        write_config(tmp_path, stand_in_venv(tmp_path, "0.4.0"), api_key_env="SHARDRUN_TEST_KEY_NAME"), []
+        config_file(tmp_path, stand_in_venv(tmp_path, "0.4.0"), api_key_env="SHARDRUN_TEST_KEY_NAME"), []
     )
     text = orjson.dumps(env_manifest.build(cfg)).decode()
     assert "SHARDRUN_TEST_KEY_NAME" in text and "sk-not-in-any-file" not in text
@@ -157,7 +155,7 @@ def test_the_manifest_never_holds_the_key(tmp_path: Path, monkeypatch) -> None:
 def test_check_gym_version_of_a_launch(tmp_path: Path) -> None:
     from shardrun.core import config as config_mod
 
-    cfg = config_mod.load(write_config(tmp_path, stand_in_venv(tmp_path, "0.7.0")), [])
+    cfg = config_mod.load(config_file(tmp_path, stand_in_venv(tmp_path, "0.7.0")), [])
     plan = store.scan_input(cfg)
     assert plan.gym_version == "0.7.0" and type(gym_adapter.for_version(plan.gym_version)).__name__ == "GymV07"
     submission.check_gym_version(cfg, plan)

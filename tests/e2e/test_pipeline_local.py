@@ -70,7 +70,14 @@ def test_the_next_shard_s_requests_start_before_the_last_request_of_the_previous
     with harness.fake_policy(
         tmp_path, "--answer-log", str(answer_log), "--fault", f"hold:match={held},times=1"
     ) as fake:
-        cfg_path = write_config(tmp_path, input_jsonl, run_dir, fake.base_url, workers=1, pipeline_shards=2)
+        cfg_path = write_config(
+            tmp_path / "run.yaml",
+            input_jsonl,
+            run_dir,
+            fake.base_url,
+            cluster={"workers": 1},
+            collector={"pipeline_shards": 2},
+        )
         proc = submit(cfg_path, tmp_path)
         try:
             wait_for("shard 0's request held in the model", lambda: [r for r in fake.requests() if r["fault"]])
@@ -117,7 +124,14 @@ def test_the_rollouts_beyond_the_policy_s_slots_run_up_to_its_gate(tmp_path: Pat
     with harness.fake_policy(
         tmp_path, "--answer-log", str(answer_log), "--fault", f"hold:match={held},times=2"
     ) as fake:
-        cfg_path = write_config(tmp_path, input_jsonl, run_dir, fake.base_url, workers=1, pipeline_shards=3)
+        cfg_path = write_config(
+            tmp_path / "run.yaml",
+            input_jsonl,
+            run_dir,
+            fake.base_url,
+            cluster={"workers": 1},
+            collector={"pipeline_shards": 3},
+        )
         proc = submit(cfg_path, tmp_path)
         try:
             wait_for("both slots held in the model", lambda: len([r for r in fake.requests() if r["fault"]]) == 2)
@@ -154,7 +168,14 @@ def test_a_worker_sigkilled_with_two_shards_in_flight_loses_nothing(tmp_path: Pa
     held = [question_of(input_jsonl, t) for t in range(4, SHARDS)]
     faults = [arg for q in held for arg in ("--fault", f"hold:match={q},times=1")]
     with harness.fake_policy(tmp_path, *faults) as fake:
-        cfg_path = write_config(tmp_path, input_jsonl, run_dir, fake.base_url, workers=2, pipeline_shards=2)
+        cfg_path = write_config(
+            tmp_path / "run.yaml",
+            input_jsonl,
+            run_dir,
+            fake.base_url,
+            cluster={"workers": 2},
+            collector={"pipeline_shards": 2},
+        )
         proc = submit(cfg_path, tmp_path)
         try:
 

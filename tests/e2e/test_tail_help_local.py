@@ -64,7 +64,8 @@ def plan_two_shards(tmp_path: Path, fake: harness.FakePolicy) -> tuple[Path, Pat
         repeats=REPEATS,
         shards=2,
         api_key_env=harness.API_KEY_ENV,
-        cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "pipeline_shards": 1},
+        cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10},
+        collector={"pipeline_shards": 1},
     )
     plan = subprocess.run(
         [sys.executable, "-m", "shardrun.cli", "plan", str(cfg_path), "--write"],

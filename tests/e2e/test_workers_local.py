@@ -10,6 +10,7 @@ seam we do not own).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from shardrun.core import config
 from shardrun.rundir import records, store
 from shardrun.shard import gym_stack
 from shardrun.workers import worker
+from tests import builders
 from tests.fakes import harness
 from tests.faults import gymkit
 from tests.e2e.test_e2e_local import REPEATS, essentials, profile_rows, rows, unsharded_reference
@@ -34,18 +36,15 @@ pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(900)]
 SHARDS = 8
 
 
-def write_config(tmp: Path, input_jsonl: Path, run_dir: Path, url: str, **cluster) -> Path:
-    return gymkit.write_config(
-        tmp / "run.yaml",
-        input_jsonl,
-        run_dir,
-        url,
-        repeats=REPEATS,
-        shards=SHARDS,
-        api_key_env=harness.API_KEY_ENV,
-        gym={"max_rollout_attempts": 3},
-        cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "max_attempts": 3} | cluster,
-    )
+# 2 warm workers over 8 shards, a claim's lease 10 s; the fault suite's stack with the runtime tests' key
+STACK = gymkit.STACK.but(
+    api_key_env=harness.API_KEY_ENV,
+    repeats=REPEATS,
+    shards=SHARDS,
+    gym={"max_rollout_attempts": 3},
+    cluster={"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "max_attempts": 3},
+)
+write_config = functools.partial(builders.write_config, stack=STACK)
 
 
 def submit(cfg_path: Path, cwd: Path, *extra: str) -> subprocess.Popen:
@@ -79,7 +78,7 @@ def test_two_workers_over_eight_shards_equal_one_unsharded_gym_run(tmp_path: Pat
     input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=SHARDS)
     run_dir = tmp_path / "run"
     with harness.fake_policy(tmp_path, "--correct-share", "0.5") as fake:
-        cfg_path = write_config(tmp_path, input_jsonl, run_dir, fake.base_url)
+        cfg_path = write_config(tmp_path / "run.yaml", input_jsonl, run_dir, fake.base_url)
         proc = submit(cfg_path, tmp_path)
         out, _ = proc.communicate(timeout=800)
         assert proc.returncode == 0, out
@@ -140,7 +139,9 @@ def test_a_sigkilled_worker_s_shard_is_taken_over_after_the_lease(tmp_path: Path
     with harness.fake_policy(tmp_path, "--fault", f"hang:match={question},seed=2") as fake:
         # one shard at a time: the killed worker holds only shard 1, so the model answers each rollout once (with
         # two shards in flight the killed one's other requests are asked again: tests/e2e/test_pipeline_local.py)
-        cfg_path = write_config(tmp_path, input_jsonl, run_dir, fake.base_url, pipeline_shards=1)
+        cfg_path = write_config(
+            tmp_path / "run.yaml", input_jsonl, run_dir, fake.base_url, collector={"pipeline_shards": 1}
+        )
         proc = submit(cfg_path, tmp_path)
         try:
             # the shard's third rollout hangs in the model: its worker is in the middle of the shard
@@ -187,7 +188,13 @@ def test_a_worker_whose_servers_keep_dying_restarts_them_then_exits_non_zero(
     the policy dies again, and the worker exits non-zero with its claim released."""
     input_jsonl = gymkit.write_input(tmp_path / "input.jsonl", tasks=2)
     run_dir = tmp_path / "run"
-    cfg_path = write_config(tmp_path, input_jsonl, run_dir, "http://unused/v1", workers=1, max_server_restarts=1)
+    cfg_path = write_config(
+        tmp_path / "run.yaml",
+        input_jsonl,
+        run_dir,
+        "http://unused/v1",
+        cluster={"workers": 1, "max_server_restarts": 1},
+    )
     data = yaml.safe_load(cfg_path.read_text())
     data["sharding"] = {"num_shards": 2}
     data["policy"] = {

@@ -4,11 +4,13 @@ The policy server is a fake at the one seam shardrun does not own (the model); e
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+import signal
 import sys
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -16,24 +18,23 @@ from typing import Iterator
 from shardrun.core import config as config_mod
 from shardrun.shard import processes
 from tests import builders
-from tests.ports import free_port_in
+from tests import ports
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = Path(__file__).resolve().parent / "policy_server.py"
 GYM_SITE_EXAMPLE = "resources_servers/example_single_tool_call/data/example.jsonl"
-CONFIG_PATHS = [
-    "resources_servers/math_with_judge/configs/math_with_judge.yaml",
-    "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
-    "responses_api_models/vllm_model/configs/vllm_model.yaml",
-]
-TOOL_CALL_AGENT = "example_single_tool_call_simple_agent"
+CONFIG_PATHS = builders.GYM_CONFIG_PATHS
+TOOL_CALL_AGENT = builders.TOOL_CALL_AGENT
 API_KEY_ENV = "SHARDRUN_TEST_POLICY_KEY"
 API_KEY = "test-key-not-a-secret"
 
-
-def test_port(offset: int) -> int:
-    """A free port in 21000-21999 (the range these tests may use), spread by pid so parallel sessions differ."""
-    return free_port_in(21000, 22000, (os.getpid() * 7 + offset * 97) % 1000)
+# the runtime, e2e and launch tests' runs: 1 shard x 2 repeats on the local executor, the servers the input needs
+STACK = builders.Stack(
+    api_key_env=API_KEY_ENV,
+    gym={"num_samples_in_parallel": 4, "stall_timeout_s": 120, "ready_timeout_s": 300},
+    cluster={"executor": "local", "array_parallelism": 1},
+)
+write_config = functools.partial(builders.write_config, stack=STACK)
 
 
 class FakePolicy:
@@ -62,20 +63,35 @@ class FakePolicy:
         processes.stop(self.proc, grace=2)
 
 
-@contextmanager
-def fake_policy(tmp: Path, *args: str, offset: int = 0) -> Iterator[FakePolicy]:
-    port = test_port(offset)
+@contextlib.contextmanager
+def fake_policy(
+    tmp: Path,
+    *args: str,
+    ports_from: range = ports.RUNTIME,
+    key: str = API_KEY,
+    tagged: bool = True,
+    ready_timeout: float = 30,
+) -> Iterator[FakePolicy]:
+    """The stand-in policy server (policy_server.py, the fake at the model seam) on a free port of `ports_from`
+    (each test area has its range: tests/ports.py), requiring `key` as the Bearer token, its extra command line
+    `args`; `tagged` False: started without this test's process tag (TAG_ENV), so the test's leftover check
+    does not count it. Stopped on leaving, also when a test froze it (SIGSTOP)."""
+    port = ports.free_port(ports_from)
     log = tmp / f"policy-{port}-requests.jsonl"
+    env = None if tagged else {k: v for k, v in os.environ.items() if k != TAG_ENV}
     proc = processes.start(
-        [sys.executable, str(FAKE), "--port", str(port), "--api-key", API_KEY, "--request-log", str(log), *args],
+        [sys.executable, str(FAKE), "--port", str(port), "--api-key", key, "--request-log", str(log), *args],
         tmp / f"policy-{port}.log",
         name="fake-policy",
+        env=env,
     )
     fake = FakePolicy(proc, port, log)
     try:
-        processes.wait_http(f"http://127.0.0.1:{port}/health", watch=[proc], timeout=30, what="fake policy")
+        processes.wait_http(f"http://127.0.0.1:{port}/health", watch=[proc], timeout=ready_timeout, what="fake policy")
         yield fake
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
         fake.stop()
 
 
@@ -89,41 +105,6 @@ def example_input(path: Path, gym_venv: Path, math_rows: int = 3, weather_rows: 
         rows.append(json.dumps(row))
     path.write_text("".join(r + "\n" for r in rows))
     return path
-
-
-def write_config(
-    path: Path,
-    input_jsonl: Path,
-    run_dir: Path,
-    policy_url: str,
-    *,
-    repeats: int = 2,
-    shards: int = 1,
-    gym: dict | None = None,
-    cluster: dict | None = None,
-    config_paths: list[str] | None = None,
-) -> Path:
-    """The Gym servers are `config_paths`, else those the input's rows need: the tool-call environment only where a
-    row names its agent (its three idle servers cost a Gym 0.7 stack start about 12 s on 2 cores)."""
-    return builders.write_gym_config(
-        path,
-        input_jsonl,
-        run_dir,
-        policy_url,
-        repeats=repeats,
-        shards=shards,
-        config_paths=config_paths or config_paths_for(input_jsonl),
-        api_key_env=API_KEY_ENV,
-        gym={"num_samples_in_parallel": 4, "stall_timeout_s": 120, "ready_timeout_s": 300} | (gym or {}),
-        cluster={"executor": "local", "array_parallelism": 1} | (cluster or {}),
-    )
-
-
-def config_paths_for(input_jsonl: Path) -> list[str]:
-    rows = (json.loads(line) for line in input_jsonl.read_text().splitlines() if line.strip())
-    if any(row.get("agent_ref", {}).get("name") == TOOL_CALL_AGENT for row in rows):
-        return CONFIG_PATHS
-    return [path for path in CONFIG_PATHS if "example_single_tool_call" not in path]
 
 
 def load_config(path: Path, overrides: list[str] | None = None) -> config_mod.RunConfig:

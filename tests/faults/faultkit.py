@@ -8,6 +8,7 @@ model; everything else these tests run (NeMo Gym, submitit, the file system) is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import re
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import orjson
 import pytest
@@ -25,43 +26,17 @@ import pytest
 from shardrun.shard import processes
 from shardrun.rundir import store
 from tests.fakes import harness
-from tests.ports import free_port_in
+from tests import ports
 
 SHARDRUN = [sys.executable, "-m", "shardrun.cli"]
 NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
-PORTS = range(24000, 25000)
 
 # what NeMo Gym itself makes up per call (uuids, clock): the only bytes of a rollout that differ between two runs
 GYM_RANDOM = re.compile(rb'"(id|created_at)":("(resp|msg|rs|fc|call)_[0-9a-f]{32}"|[0-9]+\.[0-9]+)')
 
 
-def free_port() -> int:
-    """A free port in 24000-24999 (this suite's range), spread by pid so parallel sessions differ."""
-    start = (os.getpid() * 7919 + int(time.monotonic() * 1000)) % len(PORTS)
-    return free_port_in(PORTS.start, PORTS.stop, start)
-
-
-@contextlib.contextmanager
-def fake_policy(tmp: Path, *args: str, key: str = harness.API_KEY) -> Iterator[harness.FakePolicy]:
-    """The stand-in policy server (the fake at the model seam), started without this test's process tag; it
-    requires `key` as the Bearer token."""
-    port = free_port()
-    log = tmp / f"policy-{port}-requests.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != harness.TAG_ENV}
-    proc = processes.start(
-        [sys.executable, str(harness.FAKE), "--port", str(port), "--api-key", key, "--request-log", str(log), *args],
-        tmp / f"policy-{port}.log",
-        name="fake-policy",
-        env=env,
-    )
-    fake = harness.FakePolicy(proc, port, log)
-    try:
-        processes.wait_http(f"http://127.0.0.1:{port}/health", watch=[proc], timeout=60, what="fake policy")
-        yield fake
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
-        fake.stop()
+# the stand-in policy server on this suite's ports, started without the test's process tag, its start-up given 60 s
+fake_policy = functools.partial(harness.fake_policy, ports_from=ports.FAULTS, tagged=False, ready_timeout=60)
 
 
 # ---------------------------------------------------------------- processes

@@ -8,6 +8,7 @@ searches every file for it.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -17,10 +18,7 @@ from pathlib import Path
 from shardrun.rundir import store
 from tests import builders
 
-CONFIG_PATHS = [
-    "resources_servers/math_with_judge/configs/math_with_judge.yaml",
-    "responses_api_models/vllm_model/configs/vllm_model.yaml",
-]
+CONFIG_PATHS = builders.MATH_CONFIG_PATHS
 KEY_ENV = "SHARDRUN_FAULTS_POLICY_KEY"
 TASKS = 4
 REPEATS = 4
@@ -42,37 +40,22 @@ def write_input(path: Path, tasks: int = TASKS) -> Path:
     return builders.arith_input(path, tasks)
 
 
-def write_config(
-    path: Path,
-    input_jsonl: Path,
-    run_dir: Path,
-    policy_url: str,
-    *,
-    repeats: int = REPEATS,
-    shards: int = 1,
-    api_key_env: str = KEY_ENV,
-    gym: dict | None = None,
-    cluster: dict | None = None,
-) -> Path:
-    return builders.write_gym_config(
-        path,
-        input_jsonl,
-        run_dir,
-        policy_url,
-        repeats=repeats,
-        shards=shards,
-        config_paths=CONFIG_PATHS,
-        api_key_env=api_key_env,
-        gym={
-            "num_samples_in_parallel": 2,
-            "stall_timeout_s": 120,
-            "ready_timeout_s": 300,
-            "max_rollout_attempts": 2,
-            "health_interval_s": 2,
-        }
-        | (gym or {}),
-        cluster={"executor": "local", "array_parallelism": 1, "max_attempts": 1000} | (cluster or {}),
-    )
+# the fault suite's runs: 4 repeats in 1 shard, the quickest real stack, one retry per rollout, a health check every 2 s,
+# shard attempts without limit (a killed attempt is resumed, however often a test kills it)
+STACK = builders.Stack(
+    api_key_env=KEY_ENV,
+    repeats=REPEATS,
+    config_paths=CONFIG_PATHS,
+    gym={
+        "num_samples_in_parallel": 2,
+        "stall_timeout_s": 120,
+        "ready_timeout_s": 300,
+        "max_rollout_attempts": 2,
+        "health_interval_s": 2,
+    },
+    cluster={"executor": "local", "array_parallelism": 1, "max_attempts": 1000},
+)
+write_config = functools.partial(builders.write_config, stack=STACK)
 
 
 def log_text(run_dir: Path, index: int = 0) -> str:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import orjson
-
 from shardrun.core import config
 from shardrun.rundir import ledger
 from shardrun.rundir import store
@@ -33,11 +31,11 @@ def launch_config(run: builders.Run, *, api_key_env: str | None = None, **cluste
     return config.validate(data)
 
 
-def write_config_file(run: builders.Run, path: Path, *, api_key_env: str | None = None, **cluster) -> Path:
-    """The run's config as a file (what a user passes to `shardrun submit`)."""
-    cfg = launch_config(run, api_key_env=api_key_env, **cluster)
-    path.write_bytes(orjson.dumps(cfg.model_dump(mode="json")))  # JSON is YAML
-    return path
+def launch_config_file(run: builders.Run, path: Path, *, api_key_env: str | None = None, **cluster) -> Path:
+    """The run's launch config (launch_config) as a file, what a user passes to `shardrun submit`."""
+    data = launch_config(run, api_key_env=api_key_env, **cluster).model_dump(mode="json")
+    inp, run_dir, repeats = data.pop("input_jsonl"), data.pop("run_dir"), data.pop("num_repeats")
+    return builders.write_config(path, inp, run_dir, repeats=repeats, as_json=True, **data)
 
 
 def make(tmp: Path, *, tasks: int, shards: int, seal: bool, name: str = "run") -> builders.Run:

@@ -6,7 +6,6 @@ and that no plan.json was written. docs/reliability.md counts these cases.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import orjson
@@ -18,6 +17,7 @@ from shardrun.plan import planner
 from shardrun.rundir import store
 from shardrun.cli import app
 from shardrun.core.errors import BadInput
+from tests import builders
 from tests.planning_helpers import row
 
 runner = CliRunner()
@@ -29,12 +29,11 @@ def write_input(tmp_path: Path, lines: list[bytes]) -> Path:
     return p
 
 
-def write_config(tmp_path: Path, **kw) -> Path:
-    data = {"input_jsonl": str(tmp_path / "input.jsonl"), "run_dir": str(tmp_path / "run"), "num_repeats": 2}
-    data.update(kw)
-    p = tmp_path / "run.yaml"
-    p.write_text(json.dumps(data))  # JSON is YAML
-    return p
+def config_file(tmp_path: Path, **settings) -> Path:
+    """The run config beside input.jsonl (JSON, which is YAML), with these top-level settings."""
+    return builders.write_config(
+        tmp_path / "run.yaml", tmp_path / "input.jsonl", tmp_path / "run", as_json=True, **settings
+    )
 
 
 def good() -> bytes:
@@ -43,7 +42,7 @@ def good() -> bytes:
 
 def plan_fails(tmp_path: Path, lines: list[bytes], *needles: str, **cfg_kw) -> str:
     write_input(tmp_path, lines)
-    cfg_file = write_config(tmp_path, **cfg_kw)
+    cfg_file = config_file(tmp_path, **cfg_kw)
     result = runner.invoke(app, ["plan", str(cfg_file), "--write"])
     assert result.exit_code == 2, result.output
     for needle in needles:
@@ -151,7 +150,7 @@ def test_secret_values_are_refused_in_config(tmp_path):
 
 def test_unknown_cluster_name(tmp_path):
     write_input(tmp_path, [good()])
-    result = runner.invoke(app, ["plan", str(write_config(tmp_path)), "cluster=slurm-exampel", "--write"])
+    result = runner.invoke(app, ["plan", str(config_file(tmp_path)), "cluster=slurm-exampel", "--write"])
     assert result.exit_code == 2
     assert "unknown cluster 'slurm-exampel'" in result.output and "did you mean 'slurm-example'" in result.output
 
@@ -159,12 +158,12 @@ def test_unknown_cluster_name(tmp_path):
 def test_run_dir_that_is_a_file(tmp_path):
     write_input(tmp_path, [good()])
     (tmp_path / "run").write_text("I am a file")
-    result = runner.invoke(app, ["plan", str(write_config(tmp_path)), "--write"])
+    result = runner.invoke(app, ["plan", str(config_file(tmp_path)), "--write"])
     assert result.exit_code == 2 and "run_dir" in result.output and "not a directory" in result.output
 
 
 def test_missing_input_file(tmp_path):
-    result = runner.invoke(app, ["plan", str(write_config(tmp_path))])
+    result = runner.invoke(app, ["plan", str(config_file(tmp_path))])
     assert result.exit_code == 2 and "input file not found" in result.output
 
 
@@ -181,7 +180,7 @@ def test_api_key_env_must_be_a_name(tmp_path):
 
 def test_nothing_is_written_on_bad_input(tmp_path):
     write_input(tmp_path, [good(), b"{broken"])
-    cfg = config.load(write_config(tmp_path))
+    cfg = config.load(config_file(tmp_path))
     with pytest.raises(BadInput):
         store.write_plan(cfg)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").rglob("*.jsonl"))
@@ -194,7 +193,7 @@ def test_a_50_mb_single_line_is_rejected(tmp_path):
 
 def test_input_changed_after_planning_is_refused(tmp_path):
     inp = write_input(tmp_path, [good()])
-    cfg_file = write_config(tmp_path)
+    cfg_file = config_file(tmp_path)
     assert runner.invoke(app, ["plan", str(cfg_file), "--write"]).exit_code == 0
     plan_before = (tmp_path / "run" / "plan.json").read_bytes()
     inp.write_bytes(inp.read_bytes() + orjson.dumps(row(1)) + b"\n")
@@ -205,7 +204,7 @@ def test_input_changed_after_planning_is_refused(tmp_path):
 
 def test_run_dir_planned_with_other_settings_is_refused(tmp_path):
     write_input(tmp_path, [good(), orjson.dumps(row(1))])
-    cfg_file = write_config(tmp_path)
+    cfg_file = config_file(tmp_path)
     assert runner.invoke(app, ["plan", str(cfg_file), "--write"]).exit_code == 0
     result = runner.invoke(app, ["plan", str(cfg_file), "seed_offset=5", "--write"])
     assert result.exit_code == 2 and "seed_offset: 0 -> 5" in result.output

@@ -46,7 +46,7 @@ def test_two_commands_racing_on_one_run_launch_every_shard_once(tmp_path: Path, 
     rounds = 2
     for r in range(rounds):
         run = synthetic.make(tmp_path / f"r{r}", tasks=600, shards=SHARDS, seal=False)
-        cfg = synthetic.write_config_file(run, tmp_path / f"r{r}.yaml")
+        cfg = synthetic.launch_config_file(run, tmp_path / f"r{r}.yaml")
         procs = []
         for k, command in enumerate(pair):
             if k:
@@ -153,7 +153,7 @@ def test_merge_racing_a_late_shard_sees_it_sealed_or_not_never_half(tmp_path: Pa
 
 def test_three_plan_writes_at_once_write_one_plan(tmp_path: Path):
     run = synthetic.make(tmp_path / "a", tasks=600, shards=SHARDS, seal=False)
-    cfg = synthetic.write_config_file(run, tmp_path / "run.yaml")
+    cfg = synthetic.launch_config_file(run, tmp_path / "run.yaml")
     reference = faultkit.tree_bytes(run.run_dir / "shards") | {"plan.json": store.plan_path(run.run_dir).read_bytes()}
     fresh = tmp_path / "fresh"
     for _ in range(4):

@@ -220,7 +220,7 @@ def test_a_seal_only_the_merge_can_refute_is_set_aside_and_resume_seals_the_shar
 def test_hand_edited_plan_json_is_refused_by_every_command(tmp_path: Path, edit: str, reference):
     runs: list = []
     run_dir, kept = half_sealed(tmp_path, runs)
-    cfg = synthetic.write_config_file(runs[0], tmp_path / "run.yaml")
+    cfg = synthetic.launch_config_file(runs[0], tmp_path / "run.yaml")
     original = store.plan_path(run_dir).read_bytes()
     plan = orjson.loads(original)
     if edit == "shard table":

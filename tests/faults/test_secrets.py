@@ -86,7 +86,7 @@ def test_a_server_log_never_gets_the_key_even_when_the_server_prints_it(tmp_path
 
 def test_rendered_sbatch_scripts_hold_the_variable_name_not_the_key(tmp_path: Path, policy_key, monkeypatch):
     run = synthetic.make(tmp_path, tasks=30, shards=3, seal=False)
-    cfg = synthetic.write_config_file(
+    cfg = synthetic.launch_config_file(
         run,
         tmp_path / "run.yaml",
         api_key_env=gymkit.KEY_ENV,
@@ -111,7 +111,7 @@ def test_a_real_slurm_submission_writes_the_key_nowhere(
     """Shards that seal without servers, submitted as a job array to the real local Slurm with the key passed
     through: submitit's sbatch scripts, pickles and job logs, the markers and the merged outputs hold no key."""
     run = synthetic.make(tmp_path, tasks=60, shards=2, seal=False)
-    cfg = synthetic.write_config_file(
+    cfg = synthetic.launch_config_file(
         run,
         tmp_path / "run.yaml",
         api_key_env=gymkit.KEY_ENV,

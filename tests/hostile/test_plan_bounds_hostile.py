@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from hostilekit import invoke, refused
 
+from tests import builders
 from shardrun.core.gym_names import MATERIALIZED, MAX_JSON_DEPTH, MAX_REPEATS, MAX_TASK_INDEX
 
 
@@ -27,20 +27,12 @@ def row(i: int, **extra) -> dict:
     }
 
 
-def write_config(tmp: Path, rows: list[dict] | None = None, **settings) -> Path:
+def config_file(tmp: Path, rows: list[dict] | None = None, **settings) -> Path:
+    """The run config (2 shards) of input.jsonl, which holds `rows` where given; `settings` are top-level keys."""
     inp = tmp / "input.jsonl"
     if rows is not None:
         inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = {
-        "input_jsonl": str(inp),
-        "run_dir": str(tmp / "run"),
-        "num_repeats": 2,
-        "sharding": {"num_shards": 2},
-        **settings,
-    }
-    cfg = tmp / "run.yaml"
-    cfg.write_text(yaml.safe_dump(data))
-    return cfg
+    return builders.write_config(tmp / "run.yaml", inp, tmp / "run", shards=2, **settings)
 
 
 def nested(depth: int) -> object:
@@ -56,7 +48,7 @@ def nested(depth: int) -> object:
 @pytest.mark.parametrize("index", [MAX_TASK_INDEX + 1, 2**63, 2**64 - 1, 2**70])
 def test_a_task_index_the_merge_cannot_hold_is_refused_with_its_line(tmp_path, unchanged, index):
     rows = [row(0, _ng_task_index=0), row(1, _ng_task_index=index)]
-    cfg = write_config(tmp_path, rows)
+    cfg = config_file(tmp_path, rows)
     with unchanged(tmp_path):
         refused(invoke("plan", cfg, "--write"), "input.jsonl:2", "_ng_task_index")
     assert not (tmp_path / "run").exists()
@@ -78,7 +70,7 @@ def measured_plan(cfg: Path) -> tuple[subprocess.CompletedProcess, int]:
 
 def test_a_huge_explicit_task_index_plans_in_memory_that_does_not_depend_on_it(tmp_path):
     # valid but unusual: 2^34 - 1 made `plan` use 4.2 GB when the index set was a bitmap as large as the index
-    cfg = write_config(tmp_path, [row(0, _ng_task_index=17179869183), row(1, _ng_task_index=MAX_TASK_INDEX)])
+    cfg = config_file(tmp_path, [row(0, _ng_task_index=17179869183), row(1, _ng_task_index=MAX_TASK_INDEX)])
     proc, peak_mib = measured_plan(cfg)
     assert proc.returncode == 0, proc.stderr
     assert peak_mib < 400, f"planning two rows took {peak_mib} MiB"
@@ -89,7 +81,7 @@ def test_a_huge_explicit_task_index_plans_in_memory_that_does_not_depend_on_it(t
 
 def test_many_repeats_stream_in_bounded_memory(tmp_path):
     # valid but unusual: the largest repeat count planned for one task; rows are rendered and written in chunks
-    cfg = write_config(tmp_path, [row(0)], num_repeats=MAX_REPEATS, sharding={"num_shards": 4})
+    cfg = config_file(tmp_path, [row(0)], num_repeats=MAX_REPEATS, sharding={"num_shards": 4})
     proc, peak_mib = measured_plan(cfg)
     assert proc.returncode == 0, proc.stderr
     assert peak_mib < 400, f"planning {MAX_REPEATS:,} rollouts of one task took {peak_mib} MiB"
@@ -111,7 +103,7 @@ def test_many_repeats_stream_in_bounded_memory(tmp_path):
     ],
 )
 def test_an_integer_out_of_its_range_is_refused_with_the_key(tmp_path, unchanged, setting, key):
-    cfg = write_config(tmp_path, [row(0), row(1)], **setting)
+    cfg = config_file(tmp_path, [row(0), row(1)], **setting)
     with unchanged(tmp_path):
         refused(invoke("plan", cfg, "--write"), key)
     assert not (tmp_path / "run").exists()
@@ -124,7 +116,7 @@ def test_an_integer_out_of_its_range_is_refused_with_the_key(tmp_path, unchanged
 def test_nesting_deeper_than_the_writer_supports_is_refused_with_the_line(tmp_path, unchanged, depth):
     inp = tmp_path / "input.jsonl"
     inp.write_text(json.dumps(row(0)) + "\n" + json.dumps(row(1, extra=nested(depth - 1))) + "\n")
-    cfg = write_config(tmp_path)
+    cfg = config_file(tmp_path)
     with unchanged(tmp_path):
         refused(invoke("plan", cfg, "--write"), "input.jsonl:2", "nested")
     assert not (tmp_path / "run").exists()
@@ -133,7 +125,7 @@ def test_nesting_deeper_than_the_writer_supports_is_refused_with_the_line(tmp_pa
 def test_the_deepest_nesting_allowed_plans_and_writes(tmp_path):
     inp = tmp_path / "input.jsonl"
     inp.write_text(json.dumps(row(0, extra=nested(MAX_JSON_DEPTH - 1))) + "\n")
-    cfg = write_config(tmp_path)
+    cfg = config_file(tmp_path)
     outcome = invoke("plan", cfg, "--write")
     assert outcome.exit_code == 0, outcome.output
     assert (tmp_path / "run" / "plan.json").exists()
@@ -144,14 +136,14 @@ def test_the_deepest_nesting_allowed_plans_and_writes(tmp_path):
 
 def test_a_fifo_as_input_is_refused_without_waiting_for_a_writer(tmp_path, unchanged):
     os.mkfifo(tmp_path / "input.jsonl")
-    cfg = write_config(tmp_path)
+    cfg = config_file(tmp_path)
     with unchanged(tmp_path):
         refused(invoke("plan", cfg), "input.jsonl", "FIFO")
 
 
 def test_a_directory_as_input_is_refused(tmp_path, unchanged):
     (tmp_path / "input.jsonl").mkdir()
-    cfg = write_config(tmp_path)
+    cfg = config_file(tmp_path)
     with unchanged(tmp_path):
         refused(invoke("plan", cfg), "input.jsonl", "directory")
 
@@ -209,7 +201,7 @@ def test_a_config_with_a_few_aliases_is_fine(tmp_path):
 )
 def test_a_number_that_is_not_finite_or_beyond_its_range_is_refused(tmp_path, unchanged, settings, key):
     """mem_gb=.inf once ended `submit` in an OverflowError while the sbatch --mem value was rendered."""
-    cfg = write_config(tmp_path, [row(0)], **settings)
+    cfg = config_file(tmp_path, [row(0)], **settings)
     with unchanged(tmp_path):
         refused(invoke("plan", cfg, "--write"), key)
         refused(invoke("submit", cfg, "--dry-run"), key)

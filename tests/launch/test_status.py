@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardrun.core import config
-from shardrun.rundir import seal
 from shardrun.launch import scheduler
 from shardrun.launch import status
 from shardrun.rundir import store
 from shardrun.shard import processes
+from tests import builders
 
 
 def make_run(tmp_path: Path, num_tasks: int = 12, repeats: int = 2, shards: int = 6) -> tuple[Path, object]:
@@ -57,27 +57,20 @@ def write_rollouts(run_dir: Path, plan, i: int, n: int, torn: bool = False, fail
         store.failures_path(run_dir, i).write_bytes(b'{"_ng_task_index": 1, "error": "x"}\n' * failed)
 
 
-def seal_shard(run_dir: Path, plan, i: int, gpus: int = 2, hours: float = 0.5) -> None:
+def complete_and_seal(run_dir: Path, plan, i: int, gpus: int = 2, hours: float = 0.5) -> None:
     planned = plan.shards[i].num_rollouts
     write_rollouts(run_dir, plan, i, planned)
-    path = store.rollouts_path(run_dir, i)
-    marker = seal.make_marker(
-        plan,
+    builders.seal_shard(
+        run_dir,
         i,
-        num_rollouts=planned,
-        num_failed=0,
-        rollouts_sha256=store.sha256_file(path),
-        rollouts_bytes=path.stat().st_size,
+        plan=plan,
         started_at=1000.0,
         finished_at=1000.0 + hours * 3600 / gpus,
         host="h",
         job_id="7_0",
-        attempt=1,
-        server_wait_s=1.0,
         collect_s=2.0,
         gpus=gpus,
     )
-    seal.write_marker(run_dir, i, marker)
 
 
 def record(run_dir: Path, jobs: dict[int, str], **kw) -> None:
@@ -104,8 +97,8 @@ def no_sacct(ids):
 
 def test_states_counts_and_reasons(tmp_path):
     run_dir, plan = make_run(tmp_path)
-    seal_shard(run_dir, plan, 0)
-    seal_shard(run_dir, plan, 1)
+    complete_and_seal(run_dir, plan, 0)
+    complete_and_seal(run_dir, plan, 1)
     write_rollouts(run_dir, plan, 2, 2, torn=True)  # running, torn tail not counted
     write_rollouts(run_dir, plan, 4, 1, failed=1)  # failed, one rollout and one failed rollout recorded
     store.atomic_write_json(
@@ -173,7 +166,7 @@ def test_failure_reason_from_sacct_and_gave_up(tmp_path):
 
 def test_marker_of_another_plan_is_not_sealed(tmp_path):
     run_dir, plan = make_run(tmp_path, shards=2)
-    seal_shard(run_dir, plan, 0)
+    complete_and_seal(run_dir, plan, 0)
     marker = orjson.loads(store.done_path(run_dir, 0).read_bytes())
     marker["plan_fingerprint"] = "0" * 64
     store.atomic_write_json(store.done_path(run_dir, 0), marker)
@@ -258,7 +251,7 @@ def test_squeue_unavailable_is_a_warning(tmp_path):
 def test_complete_run(tmp_path):
     run_dir, plan = make_run(tmp_path, shards=3)
     for i in range(3):
-        seal_shard(run_dir, plan, i)
+        complete_and_seal(run_dir, plan, i)
     st = status.collect(run_dir, query_live=squeue(""), query_ended=no_sacct)
     assert st.complete and st.done == st.planned and st.eta_s is None
     assert "100.0%" in status.render(st)
@@ -273,7 +266,7 @@ def test_progress_bar():
 
 def test_cli_status_json_and_watch(tmp_path):
     run_dir, plan = make_run(tmp_path, shards=2)
-    seal_shard(run_dir, plan, 0)
+    complete_and_seal(run_dir, plan, 0)
     shardrun = [sys.executable, "-m", "shardrun.cli"]
     out = subprocess.run(shardrun + ["status", str(run_dir), "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -30,19 +30,6 @@ SHARDS = 2
 BIND_ERROR = "address already in use"
 
 
-def write_config(tmp: Path, run_dir: Path, url: str, cluster: dict) -> Path:
-    return gymkit.write_config(
-        tmp / "run.yaml",
-        gymkit.write_input(tmp / "input.jsonl", tasks=SHARDS),
-        run_dir,
-        url,
-        repeats=2,
-        shards=SHARDS,
-        api_key_env=harness.API_KEY_ENV,
-        cluster={"array_parallelism": 2, "max_attempts": 1} | cluster,
-    )
-
-
 def stack_logs(run_dir: Path) -> list[Path]:
     return sorted(run_dir.rglob(store.GYM_LOG))
 
@@ -81,7 +68,16 @@ def taken(tmp_path: Path, gym_venv: Path, monkeypatch) -> PortTaken:
 def test_a_lost_head_port_is_started_again_and_the_shard_seals(tmp_path: Path, taken: PortTaken, cluster) -> None:
     run_dir = tmp_path / "run"
     with harness.fake_policy(tmp_path) as fake:
-        cfg_path = write_config(tmp_path, run_dir, fake.base_url, cluster)
+        cfg_path = gymkit.write_config(
+            tmp_path / "run.yaml",
+            gymkit.write_input(tmp_path / "input.jsonl", tasks=SHARDS),
+            run_dir,
+            fake.base_url,
+            repeats=2,
+            shards=SHARDS,
+            api_key_env=harness.API_KEY_ENV,
+            cluster={"array_parallelism": 2, "max_attempts": 1} | cluster,
+        )
         done = subprocess.run(
             [sys.executable, "-m", "shardrun.cli", "submit", str(cfg_path)],
             cwd=tmp_path,

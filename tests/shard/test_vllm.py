@@ -4,7 +4,6 @@ vLLM's command line (tests/fakes/vllm_cli.py), and the real vLLM CPU build servi
 from __future__ import annotations
 
 import json
-import random
 import socket
 import sys
 import time
@@ -20,14 +19,9 @@ from shardrun.rundir import store
 from shardrun.shard import vllm
 from shardrun.core.config import VllmConfig
 from shardrun.core.errors import BadInput, ServerFailure
-from tests.ports import free_port_in
+from tests.ports import VLLM, free_port
 
 FAKE = Path(__file__).resolve().parent.parent / "fakes" / "vllm_cli.py"
-
-
-def free_port() -> int:
-    """A free port in 22000-22999 (this project's range on shared machines)."""
-    return free_port_in(22000, 23000, random.randrange(1000))
 
 
 def family(server: vllm.VllmServer) -> set[int]:
@@ -185,7 +179,7 @@ def fake_cfg(**kw) -> VllmConfig:
 def test_start_waits_for_health_and_model_then_stop_cleans_up(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("FAKE_VLLM_DELAY", "1.5")
     shard = tmp_path / "shard"
-    server = vllm.start_vllm(fake_cfg(), shard, free_port(), api_key="k-123", timeout=30)
+    server = vllm.start_vllm(fake_cfg(), shard, free_port(VLLM), api_key="k-123", timeout=30)
     try:
         assert server.ready_s >= 1.5 and server.alive()
         assert server.model_name == "fake-policy" and server.base_url.endswith("/v1")
@@ -206,14 +200,14 @@ def test_process_exit_before_ready_fails_fast_with_the_log_tail(tmp_path: Path, 
     monkeypatch.setenv("FAKE_VLLM_MODE", "exit")
     t0 = time.monotonic()
     with pytest.raises(ServerFailure, match="exited with code 3") as e:
-        vllm.start_vllm(fake_cfg(), tmp_path, free_port(), timeout=60)
+        vllm.start_vllm(fake_cfg(), tmp_path, free_port(VLLM), timeout=60)
     assert time.monotonic() - t0 < 20
     assert "engine failed to start (simulated)" in str(e.value)
 
 
 def test_health_503_means_engine_dead_and_the_server_is_stopped(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("FAKE_VLLM_MODE", "dead")
-    port = free_port()
+    port = free_port(VLLM)
     with pytest.raises(ServerFailure, match="503, the engine is dead"):
         vllm.start_vllm(fake_cfg(), tmp_path, port, timeout=60)
     assert not vllm.port_answers("127.0.0.1", port)
@@ -221,7 +215,7 @@ def test_health_503_means_engine_dead_and_the_server_is_stopped(tmp_path: Path, 
 
 def test_served_name_missing_from_models_times_out(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("FAKE_VLLM_MODE", "noname")
-    port = free_port()
+    port = free_port(VLLM)
     with pytest.raises(ServerFailure, match="listing 'fake-policy'.*not ready after"):
         vllm.start_vllm(fake_cfg(), tmp_path, port, timeout=4)
     assert not vllm.port_answers("127.0.0.1", port)
@@ -229,7 +223,7 @@ def test_served_name_missing_from_models_times_out(tmp_path: Path, monkeypatch) 
 
 def test_port_already_taken_is_refused_before_starting(tmp_path: Path) -> None:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", free_port()))
+        s.bind(("127.0.0.1", free_port(VLLM)))
         s.listen()
         with pytest.raises(ServerFailure, match="already in use"):
             vllm.start_vllm(fake_cfg(), tmp_path, s.getsockname()[1], timeout=10)
@@ -243,7 +237,7 @@ def test_missing_port_is_bad_input(tmp_path: Path) -> None:
 
 def test_long_shard_path_gets_a_private_short_socket_dir_removed_on_stop(tmp_path: Path) -> None:
     shard = tmp_path / ("x" * 90)
-    server = vllm.start_vllm(fake_cfg(), shard, free_port(), timeout=30)
+    server = vllm.start_vllm(fake_cfg(), shard, free_port(VLLM), timeout=30)
     owned = server.owned_rpc_dir
     try:
         assert owned is not None and owned.is_dir() and vllm.ipc_dir_fits(owned)
@@ -280,7 +274,7 @@ def test_real_vllm_cpu_serves_the_tiny_model_and_stops_cleanly(
     )
     shard = tmp_path / "run" / "shards" / "00000"
     t0 = time.monotonic()
-    server = vllm.start_vllm(v, shard, free_port(), api_key="test-key-123")
+    server = vllm.start_vllm(v, shard, free_port(VLLM), api_key="test-key-123")
     try:
         pids = family(server)
         print(

@@ -3,97 +3,47 @@ config with executor slurm, the CLI as a subprocess, polling, and Slurm's own vi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from shardrun.shard import processes
 from shardrun.rundir import store
 from tests import builders
 from tests.fakes import harness
-from tests.ports import free_port_in
+from tests import ports
 
-GYM_CONFIG_PATHS = [
-    "resources_servers/math_with_judge/configs/math_with_judge.yaml",
-    "responses_api_models/vllm_model/configs/vllm_model.yaml",
-]
+GYM_CONFIG_PATHS = builders.MATH_CONFIG_PATHS
 
 
-def free_port(offset: int = 0) -> int:
-    """A free port in 23000-23999 (the range these tests use), spread by pid."""
-    return free_port_in(23000, 24000, (os.getpid() * 13 + offset * 101) % 1000)
-
-
-@contextmanager
-def fake_policy(tmp: Path, *args: str, offset: int = 0) -> Iterator[harness.FakePolicy]:
-    """The stand-in OpenAI-compatible policy server (tests/fakes/policy_server.py) stands in for vLLM."""
-    port = free_port(offset)
-    log = tmp / f"policy-{port}-requests.jsonl"
-    proc = processes.start(
-        [
-            sys.executable,
-            str(harness.FAKE),
-            "--port",
-            str(port),
-            "--api-key",
-            harness.API_KEY,
-            "--request-log",
-            str(log),
-            *args,
-        ],
-        tmp / f"policy-{port}.log",
-        name="fake-policy",
-    )
-    fake = harness.FakePolicy(proc, port, log)
-    try:
-        processes.wait_http(f"http://127.0.0.1:{port}/health", watch=[proc], timeout=30, what="fake policy")
-        yield fake
-    finally:
-        fake.stop()
+# the stand-in policy server (tests/fakes/policy_server.py) stands in for vLLM, on this area's ports
+fake_policy = functools.partial(harness.fake_policy, ports_from=ports.SLURM)
 
 
 def math_input(path: Path, rows: int) -> Path:
     return builders.arith_input(path, rows)
 
 
-def write_config(
-    path: Path,
-    input_jsonl: Path,
-    run_dir: Path,
-    policy_url: str,
-    *,
-    repeats: int,
-    shards: int,
-    cluster: dict,
-    gym: dict | None = None,
-) -> Path:
-    return builders.write_gym_config(
-        path,
-        input_jsonl,
-        run_dir,
-        policy_url,
-        repeats=repeats,
-        shards=shards,
-        config_paths=GYM_CONFIG_PATHS,
-        api_key_env=harness.API_KEY_ENV,
-        gym={"num_samples_in_parallel": 2, "stall_timeout_s": 600, "ready_timeout_s": 300} | (gym or {}),
-        cluster={
-            "executor": "slurm",
-            "partition": os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
-            "time_limit": "00:15:00",
-            "cpus_per_task": 1,
-            "mem_gb": 2,
-            "job_name_prefix": "srtest",
-        }
-        | cluster,
-    )
+# jobs on the local Slurm: one CPU and 2 GB each, 15 minutes; the quickest real stack, a generous stall timeout
+STACK = builders.Stack(
+    api_key_env=harness.API_KEY_ENV,
+    config_paths=GYM_CONFIG_PATHS,
+    gym={"num_samples_in_parallel": 2, "stall_timeout_s": 600, "ready_timeout_s": 300},
+    cluster={
+        "executor": "slurm",
+        "partition": os.environ.get("SLURM_LOCAL_PARTITION", "debug"),
+        "time_limit": "00:15:00",
+        "cpus_per_task": 1,
+        "mem_gb": 2,
+        "job_name_prefix": "srtest",
+    },
+)
+write_config = functools.partial(builders.write_config, stack=STACK)
 
 
 def shardrun(*args: str, cwd: Path, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:

@@ -47,7 +47,9 @@ def env(slurm_cluster, gym_venv, monkeypatch):
     return slurm_cluster
 
 
-def adaptive_config(tmp_path: Path, full: Path, url: str, shards: int, cluster: dict) -> Path:
+def adaptive_config(
+    tmp_path: Path, full: Path, url: str, shards: int, cluster: dict, collector: dict | None = None
+) -> Path:
     cfg = write_config(
         tmp_path / "adaptive.yaml",
         full / "input.jsonl",
@@ -57,6 +59,7 @@ def adaptive_config(tmp_path: Path, full: Path, url: str, shards: int, cluster: 
         shards=shards,
         cluster=cluster,
         gym={"num_samples_in_parallel": 4},
+        **({"collector": collector} if collector else {}),
     )
     data = yaml.safe_load(cfg.read_text())
     data["sampling"] = {"stop_when_decided": RULES}
@@ -101,8 +104,8 @@ def test_adaptive_warm_workers_on_slurm_one_killed_mid_shard(tmp_path: Path, ful
         tmp_path, "--shares", str(full / "shares.json"), "--fault", f"hang:match={question},seed=1"
     ) as fake:
         # one shard at a time: the killed worker holds only shard 0, so the model answers each rollout once
-        cluster = {"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "max_attempts": 3, "pipeline_shards": 1}
-        cfg = adaptive_config(tmp_path, full, fake.base_url, 4, cluster)
+        cluster = {"workers": 2, "claim_heartbeat_s": 1, "claim_lease_s": 10, "max_attempts": 3}
+        cfg = adaptive_config(tmp_path, full, fake.base_url, 4, cluster, {"pipeline_shards": 1})
         run_dir = tmp_path / "adaptive"
         shardrun("submit", cfg, "--no-merge-job", cwd=tmp_path)
         rec = launches(run_dir)[0]

@@ -22,7 +22,7 @@ from shardrun.rundir import seal, store
 from shardrun.shard import gym_stack
 from shardrun.workers import worker
 from tests.fakes import harness
-from tests.shard.test_vllm import free_port
+from tests.ports import VLLM, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gym, pytest.mark.slow]
 SHARDS = 3
@@ -55,7 +55,7 @@ def write_vllm_config(path: Path, input_jsonl: Path, run_dir: Path, model: Path,
                 "extra_args": ["--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
                 "env": {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
                 "ready_timeout_s": 240,
-                "port": free_port(),
+                "port": free_port(VLLM),
             }
         },
         "cluster": {"executor": "local", "array_parallelism": 1},

@@ -23,9 +23,11 @@ done
 if [ "${1:-}" = "--fast" ]; then
   shift
   ./scripts/setup.sh project
+  echo "[test.sh] set-up took ${SECONDS} s" >&2
   exec .venv/bin/python -m pytest "${parallel[@]}" "${durations[@]}" -m "not gym and not vllm and not slurm and not slow" "$@"
 fi
 # gyms: every supported NeMo Gym version (the vs-Gym tests run against each); browser: Chromium and chromedriver
 # (tests/analysis/test_report_browser.py opens a report in it)
 ./scripts/setup.sh project gyms vllm browser
+echo "[test.sh] set-up took ${SECONDS} s" >&2
 exec .venv/bin/python -m pytest "${parallel[@]}" "${durations[@]}" "$@"

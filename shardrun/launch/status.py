@@ -73,6 +73,7 @@ class RunStatus:
     skipped_decided: int = 0  # rollouts never run because their task was decided (adaptive sampling)
     saved_gpu_hours: float | None = None  # what they would have cost at the sealed shards' GPU-hours per rollout
     labels: list[dict] = field(default_factory=list)  # a blend: progress per label (launch/label_progress.py)
+    launched: bool = True  # a launch saved its settings here (resume has something to resume); False: planned only
 
     @property
     def complete(self) -> bool:
@@ -297,6 +298,7 @@ def collect(
         workers=workers,
         stale_claims=stale,
         worker_cost=cost.worker_costs(run_dir, now) if launches.worker_shards or launches.worker_jobs else {},
+        launched=bool(launches.records) or store.launch_settings_path(run_dir).is_file(),
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(sealed.values()))),
         skipped_decided=sum(s.skipped_decided for s in shards),
         saved_gpu_hours=saved_gpu_hours(shards),
@@ -584,7 +586,14 @@ def failed_rollout_lines(st: RunStatus) -> list[str]:
 
 
 def advice_lines(st: RunStatus) -> list[str]:
-    """What to do next: raise max_attempts for the shards given up on, or resume the others."""
+    """What to do next: submit a run only planned, raise max_attempts for the shards given up on, or resume the
+    others."""
+    if not st.launched and not st.complete:
+        return [
+            "",
+            "nothing was launched from this run directory yet (planned only): run `shardrun submit CONFIG` with the "
+            "config it was planned from",
+        ]
     if st.gave_up:
         return [
             "",

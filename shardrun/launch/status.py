@@ -269,6 +269,7 @@ def collect(
             live_jobs=seen.live.keys(),
             local_jobs=launches.local_worker_jobs,
             launched=launches.worker_shards,
+            worker_jobs=launches.worker_jobs,
             now=now,
             max_attempts=max_attempts,
         )

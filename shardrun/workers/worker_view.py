@@ -159,10 +159,19 @@ def view(
     launched: Collection[int],
     now: float,
     max_attempts: int,
+    worker_jobs: Collection[str] = (),
 ) -> tuple[list[ShardStatus], list[WorkerRow], list[StaleClaim]]:
-    """The shards as the workers' claims say, the workers' rows and the stale claims."""
+    """The shards as the workers' claims say, the workers' rows and the stale claims. A worker job that is live
+    but has written no record yet (`worker_jobs`: the launches' worker jobs) is a worker starting: its shards are
+    pending, not failed."""
     rows = worker_rows(run_dir, live_jobs, local_jobs)
+    starting = (set(worker_jobs) & set(live_jobs)) - {r.job_id for r in rows}
     shards, stale = by_claims(
-        run_dir, shards, launched, any_live=any(r.live for r in rows), now=now, max_attempts=max_attempts
+        run_dir,
+        shards,
+        launched,
+        any_live=any(r.live for r in rows) or bool(starting),
+        now=now,
+        max_attempts=max_attempts,
     )
     return shards, rows, stale

@@ -305,9 +305,10 @@ def submit(
         say(f"shard {o.index:05d}: {o.state}" + (f" ({terminal.shown(o.detail)})" if o.detail else ""))
     run_dir = terminal.shown(shell_words(result.run_dir))
     if result.failed:
-        say(f"error: {len(result.failed)} shard(s) did not seal; logs in {result.run_dir}/shards/*/logs/", err=True)
+        found = submission.failures(result.run_dir, result)
+        say(submission.failure_text(result.run_dir, result, found), err=True)
         next_step(f"shardrun status {run_dir}, then shardrun resume {run_dir}")
-        raise typer.Exit(4)
+        raise typer.Exit(submission.failure_exit_code(found))
     if result.outcomes is not None and not result.live:
         next_step(f"shardrun merge-and-profile {run_dir}")
     elif result.merge_job_id:

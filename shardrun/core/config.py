@@ -102,7 +102,9 @@ class VllmConfig(StrictModel):
     extra_args: list[str] = Field(default_factory=list, description="More vLLM CLI arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the vLLM process.")
     port: int | None = Field(None, ge=1, le=65535, description="Port; default derived from the shard index.")
-    ready_timeout_s: float = Field(900.0, gt=0)
+    ready_timeout_s: float = Field(
+        900.0, gt=0, description="Seconds to wait for the vLLM server to be ready (loading the model included)."
+    )
     host: str = Field("127.0.0.1", description="Address the server binds (0.0.0.0 to serve other nodes too).")
 
     @field_validator("env", mode="before")
@@ -142,6 +144,13 @@ class PolicyConfig(StrictModel):
     api_key_env: str | None = Field(None, description="NAME of the environment variable holding the API key.")
     model_name: str | None = Field(None, description="Model name sent to a pre-hosted endpoint.")
     vllm: VllmConfig | None = Field(None, description="Self-hosted vLLM, started per shard.")
+    ready_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="Seconds a shard or warm worker waits for a pre-hosted endpoint (base_url) to answer GET "
+        "/models with 200 before it fails with exit code 3 (a self-hosted vLLM waits policy.vllm.ready_timeout_s).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "PolicyConfig":
@@ -215,7 +224,12 @@ class ClusterConfig(StrictModel):
         180.0, gt=0, le=7 * 86400, description="A claim not renewed for this long is stale and taken over."
     )
     max_server_restarts: int = Field(
-        2, ge=0, le=1000, description="Times a worker restarts servers that died before it exits non-zero."
+        2,
+        ge=0,
+        le=1000,
+        description="Times a worker restarts servers that were up and died before it exits non-zero (exit code "
+        "3). Servers that never came up (the first start failed: an endpoint down, a config error) are not "
+        "retried: the worker fails at once with the cause.",
     )
     auto_resume_rounds: int = Field(
         3,

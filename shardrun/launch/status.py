@@ -628,8 +628,18 @@ def render_workers(st: RunStatus) -> list[str]:
             out.append(
                 f"{shown(w.worker_id):<22} {shown(w.job_id or '-'):<14} {shown(w.host):<16} "
                 f"{shown(w.state):<11} {w.holding:>5} {w.sealed:>6}  {since}"
-                + (f" ({shown(w.exit_reason)})" if w.state == FAILED else "")
+                + (
+                    f" ({shown((w.exit_reason or '').splitlines()[0] if w.exit_reason else '')})"
+                    if w.state == FAILED
+                    else ""
+                )
             )
+        for w in st.workers:  # each failed worker's whole cause (a server's log lines included) and its log
+            if w.state == FAILED and w.exit_reason:
+                out += ["", f"worker {shown(w.worker_id)} failed: {shown(w.exit_reason)}"]
+                log = store.worker_log_path(Path(st.run_dir), w.worker_id)
+                if log.is_file():
+                    out.append(f"  log: {shown(str(log))}")
     for c in st.stale_claims:
         out.append(
             f"stale claim: shard {c.shard} by worker {shown(c.worker_id)} (job {shown(c.job_id)}, host "

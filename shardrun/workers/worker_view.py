@@ -174,4 +174,20 @@ def view(
         now=now,
         max_attempts=max_attempts,
     )
-    return shards, rows, stale
+    return [with_worker_cause(run_dir, s, rows) for s in shards], rows, stale
+
+
+def with_worker_cause(run_dir: Path, shard: ShardStatus, rows: list[WorkerRow]) -> ShardStatus:
+    """A failed shard that left no log of its own (its workers never collected it): the failed worker's cause and
+    its worker.log, which exists, instead of the shard's log, which does not."""
+    if shard.state != FAILED or (shard.log and Path(shard.log).is_file()):
+        return shard
+    failed = [r for r in rows if r.state == records.FAILED and r.exit_reason]
+    if not failed:
+        return shard
+    w = next((r for r in failed if r.job_id is not None and r.job_id == shard.job_id), failed[0])
+    log = store.worker_log_path(run_dir, w.worker_id)
+    reason = shard.reason
+    if w.exit_reason and w.exit_reason not in reason:
+        reason = f"{reason}: worker {w.worker_id} failed: {w.exit_reason.splitlines()[0]}"
+    return replace(shard, reason=reason, log=str(log) if log.is_file() else shard.log)

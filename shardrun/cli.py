@@ -62,8 +62,9 @@ def _main(
 
 
 def next_step(text: str, json_out: bool = False) -> None:
-    """The line that says what comes after a stage (on stderr after a JSON output, which stays exact on stdout)."""
-    say(f"next: {text}", err=json_out)
+    """The line that says what comes after a stage (none after a JSON output: machines read it whole)."""
+    if not json_out:
+        say(f"next: {text}")
 
 
 def shell_words(*words: object) -> str:
@@ -118,7 +119,7 @@ def plan(
         say(f"warning: {terminal.shown(w)}", err=True)
     if write:
         state = "written" if written else "already planned (same rollouts), nothing written"
-        say(f"run directory: {terminal.shown(cfg.run_dir)} ({state})", err=json_out)
+        say(f"run directory: {terminal.shown(cfg.run_dir)} ({state})")
         next_step(terminal.shown(shell_words("shardrun", "submit", config, *(overrides or []))), json_out)
 
 

@@ -6,16 +6,31 @@ with --debug.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from shardrun.core import config as config_mod
 from shardrun.core import terminal
 from shardrun.core.errors import ShardrunError
 
+
+class _Commands(TyperGroup):
+    """The command group: `--debug` is read wherever it stands before a `--` (`shardrun status RUN --debug` as well
+    as `shardrun --debug status RUN`); it is moved before the command, where the group's option is parsed."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        end = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:end]:
+            args = ["--debug"] + [a for i, a in enumerate(args) if not (a == "--debug" and i < end)]
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
+    cls=_Commands,
     add_completion=False,
     no_args_is_help=True,
     help="Plan, launch, resume and profile sharded NeMo Gym rollout collection.",
@@ -23,9 +38,38 @@ app = typer.Typer(
 _state = {"debug": False}
 
 
+def _version(value: bool) -> None:
+    if value:
+        from shardrun import __version__
+        from shardrun.core import gym_version
+
+        typer.echo(f"shardrun {__version__} (default NeMo Gym version {gym_version.DEFAULT_VERSION})")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors.")) -> None:
+def _main(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors (before or after the command)."),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_version,
+        is_eager=True,
+        help="Print shardrun's version and the default NeMo Gym version, and exit.",
+    ),
+) -> None:
     _state["debug"] = debug
+
+
+def next_step(text: str, json_out: bool = False) -> None:
+    """The line that says what comes after a stage (none after a JSON output: machines read it whole)."""
+    if not json_out:
+        say(f"next: {text}")
+
+
+def shell_words(*words: object) -> str:
+    """A command line the user can paste: each word quoted for the shell where it needs to be."""
+    return " ".join(shlex.quote(str(w)) for w in words)
 
 
 def say(text: str, err: bool = False) -> None:
@@ -76,6 +120,7 @@ def plan(
     if write:
         state = "written" if written else "already planned (same rollouts), nothing written"
         say(f"run directory: {terminal.shown(cfg.run_dir)} ({state})")
+        next_step(terminal.shown(shell_words("shardrun", "submit", config, *(overrides or []))), json_out)
 
 
 @app.command("select")
@@ -259,9 +304,20 @@ def submit(
         say(f"run directory: {result.run_dir}\nevery shard is sealed; nothing to launch")
     for o in result.outcomes or []:
         say(f"shard {o.index:05d}: {o.state}" + (f" ({terminal.shown(o.detail)})" if o.detail else ""))
+    run_dir = terminal.shown(shell_words(result.run_dir))
     if result.failed:
-        say(f"error: {len(result.failed)} shard(s) did not seal; logs in {result.run_dir}/shards/*/logs/", err=True)
-        raise typer.Exit(4)
+        found = submission.failures(result.run_dir, result)
+        say(submission.failure_text(result.run_dir, result, found), err=True)
+        next_step(f"shardrun status {run_dir}, then shardrun resume {run_dir}")
+        raise typer.Exit(submission.failure_exit_code(found))
+    if result.outcomes is not None and not result.live:
+        next_step(f"shardrun merge-and-profile {run_dir}")
+    elif result.merge_job_id:
+        next_step(f"shardrun status {run_dir} (the merge job runs merge-and-profile when the shards end)")
+    else:
+        next_step(
+            f"shardrun status {run_dir} --watch; when every shard is sealed: shardrun merge-and-profile {run_dir}"
+        )
 
 
 @app.command()
@@ -397,6 +453,7 @@ def merge_and_profile_cmd(
         typer.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:
         say(outcome.render(result))
+    next_step(terminal.shown(shell_words("shardrun", "report", run_dir)), json_out)
 
 
 def main() -> None:

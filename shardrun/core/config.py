@@ -102,7 +102,9 @@ class VllmConfig(StrictModel):
     extra_args: list[str] = Field(default_factory=list, description="More vLLM CLI arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the vLLM process.")
     port: int | None = Field(None, ge=1, le=65535, description="Port; default derived from the shard index.")
-    ready_timeout_s: float = Field(900.0, gt=0)
+    ready_timeout_s: float = Field(
+        900.0, gt=0, description="Seconds to wait for the vLLM server to be ready (loading the model included)."
+    )
     host: str = Field("127.0.0.1", description="Address the server binds (0.0.0.0 to serve other nodes too).")
 
     @field_validator("env", mode="before")
@@ -142,6 +144,13 @@ class PolicyConfig(StrictModel):
     api_key_env: str | None = Field(None, description="NAME of the environment variable holding the API key.")
     model_name: str | None = Field(None, description="Model name sent to a pre-hosted endpoint.")
     vllm: VllmConfig | None = Field(None, description="Self-hosted vLLM, started per shard.")
+    ready_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="Seconds a shard or warm worker waits for a pre-hosted endpoint (base_url) to answer GET "
+        "/models with 200 before it fails with exit code 3 (a self-hosted vLLM waits policy.vllm.ready_timeout_s).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "PolicyConfig":
@@ -215,7 +224,12 @@ class ClusterConfig(StrictModel):
         180.0, gt=0, le=7 * 86400, description="A claim not renewed for this long is stale and taken over."
     )
     max_server_restarts: int = Field(
-        2, ge=0, le=1000, description="Times a worker restarts servers that died before it exits non-zero."
+        2,
+        ge=0,
+        le=1000,
+        description="Times a worker restarts servers that were up and died before it exits non-zero (exit code "
+        "3). Servers that never came up (the first start failed: an endpoint down, a config error) are not "
+        "retried: the worker fails at once with the cause.",
     )
     auto_resume_rounds: int = Field(
         3,
@@ -488,6 +502,17 @@ class RunConfig(StrictModel):
         None, description="A blend: several labelled input files run as one (docs/blends.md); instead of input_jsonl."
     )
     materialize: MaterializeConfig = Field(default_factory=MaterializeConfig)
+    data_root: Path | None = Field(
+        None,
+        description="A blend: where its entries' data files are (docs/blends.md). A relative `data` path is "
+        "resolved against it (instead of the current directory); an absolute one is rebased: the part below "
+        "data_root_from is looked up below data_root (NVIDIA's manifests name data under /lustre).",
+    )
+    data_root_from: Path | None = Field(
+        None,
+        description="With data_root: the directory the absolute `data` paths are rebased from (default: the "
+        "deepest directory that holds every absolute entry path).",
+    )
     nickname: str | None = Field(None, description="The blend's name (a NeMo Gym manifest's nickname), shown.")
     not_carried_out: list[str] = Field(
         default_factory=list,
@@ -552,6 +577,10 @@ class RunConfig(StrictModel):
                 raise ValueError(
                     "agent_name with entries: each entry names its agent (entries.N.agent); remove agent_name"
                 )
+        elif self.data_root is not None or self.data_root_from is not None:
+            raise ValueError("data_root: only a blend's entries are looked up under it; this config names input_jsonl")
+        if self.data_root_from is not None and self.data_root is None:
+            raise ValueError("data_root_from without data_root: name where the data is now (data_root=DIR)")
         return self
 
     @field_validator("input_jsonl", "run_dir", mode="before")
@@ -771,7 +800,7 @@ def _compose(path: Path, shown_path: Path, overrides: list[str] | tuple[str, ...
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     cluster_name = None
     rest = []
@@ -789,6 +818,9 @@ def _compose(path: Path, shown_path: Path, overrides: list[str] | tuple[str, ...
         with initialize_config_dir(config_dir=str(path.resolve().parent), version_base=None):
             cfg = hydra_compose(config_name=path.stem, overrides=rest)
     except Exception as e:  # hydra raises several types; all mean "your overrides or YAML are wrong"
+        hints = [h for h in (_unknown_key_hint(o) for o in rest) if h]
+        if hints:  # a misspelt key: say so first, not Hydra's "use +key" (which then meets the schema's refusal)
+            raise BadInput(f"{shown_path}: cannot compose config: {'; '.join(hints)}") from None
         raise BadInput(f"{shown_path}: cannot compose config: {redact(str(e))}") from None
     finally:
         GlobalHydra.instance().clear()
@@ -799,9 +831,18 @@ def _compose(path: Path, shown_path: Path, overrides: list[str] | tuple[str, ...
         cluster_file = find_cluster_config(picked, shown_path)
         check_yaml_file(cluster_file, "cluster config")
         try:
-            cfg.cluster = OmegaConf.load(cluster_file)
+            loaded = OmegaConf.load(cluster_file)
         except Exception as e:
             raise BadInput(f"{cluster_file}: cannot read cluster config: {e}") from None
+        from_manifest = (
+            cfg.get("cluster") if path != shown_path and isinstance(cfg.get("cluster"), DictConfig) else None
+        )
+        if from_manifest is not None and isinstance(loaded, DictConfig):  # a manifest's sbatch block: merged under
+            cfg.not_carried_out = list(cfg.get("not_carried_out") or []) + _replaced_sbatch(
+                OmegaConf.to_container(from_manifest), OmegaConf.to_container(loaded), picked
+            )
+            loaded = OmegaConf.merge(from_manifest, loaded)
+        cfg.cluster = loaded
     parser = OverridesParser.create()
     for o in cluster_overrides:  # applied after the cluster config: Hydra's grammar (null is None, [a,b] a list)
         try:
@@ -816,6 +857,38 @@ def _compose(path: Path, shown_path: Path, overrides: list[str] | tuple[str, ...
     except Exception as e:
         raise BadInput(f"{shown_path}: cannot resolve config: {e}") from None
     return _parse_scalars(data)
+
+
+def _replaced_sbatch(manifest: Any, cluster: Any, name: str) -> list[str]:
+    """What `cluster=NAME` replaces of a manifest's sbatch block (translated to cluster keys): the cluster config is
+    merged over it, so the manifest's keys it does not set are kept and those it sets are replaced, one warning
+    each."""
+    if not isinstance(manifest, dict) or not isinstance(cluster, dict):
+        return []
+    back = {v: k for k, v in sweep_manifest_keys().items()}
+    out = []
+    for key, value in manifest.items():
+        if key == "executor" or key not in cluster:
+            continue
+        if key == "additional_parameters" and isinstance(value, dict) and isinstance(cluster[key], dict):
+            out += [
+                f"sbatch.{k}={v!r} (cluster={name} sets cluster.additional_parameters.{k}={cluster[key][k]!r}, "
+                f"which wins)"
+                for k, v in value.items()
+                if k in cluster[key] and cluster[key][k] != v
+            ]
+        elif cluster[key] != value:
+            out.append(
+                f"sbatch.{back.get(key, key)}={value!r} (cluster={name} sets cluster.{key}={cluster[key]!r}, which "
+                f"wins; the manifest's other sbatch keys are kept)"
+            )
+    return out
+
+
+def sweep_manifest_keys() -> dict[str, str]:
+    from shardrun.core import sweep_manifest
+
+    return sweep_manifest.SBATCH_KEYS
 
 
 def refuse_secret_overrides(overrides: Sequence[str]) -> None:
@@ -838,6 +911,32 @@ def _promote_known(override: str) -> str:
     if not sep or key.startswith(("+", "~")) or not _known_path(key.split(".")):
         return override
     return "++" + override
+
+
+def _unknown_key_hint(override: str) -> str | None:
+    """For an override whose key the config models do not know (below a section they define), what to write
+    instead: 'override sharding.num_shard=...: unknown key sharding.num_shard (did you mean sharding.num_shards?)'.
+    None for a known key or one below a free-form section (those are the user's)."""
+    key, sep, _ = override.partition("=")
+    key = key.lstrip("+~").strip()
+    if not sep or not key:
+        return None
+    parts = key.split(".")
+    for depth in range(len(parts)):
+        parent = _walk(parts[:depth])
+        if not isinstance(parent, type):  # free-form below here
+            return None
+        if parts[depth].isdigit() or parts[depth] in parent.model_fields:
+            continue
+        known = list(parent.model_fields)
+        hint = difflib.get_close_matches(parts[depth], known, n=1)
+        wrong = ".".join(parts[: depth + 1])
+        return f"override {redact(key)}=...: unknown key {redact(wrong)}" + (
+            f" (did you mean {'.'.join(parts[:depth] + [hint[0]])}?)"
+            if hint
+            else f" ({'.'.join(parts[:depth]) or 'the top level'} knows: {', '.join(known)})"
+        )
+    return None
 
 
 def _known_path(parts: list[str]) -> bool:
@@ -956,8 +1055,39 @@ def load(config_file: Path | str, overrides: list[str] | tuple[str, ...] = ()) -
     if cfg.input_jsonl is not None:
         update["input_jsonl"] = _abs(cfg.input_jsonl)
     if cfg.entries is not None:
-        update["entries"] = [e.model_copy(update={"data": _abs(e.data)}) for e in cfg.entries]
+        data = rebased_data(cfg) if cfg.data_root is not None else [e.data for e in cfg.entries]
+        update["entries"] = [e.model_copy(update={"data": _abs(d)}) for e, d in zip(cfg.entries, data)]
+        if cfg.data_root is not None:
+            update["data_root"] = _abs(cfg.data_root)
     return cfg.model_copy(update=update)
+
+
+def rebased_data(cfg: RunConfig) -> list[Path]:
+    """Every entry's data path under `data_root`: a relative one joined to it, an absolute one rebased from
+    `data_root_from` (default: the deepest directory holding every absolute entry path). BadInput for an absolute
+    path outside data_root_from, naming the entry."""
+    import os
+
+    assert cfg.entries is not None and cfg.data_root is not None
+    root = cfg.data_root.expanduser()
+    absolute = [e.data for e in cfg.entries if e.data.is_absolute()]
+    base = cfg.data_root_from
+    if base is None and absolute:
+        base = Path(os.path.commonpath([p.parent for p in absolute]))
+    out = []
+    for i, e in enumerate(cfg.entries):
+        if not e.data.is_absolute():
+            out.append(root / e.data)
+            continue
+        assert base is not None
+        try:
+            out.append(root / e.data.relative_to(base))
+        except ValueError:
+            raise BadInput(
+                f"entries.{i}.data (entry {e.label!r}): {e.data} is not below data_root_from {base}; set "
+                f"data_root_from to a directory that holds every entry's data, or give this entry's data its own path"
+            ) from None
+    return out
 
 
 def _abs(p: Path) -> Path:

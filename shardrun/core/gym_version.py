@@ -16,6 +16,7 @@ from typing import Mapping
 from shardrun.core.errors import BadInput
 
 DIST_INFO_GLOB = "lib/python3*/site-packages/nemo_gym-*.dist-info/METADATA"
+DEFAULT_VERSION = "0.7.0"  # the release scripts/setup.sh gym installs unless told another (GYM_DEFAULT_VERSION)
 VERSION_KEY = "gym_version"  # the field in plan.json and in `.done` markers
 _RELEASE = re.compile(r"^(\d+)\.(\d+)(?:\.(\d+))?")
 

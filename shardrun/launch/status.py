@@ -73,6 +73,7 @@ class RunStatus:
     skipped_decided: int = 0  # rollouts never run because their task was decided (adaptive sampling)
     saved_gpu_hours: float | None = None  # what they would have cost at the sealed shards' GPU-hours per rollout
     labels: list[dict] = field(default_factory=list)  # a blend: progress per label (launch/label_progress.py)
+    launched: bool = True  # a launch saved its settings here (resume has something to resume); False: planned only
 
     @property
     def complete(self) -> bool:
@@ -268,6 +269,7 @@ def collect(
             live_jobs=seen.live.keys(),
             local_jobs=launches.local_worker_jobs,
             launched=launches.worker_shards,
+            worker_jobs=launches.worker_jobs,
             now=now,
             max_attempts=max_attempts,
         )
@@ -297,6 +299,7 @@ def collect(
         workers=workers,
         stale_claims=stale,
         worker_cost=cost.worker_costs(run_dir, now) if launches.worker_shards or launches.worker_jobs else {},
+        launched=bool(launches.records) or store.launch_settings_path(run_dir).is_file(),
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(sealed.values()))),
         skipped_decided=sum(s.skipped_decided for s in shards),
         saved_gpu_hours=saved_gpu_hours(shards),
@@ -584,7 +587,14 @@ def failed_rollout_lines(st: RunStatus) -> list[str]:
 
 
 def advice_lines(st: RunStatus) -> list[str]:
-    """What to do next: raise max_attempts for the shards given up on, or resume the others."""
+    """What to do next: submit a run only planned, raise max_attempts for the shards given up on, or resume the
+    others."""
+    if not st.launched and not st.complete:
+        return [
+            "",
+            "nothing was launched from this run directory yet (planned only): run `shardrun submit CONFIG` with the "
+            "config it was planned from",
+        ]
     if st.gave_up:
         return [
             "",
@@ -618,8 +628,18 @@ def render_workers(st: RunStatus) -> list[str]:
             out.append(
                 f"{shown(w.worker_id):<22} {shown(w.job_id or '-'):<14} {shown(w.host):<16} "
                 f"{shown(w.state):<11} {w.holding:>5} {w.sealed:>6}  {since}"
-                + (f" ({shown(w.exit_reason)})" if w.state == FAILED else "")
+                + (
+                    f" ({shown((w.exit_reason or '').splitlines()[0] if w.exit_reason else '')})"
+                    if w.state == FAILED
+                    else ""
+                )
             )
+        for w in st.workers:  # each failed worker's whole cause (a server's log lines included) and its log
+            if w.state == FAILED and w.exit_reason:
+                out += ["", f"worker {shown(w.worker_id)} failed: {shown(w.exit_reason)}"]
+                log = store.worker_log_path(Path(st.run_dir), w.worker_id)
+                if log.is_file():
+                    out.append(f"  log: {shown(str(log))}")
     for c in st.stale_claims:
         out.append(
             f"stale claim: shard {c.shard} by worker {shown(c.worker_id)} (job {shown(c.job_id)}, host "

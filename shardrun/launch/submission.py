@@ -29,7 +29,8 @@ from shardrun.launch.launcher import Launch, Launcher, Request
 from shardrun.rundir import store
 from shardrun.core.config import RunConfig
 from shardrun.rundir.records import LaunchRecord
-from shardrun.core.errors import PlanMismatch
+from shardrun.core.errors import PlanMismatch, ServerFailure
+from shardrun.rundir import records
 from shardrun.plan.planner import Plan
 
 POLL_S = 1.0
@@ -139,6 +140,66 @@ class SubmitResult:
     @property
     def failed(self) -> list[ShardOutcome]:
         return [o for o in self.outcomes or [] if o.state != "sealed"]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why shards of a waited-for launch did not seal: a warm worker that failed, or a shard's last attempt."""
+
+    what: str  # "worker <id>" or "shard NNNNN"
+    cause: str  # its error, as recorded (a server's: with the last lines of the server's log)
+    log: Path | None  # the log to read next: one that exists, or None
+
+    @property
+    def server(self) -> bool:
+        """A policy, judge or Gym server that did not start or died (ServerFailure: exit code 3)."""
+        return self.cause.startswith(ServerFailure.__name__)
+
+
+MAX_FAILURES_SHOWN = 5
+
+
+def failures(run_dir: Path, result: SubmitResult) -> list[Failure]:
+    """The causes of the shards that did not seal: the failed warm workers of this launch first (with their
+    worker.log), then each shard's recorded failure (with its shard.log where it exists) whose cause no worker
+    already gave."""
+    out: list[Failure] = []
+    jobs = set(result.workers.values())
+    for w in records.read_worker_states(run_dir):
+        if w.state == records.FAILED and w.exit_reason and (not jobs or w.job_id in jobs):
+            log = store.worker_log_path(run_dir, w.worker_id)
+            out.append(Failure(f"worker {w.worker_id}", w.exit_reason, log if log.is_file() else None))
+    for o in result.failed:
+        if o.state == "failed" and o.detail and not any(o.detail == f.cause for f in out):
+            log = store.shard_log_path(run_dir, o.index)
+            out.append(Failure(f"shard {o.index:05d}", o.detail, log if log.is_file() else None))
+    return out
+
+
+def failure_exit_code(found: Sequence[Failure]) -> int:
+    """3 when a server did not start or died (ServerFailure), else 4 (shards did not seal; docs/troubleshooting.md)."""
+    return ServerFailure.exit_code if any(f.server for f in found) else 4
+
+
+def failure_text(run_dir: Path, result: SubmitResult, found: Sequence[Failure]) -> str:
+    """What `submit` says when shards did not seal: how many, each cause (the first MAX_FAILURES_SHOWN) with the log
+    to read; where no cause was recorded, where to look."""
+    lines = [f"error: {len(result.failed)} shard(s) did not seal"]
+    for f in found[:MAX_FAILURES_SHOWN]:
+        lines.append(f"{f.what} failed: {f.cause}")
+        if f.log is not None:
+            lines.append(f"  log: {f.log}")
+    if len(found) > MAX_FAILURES_SHOWN:
+        lines.append(f"... {len(found) - MAX_FAILURES_SHOWN} more cause(s): shardrun status {run_dir}")
+    if not found:
+        logs = [store.shard_log_path(run_dir, o.index) for o in result.failed]
+        there = [p for p in logs if p.is_file()]
+        lines.append(
+            f"no cause was recorded; logs: {', '.join(map(str, there[:3]))}"
+            if there
+            else f"no cause was recorded and no shard wrote a log; see shardrun status {run_dir} and {run_dir}/jobs/"
+        )
+    return "\n".join(lines)
 
 
 def describe_jobs(jobs: dict[int, str], listed: int = 12) -> str:

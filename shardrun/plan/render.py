@@ -82,6 +82,7 @@ def plan_json(plan: Plan, max_array_size: int) -> str:
             "array_jobs_needed": plan.array_jobs_needed(max_array_size),
             "fingerprint": plan.fingerprint,
             "input_sha256": plan.input.sha256,
+            "warnings": list(plan.warnings),
         },
         option=orjson.OPT_INDENT_2,
     ).decode()

@@ -39,6 +39,14 @@ def layout(cfg: RunConfig) -> planner.BlendLayout:
     """Read every entry's file (streamed) and pick its rows: the blend's layout. BadInput names the entry."""
     if not cfg.entries:
         raise BadInput("this config has no entries (a blend); it names input_jsonl")
+    missing = [
+        f"entries.{i}.data (entry {e.label!r}): {e.data}: no such file"
+        for i, e in enumerate(cfg.entries)
+        if not Path(e.data).is_file()
+    ]
+    if missing:
+        root = "under data_root" if cfg.data_root is not None else "(set data_root=DIR where the files are elsewhere)"
+        raise BadInput(f"{len(missing)} of {len(cfg.entries)} entries' data files are missing {root}", missing)
     return planner.BlendLayout(tuple(_part(entry, cfg.materialize) for entry in cfg.entries))
 
 

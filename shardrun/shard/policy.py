@@ -14,8 +14,6 @@ from shardrun.shard import processes
 from shardrun.core.config import PolicyConfig
 from shardrun.core.errors import BadInput, ServerFailure
 
-PREHOSTED_CHECK_S = 60.0
-
 
 def api_key(policy: PolicyConfig, env: Mapping[str, str]) -> str | None:
     if not policy.api_key_env:
@@ -108,5 +106,11 @@ def open_policy(policy: PolicyConfig, shard_dir: Path, env: Mapping[str, str] | 
         server = vllm.start_vllm(policy.vllm, shard_dir, port, api_key=key, env=env)
         return PolicyEndpoint([server.base_url], server.model_name, key, server)
     endpoint = PolicyEndpoint(base_urls(policy), str(policy.model_name), key)
-    check_prehosted(endpoint, PREHOSTED_CHECK_S)
+    try:
+        check_prehosted(endpoint, policy.ready_timeout_s)
+    except ServerFailure as e:
+        raise ServerFailure(
+            f"{e} (waited policy.ready_timeout_s = {policy.ready_timeout_s:g} s for GET /models to answer 200; is "
+            f"the endpoint up and reachable from this node?)"
+        ) from None
     return endpoint

@@ -182,6 +182,7 @@ class Worker:
         self.servers: warm_servers.WarmServers | None = None
         self.warm = False  # the servers have already collected a shard
         self.restarts = 0
+        self.servers_came_up = False  # this worker's servers were up once (restarts are for servers that died)
         self.reaped: set[tuple[str, int]] = set()  # (worker id, pid) whose leftovers were reaped
         rules = self.plan.sampling.stop_when_decided if self.plan.sampling is not None else None
         # adaptive sampling: the run's rollouts read so far, so each shard start reads only what was appended since
@@ -360,8 +361,10 @@ class Worker:
         self.save()
 
     def ensure_servers(self) -> None:
-        """Servers up: started the first time; restarted when they died (or a start failed), at most
-        cluster.max_server_restarts times (then ServerFailure: the worker exits non-zero)."""
+        """Servers up: started the first time; restarted when they died (or a restart failed), at most
+        cluster.max_server_restarts times (then ServerFailure: the worker exits non-zero). Servers that never came
+        up fail the worker at once (ServerFailure with the cause): a down endpoint or a config error is not fixed
+        by waiting out the same timeout again."""
         if self.servers is not None and not self.servers.problem():
             return
         problem = None
@@ -381,6 +384,8 @@ class Worker:
                 self.start_servers()
                 return
             except ServerFailure as e:
+                if not self.servers_came_up:  # never up: a restart would wait the same timeout for the same cause
+                    raise ServerFailure(f"worker {self.worker_id}: its servers did not come up: {e}") from None
                 problem = f"start failed: {e}"
 
     def start_servers(self) -> None:
@@ -389,6 +394,7 @@ class Worker:
         self.servers = warm_servers.start(self.policy, self.gym, self.cfg.collector, self.run_dir, self.place, self.log)
         self.gate_seen = 0.0
         self.warm = False
+        self.servers_came_up = True
         self.save(
             server_starts=self.state.server_starts + 1,
             startup_s=self.state.startup_s + (time.monotonic() - t0),

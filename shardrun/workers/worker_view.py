@@ -159,10 +159,35 @@ def view(
     launched: Collection[int],
     now: float,
     max_attempts: int,
+    worker_jobs: Collection[str] = (),
 ) -> tuple[list[ShardStatus], list[WorkerRow], list[StaleClaim]]:
-    """The shards as the workers' claims say, the workers' rows and the stale claims."""
+    """The shards as the workers' claims say, the workers' rows and the stale claims. A worker job that is live
+    but has written no record yet (`worker_jobs`: the launches' worker jobs) is a worker starting: its shards are
+    pending, not failed."""
     rows = worker_rows(run_dir, live_jobs, local_jobs)
+    starting = (set(worker_jobs) & set(live_jobs)) - {r.job_id for r in rows}
     shards, stale = by_claims(
-        run_dir, shards, launched, any_live=any(r.live for r in rows), now=now, max_attempts=max_attempts
+        run_dir,
+        shards,
+        launched,
+        any_live=any(r.live for r in rows) or bool(starting),
+        now=now,
+        max_attempts=max_attempts,
     )
-    return shards, rows, stale
+    return [with_worker_cause(run_dir, s, rows) for s in shards], rows, stale
+
+
+def with_worker_cause(run_dir: Path, shard: ShardStatus, rows: list[WorkerRow]) -> ShardStatus:
+    """A failed shard that left no log of its own (its workers never collected it): the failed worker's cause and
+    its worker.log, which exists, instead of the shard's log, which does not."""
+    if shard.state != FAILED or (shard.log and Path(shard.log).is_file()):
+        return shard
+    failed = [r for r in rows if r.state == records.FAILED and r.exit_reason]
+    if not failed:
+        return shard
+    w = next((r for r in failed if r.job_id is not None and r.job_id == shard.job_id), failed[0])
+    log = store.worker_log_path(run_dir, w.worker_id)
+    reason = shard.reason
+    if w.exit_reason and w.exit_reason not in reason:
+        reason = f"{reason}: worker {w.worker_id} failed: {w.exit_reason.splitlines()[0]}"
+    return replace(shard, reason=reason, log=str(log) if log.is_file() else shard.log)

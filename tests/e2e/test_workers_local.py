@@ -208,7 +208,7 @@ def test_a_worker_whose_servers_keep_dying_restarts_them_then_exits_non_zero(
     cfg_path.write_text(yaml.safe_dump(data))
     proc = submit(cfg_path, tmp_path)
     out, _ = proc.communicate(timeout=800)
-    assert proc.returncode == 4, out  # no shard sealed
+    assert proc.returncode == 3, out  # no shard sealed: its servers kept dying (ServerFailure's exit code)
 
     [state] = records.read_worker_states(run_dir)
     reason = state.exit_reason

@@ -124,7 +124,7 @@ def test_a_missing_data_file_exits_2_naming_it_and_its_entry(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["plan", str(path)])
     assert result.exit_code == 2
-    assert "two.jsonl (entry 'two', field data)" in result.output
+    assert f"entries.1.data (entry 'two'): {tmp_path / 'two.jsonl'}: no such file" in result.output
 
 
 @pytest.mark.gym  # the nemo-gym 0.7.0 wheel's own files

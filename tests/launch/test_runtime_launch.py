@@ -69,8 +69,9 @@ def test_submit_waits_and_reports_every_failed_shard(tmp_path: Path) -> None:
         cfg = broken_gym_config(tmp_path, fake.base_url, shards=3, parallelism=2)
         done = submit(cfg)
     run_dir = tmp_path / "run"
-    assert done.returncode == 4, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr  # the Gym servers did not start: ServerFailure's code
     assert f"run directory: {run_dir}" in done.stdout
+    assert "failed: ServerFailure: Gym servers (ng_run" in done.stderr and "  log: " in done.stderr
     for i in range(3):
         assert f"shard 0000{i}: failed (ServerFailure: Gym servers (ng_run" in done.stdout
         failure = json.loads(store.shard_failure_path(run_dir, i).read_text())

@@ -107,8 +107,14 @@ def test_row_problems_name_the_entry_file_and_line(tmp_path, files):
 
 def test_a_missing_data_file_names_the_entry(tmp_path, files):
     files["tool"].unlink()
-    with pytest.raises(BadInput, match=r"tool.jsonl \(entry 'tool', field data\)"):
+    files["more_math"].unlink()
+    with pytest.raises(BadInput) as e:
         store.scan_input(blend_cfg(tmp_path, files))
+    assert "2 of 3 entries' data files are missing" in str(e.value)
+    assert [p.split(": ")[0] for p in e.value.problems] == [
+        "entries.1.data (entry 'tool')",
+        "entries.2.data (entry 'more_math')",
+    ]
 
 
 def test_head_takes_the_first_rows_and_blank_lines_are_skipped(tmp_path, files):

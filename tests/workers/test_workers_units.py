@@ -148,9 +148,41 @@ def test_status_shows_workers_claims_and_stale_claims(tmp_path: Path) -> None:
     # the worker's process is gone: its record says so, and its shards wait for a resume
     state.job_id, state.pid_start = "99999999", -1
     records.write_worker_state(run.run_dir, state)
+    launched = json.loads(store.launches_path(run.run_dir).read_text())  # and the job the launch started with it
+    store.launches_path(run.run_dir).unlink()
+    store.append_launch(run.run_dir, {**launched, "pid_start": {str(me): -1}})
     st = status.collect(run.run_dir)
     assert st.workers[0].state == "gone" and not st.workers[0].live
     assert {s.index: s.state for s in st.shards}[2] == status.FAILED
+
+
+def test_shards_of_workers_still_starting_are_pending_not_failed(tmp_path: Path) -> None:
+    """Before a warm worker writes its first record, its live job means a worker starting: the first progress line
+    of a submit says pending, not failed; once the job is gone without a record, they are failed."""
+    from shardrun.launch import progress
+
+    run = builders.make_run(tmp_path, builders.input_rows(8), num_shards=4)
+    me = os.getpid()
+    launch = {
+        "executor": "local",
+        "submitted_at": time.time(),
+        "host": socket.gethostname(),
+        "jobs": {},
+        "workers": {"0": str(me)},
+        "worker_shards": [0, 1, 2, 3],
+        "pid_start": {str(me): processes.start_ticks(me)},
+        "max_attempts": 3,
+    }
+    store.append_launch(run.run_dir, launch)
+    st = status.collect(run.run_dir)
+    assert {s.state for s in st.shards} == {status.PENDING}
+    assert all(s.reason == "waiting for a warm worker" for s in st.shards)
+    assert "failed 0 pending 4" in progress.line(st)
+
+    store.launches_path(run.run_dir).unlink()
+    store.append_launch(run.run_dir, {**launch, "pid_start": {str(me): -1}})  # that job is no longer there
+    st = status.collect(run.run_dir)
+    assert {s.state for s in st.shards} == {status.FAILED}
 
 
 def test_progress_line_and_ticker_print_only_changes(tmp_path: Path) -> None:

@@ -333,7 +333,7 @@ def reap_group(pgid: int, leader_ticks: int) -> int:
     targets = set()
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir("/proc"):
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
+            if entry.name.isascii() and entry.name.isdigit() and int(entry.name) != os.getpid():
                 f = _stat(int(entry.name))
                 # a member started after the leader; anything older that shows this group id is not ours
                 if f and int(f[2]) == pgid and int(f[19]) >= leader_ticks:
@@ -396,7 +396,7 @@ def _family(pgid: int, root: int) -> set[tuple[int, int]]:
     table: dict[int, list[str]] = {}
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
+            if entry.name.isascii() and entry.name.isdigit():
                 f = _stat(int(entry.name))
                 if f:
                     table[int(entry.name)] = f

@@ -564,7 +564,9 @@ STARTING, IDLE, COLLECTING, DRAINING, STOPPED, FAILED = (
 
 class WorkerState(BaseModel):
     """`workers/<id>/worker.json`: a warm worker's job, host, process, state, current shard, shards sealed, server
-    starts and times, and the process groups of its running servers ([pgid, leader start ticks])."""
+    starts and times, and its running servers: their process groups ([pgid, leader start ticks]) and every process
+    of theirs it has seen ([pid, start ticks]: the leaders and their descendants, refreshed as it runs), so that
+    whoever reaps them after it signals only what it can show the worker started."""
 
     model_config = ConfigDict(strict=True, extra="allow", validate_assignment=True)
 
@@ -591,6 +593,7 @@ class WorkerState(BaseModel):
     exit_reason: str = ""
     updated_at: Time = 0.0
     server_groups: list[list[int]] = Field(default_factory=list)
+    server_processes: list[list[int]] = Field(default_factory=list)  # [pid, start ticks] of its servers and theirs
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

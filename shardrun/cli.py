@@ -208,7 +208,7 @@ def report(
 def compare(
     base: Path = typer.Argument(..., help="The base run directory (merged)."),
     candidates: list[Path] = typer.Argument(..., help="One or more candidate run directories (merged)."),
-    output: Path = typer.Option(
+    output: str = typer.Option(
         ..., "--output", "-o", help="Directory for compare_tasks.jsonl, compare.json, compare.html."
     ),
     key: Optional[str] = typer.Option(

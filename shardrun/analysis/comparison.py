@@ -28,6 +28,10 @@ from __future__ import annotations
 import hashlib
 import html
 import math
+import os
+import re
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +39,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import orjson
+from filelock import FileLock, Timeout
 
 from shardrun.analysis import report, selection
 from shardrun.core import task_rules
@@ -88,10 +93,31 @@ def task_labels(plan: Plan, task_indices: Iterable[int]) -> dict[int, str]:
     return {int(t): plan.labels[c] for t, c in zip(indices, codes) if c >= 0}
 
 
+MAX_REWARD = 1e12
+"""The largest reward (and mean reward) compare differences: past it a sum of a few tasks could overflow a float
+(1e308), and no reward a verifier gives is that large; a run holding one is refused, naming the task."""
+
+
+def check_rewards(run_dir: Path, tasks: Sequence[TaskStat]) -> None:
+    """BadInput naming the run and the first task whose mean reward or a reward is beyond MAX_REWARD (or infinite)."""
+    for t in tasks:
+        mean = t.stat("mean")
+        values = ([] if mean is None or math.isnan(mean) else [("a mean reward", mean)]) + [
+            ("a reward", r) for r in t.rewards if not math.isnan(r)
+        ]
+        big = next(((what, v) for what, v in values if not abs(v) <= MAX_REWARD), None)
+        if big is not None:
+            raise BadInput(
+                f"{run_dir}: task {t.task_index} has {big[0]} of {big[1]:g}, beyond what compare can difference "
+                f"(at most {MAX_REWARD:g} in size); the merged profile holds a reward out of any verifier's range"
+            )
+
+
 def read_side(run_dir: Path, fields: Sequence[str] = ()) -> Side:
     run_dir = Path(run_dir)
     plan = store.load_plan(run_dir)
     tasks = taskstats.load_profile(run_dir, fields)
+    check_rewards(run_dir, tasks)
     return Side(
         run_dir,
         plan,
@@ -604,9 +630,16 @@ class CompareResult:
     figures: tuple[Path, ...]
 
 
-def check_out_dir(out_dir: Path, runs: Sequence[Path]) -> Path:
-    """DIR, checked before anything is read or written: not a file, and its files are outputs shardrun may write
-    (not inside a run directory, not a device, a link to one or a directory: rundir/safepaths.py)."""
+FIGURE_NAME = re.compile(r"compare_(?:means|deltas|flips)_[0-9]+\.png")
+OUT_LOCK = ".compare.lock"
+OUT_LOCK_S = 600.0  # how long a compare waits for another one writing into the same -o
+
+
+def check_out_dir(out_dir: Path | str, runs: Sequence[Path]) -> Path:
+    """DIR, checked before anything is read or written: a path (not ""), not a file, and its files are outputs
+    shardrun may write (not inside a run directory, not a device, a link to one or a directory: rundir/safepaths.py)."""
+    if not str(out_dir).strip():
+        raise BadInput('-o "": an empty path; name the folder for compare\'s outputs (-o . for this one)')
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput(f"-o {out_dir}: exists and is not a directory")
@@ -616,33 +649,63 @@ def check_out_dir(out_dir: Path, runs: Sequence[Path]) -> Path:
     return out_dir
 
 
+def is_output(name: str) -> bool:
+    """Whether a file of -o is one that compare writes (its tables, page and figures)."""
+    return name in (TASKS_FILE, SUMMARY_FILE, HTML_FILE) or FIGURE_NAME.fullmatch(name) is not None
+
+
 def build(
     base: Path,
     candidates: Sequence[Path],
-    out_dir: Path,
+    out_dir: Path | str,
     key: str | None = None,
     solved_threshold: float = 1.0,
     resamples: int = DEFAULT_RESAMPLES,
     seed: int = 0,
     embed: bool = False,
 ) -> CompareResult:
-    """`shardrun compare`: write DIR/compare_tasks.jsonl, compare.json, compare.html and its figures."""
+    """`shardrun compare`: write DIR/compare_tasks.jsonl, compare.json, compare.html and its figures. All of them
+    are written to a folder of their own in DIR first and moved into DIR together, under DIR's lock: two compares
+    into one DIR never mix their files, a failed one leaves DIR as it was, and an earlier compare's figures that
+    this one does not draw are removed (DIR's other files are left alone)."""
     out_dir = check_out_dir(out_dir, [base, *candidates])
     comparison = compare(base, candidates, key, solved_threshold, resamples, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tasks = out_dir / TASKS_FILE
-    with store.atomic_writer(tasks) as f:
+    try:
+        lock = FileLock(str(out_dir / OUT_LOCK), timeout=OUT_LOCK_S)
+        lock.acquire()
+    except Timeout:
+        raise BadInput(f"-o {out_dir}: another compare has been writing there for over {OUT_LOCK_S:.0f} s") from None
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=store.TMP_PREFIX + "compare-", dir=out_dir))
+        try:
+            names = _write_outputs(comparison, stage, embed)
+            for name in names:
+                os.replace(stage / name, out_dir / name)
+            for old in out_dir.iterdir():
+                if is_output(old.name) and old.name not in names and old.is_file() and not old.is_symlink():
+                    old.unlink()
+            store.fsync_dir(out_dir)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    finally:
+        lock.release()
+    figs = tuple(out_dir / n for n in names if FIGURE_NAME.fullmatch(n))
+    report._shareable([out_dir / n for n in names])
+    return CompareResult(comparison, out_dir, out_dir / TASKS_FILE, out_dir / SUMMARY_FILE, out_dir / HTML_FILE, figs)
+
+
+def _write_outputs(comparison: Comparison, stage: Path, embed: bool) -> list[str]:
+    """Every output of one compare, written in `stage`; their names (the figures in the order drawn)."""
+    with store.atomic_writer(stage / TASKS_FILE) as f:
         for row in comparison.task_rows():
             f.write(orjson.dumps(row) + b"\n")
-    summary = out_dir / SUMMARY_FILE
-    store.atomic_write_bytes(summary, orjson.dumps(comparison.summary, option=orjson.OPT_INDENT_2) + b"\n")
-    figs = draw(comparison, out_dir)
+    store.atomic_write_bytes(stage / SUMMARY_FILE, orjson.dumps(comparison.summary, option=orjson.OPT_INDENT_2) + b"\n")
+    figs = draw(comparison, stage)
     srcs = [(n, t, report.data_uri(p.read_bytes()) if embed else p.name) for n, t, p in figs]
-    page = out_dir / HTML_FILE
-    store.atomic_write_bytes(page, render_html(comparison, srcs, time.strftime("%Y-%m-%d %H:%M:%S %Z")).encode())
-    paths = tuple(p for _, _, p in figs)
-    report._shareable([tasks, summary, page, *paths])
-    return CompareResult(comparison, out_dir, tasks, summary, page, paths)
+    page = render_html(comparison, srcs, time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    store.atomic_write_bytes(stage / HTML_FILE, page.encode())
+    return [TASKS_FILE, SUMMARY_FILE, *(p.name for _, _, p in figs), HTML_FILE]
 
 
 # ---------------------------------------------------------------- figures and HTML

@@ -11,24 +11,72 @@ import difflib
 import math
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from pydantic_core import ErrorDetails
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from shardrun.core import slurm_values
 from shardrun.core.credentials import find_credentials, redact, secret_reason
 from shardrun.core.errors import BadInput
-from shardrun.core.gym_names import MAX_REPEATS
+from shardrun.core.gym_names import LABEL_MAX, MAX_REPEATS, label_problem
 from shardrun.core.task_rules import TaskRules, problems
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MAX_ARRAY_SIZE = 1001
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type takes a number and never a boolean (`int`, `float | None`, `int | Literal[...]`)."""
+    if annotation is bool:
+        return False
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    return (
+        bool(args)
+        and typing.get_origin(annotation) is not Literal
+        and any(_numeric(a) for a in args)
+        and (bool not in args)
+    )
+
+
+def _boolean_for_a_number(annotation: Any, value: Any) -> bool:
+    """Whether `value` holds a boolean where `annotation` takes a number (at the top, or as a dict's value or a
+    list's item: `num_repeats: {agent: true}`)."""
+    if isinstance(value, bool):
+        return _numeric(annotation)
+    if isinstance(value, (dict, list)):
+        for arg in (annotation, *typing.get_args(annotation)):
+            origin, inner = typing.get_origin(arg), typing.get_args(arg)
+            if origin is dict and isinstance(value, dict) and len(inner) == 2:
+                return any(_boolean_for_a_number(inner[1], x) for x in value.values())
+            if origin is list and isinstance(value, list) and len(inner) == 1:
+                return any(_boolean_for_a_number(inner[0], x) for x in value)
+    return False
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # every number is finite
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        """YAML's `true`/`yes`/`on` is not 1: a boolean in a number field is refused, naming the field."""
+        if info.field_name and _boolean_for_a_number(cls.model_fields[info.field_name].annotation, v):
+            raise ValueError("takes a number, not a boolean (true/false, yes/no, on/off)")
+        return v
 
 
 class ShardingConfig(StrictModel):
@@ -424,16 +472,14 @@ class SamplingConfig(StrictModel):
         return None if self.stop_when_decided is None else self.model_dump(mode="json")
 
 
-LABEL_PATTERN = r"^[A-Za-z0-9._-]+$"
-
-
 class EntryConfig(StrictModel):
     """One entry of a blend (docs/blends.md): a JSONL file of tasks, the agent that runs them and the Gym configs
     that serve that agent. Every row reaches Gym as it is in its file, with only `agent_ref: {name: agent}` added
     where the row has none."""
 
     label: str = Field(
-        ..., min_length=1, pattern=LABEL_PATTERN, description="The entry's name ([A-Za-z0-9._-], unique)."
+        ...,
+        description=f"The entry's name ([A-Za-z0-9._-], not starting with '.', at most {LABEL_MAX}; unique).",
     )
     data: Path = Field(..., description="Its tasks: a JSONL file in NeMo Gym format (relative: to the current dir).")
     agent: str = Field(
@@ -453,6 +499,14 @@ class EntryConfig(StrictModel):
     )
     owner: str | None = Field(None, description="Who to ask about this data (shown, never interpreted).")
     notes: dict[str, Any] = Field(default_factory=dict, description="Free-form provenance, never interpreted.")
+
+    @field_validator("label")
+    @classmethod
+    def _label_is_a_name(cls, v: str) -> str:
+        why = label_problem(v)
+        if why:
+            raise ValueError(f"entry {ascii(v[: LABEL_MAX + 20])}: {why}")
+        return v
 
     @field_validator("data", mode="before")
     @classmethod
@@ -951,7 +1005,7 @@ def _parse_scalars(data: Any) -> Any:
         return {k: _parse_scalars(v) for k, v in data.items()}
     if isinstance(data, list):
         return [_parse_scalars(v) for v in data]
-    if isinstance(data, str) and data and data[0].isdigit():
+    if isinstance(data, str) and data and data[0] in "0123456789":
         try:
             parsed = yaml.safe_load(data)
         except yaml.YAMLError:
@@ -980,6 +1034,18 @@ def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
         raise BadInput(f"{source}: invalid configuration", [_describe(err, data) for err in e.errors()]) from None
 
 
+def _holds_secret(name: str, value: Any, msg: str) -> bool:
+    """Whether a refused value must not be echoed: the validator refused it as a secret, or it holds one anywhere
+    (a credential by name or shape, a key after `--api-key` in a list of arguments)."""
+    if "secret" in msg.lower():
+        return True
+    if isinstance(value, str):
+        return secret_reason(name, value) is not None
+    if isinstance(value, (list, tuple)) and any(isinstance(a, str) and a.startswith("--api-key") for a in value):
+        return True
+    return isinstance(value, (dict, list, tuple)) and any(True for _ in find_credentials(value, name))
+
+
 def _describe(err: ErrorDetails, data: dict[str, Any]) -> str:
     loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "constrained-"))]
     where = ".".join(loc) or "(top level)"
@@ -1004,7 +1070,7 @@ def _describe(err: ErrorDetails, data: dict[str, Any]) -> str:
         )
     if "input" in err and err["type"] != "missing" and loc:  # at the top level the input is the whole config
         value = err.get("input")
-        hidden = isinstance(value, str) and secret_reason(loc[-1] if loc else "", value) is not None
+        hidden = _holds_secret(loc[-1] if loc else "", value, str(err["msg"]))
         return redact(
             f"{where}: {err['msg']} (got {'a value not shown: it looks like a secret' if hidden else repr(value)})"
         )
@@ -1024,7 +1090,7 @@ def _walk(parts: list[str]) -> type[BaseModel] | str | None:
     dict/list/scalar field (anything below is the user's), or None for an unknown key."""
     model: type[BaseModel] = RunConfig
     for part in parts:
-        if part.isdigit():  # an item of a list of sections (entries.0.limit)
+        if part.isascii() and part.isdigit():  # an item of a list of sections (entries.0.limit)
             continue
         field = model.model_fields.get(part)
         if field is None:

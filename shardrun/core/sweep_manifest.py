@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from shardrun.core.errors import BadInput
+from shardrun.core.gym_names import LABEL_MAX, label_problem
 
 MANIFEST_ONLY = ("gym_env_start", "gym_eval_run", "gym_eval_profile", "num_shards", "sbatch", "srun", "vllm_router")
 KNOWN = (
@@ -131,6 +132,9 @@ def _entry(entry: Any, i: int, source: str) -> dict[str, Any]:
     where = f"entries.{i}"
     e = _mapping(entry, where, source)
     label = e.get("label", f"#{i}")
+    why = label_problem(label) if isinstance(label, str) else None
+    if why:
+        raise BadInput(f"{source}: {where}.label (entry {ascii(label[: LABEL_MAX + 20])}): {why}")
     if e.get("agent_ref_override") is not None:
         raise BadInput(
             f"{source}: {where}.agent_ref_override (entry {label!r}): shardrun sends every row as it is in its "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import socket
 from pathlib import Path
 
 from shardrun.core.errors import BadInput
@@ -44,6 +45,11 @@ def after_workers(run_dir: Path, round_no: int) -> int:
     cfg = cfg.model_copy(update={"run_dir": run_dir})
     cluster = cfg.cluster_or_default
     with store.run_lock(run_dir):
+        from shardrun.workers import worker
+
+        reaped = worker.reap_gone_workers(run_dir, socket.gethostname())
+        if reaped:
+            print(f"[shardrun] killed {reaped} server process(es) that workers gone from this host left", flush=True)
         todo, gave_up = unfinished(run_dir, plan, cluster.max_attempts)
         print(
             f"[shardrun] after the workers (round {round_no}): {len(plan.shards) - len(todo) - len(gave_up)} sealed, "

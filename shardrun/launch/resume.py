@@ -14,6 +14,7 @@ could not confirm.
 
 from __future__ import annotations
 
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +167,7 @@ class CancelResult:
     slurm_jobs: list[str]
     local_pids: list[int]
     unconfirmed: list[str] = field(default_factory=list)  # launch records whose live pid is not confirmed as ours
+    reaped_servers: int = 0  # server processes that workers gone from this host left, killed by their records
 
 
 def cancel(run_dir: Path, lock_timeout: float = LOCK_TIMEOUT_S) -> CancelResult:
@@ -176,13 +178,18 @@ def cancel(run_dir: Path, lock_timeout: float = LOCK_TIMEOUT_S) -> CancelResult:
         with store.run_lock(run_dir, timeout=lock_timeout):
             launches = status.fold_launches(records.read_launches(run_dir))
             done = backends.cancel(launches, scheduler.query_live_jobs)
+            from shardrun.workers import worker
+
+            reaped = worker.reap_gone_workers(run_dir, socket.gethostname())
     except Timeout:
         raise RunBusy(f"{run_dir} is locked by another shardrun command for over {lock_timeout:.0f} s") from None
-    return CancelResult(done.slurm_jobs, done.local_pids, done.unconfirmed)
+    return CancelResult(done.slurm_jobs, done.local_pids, done.unconfirmed, reaped)
 
 
 def render_cancel(result: CancelResult) -> str:
     notes = [f"not signalled: {u}" for u in result.unconfirmed]
+    if result.reaped_servers:
+        notes.append(f"killed {result.reaped_servers} server process(es) that workers gone from this host left")
     if not (result.slurm_jobs or result.local_pids):
         return "\n".join(["no live jobs for this run", *notes])
     parts = []

@@ -130,9 +130,9 @@ def tres_gpus(tres: str) -> int:
     typed = 0
     for item in tres.split(","):
         key, _, value = item.partition("=")
-        if key == "gres/gpu" and value.isdigit():
+        if key == "gres/gpu" and value.isascii() and value.isdigit():
             untyped = int(value)
-        elif key.startswith("gres/gpu:") and value.isdigit():
+        elif key.startswith("gres/gpu:") and value.isascii() and value.isdigit():
             typed += int(value)
     return untyped if untyped is not None else typed
 
@@ -151,7 +151,15 @@ def parse_sacct(text: str) -> dict[str, SacctJob]:
         m = re.fullmatch(r"(\d+)_\[([\d,\-]+)(?:%\d+)?\]", job_id)
         ids = [f"{m.group(1)}_{i}" for i in _expand(m.group(2))] if m else [job_id]
         for jid in ids:
-            out[jid] = SacctJob(jid, state, code, start, end, int(elapsed) if elapsed.isdigit() else 0, tres_gpus(tres))
+            out[jid] = SacctJob(
+                jid,
+                state,
+                code,
+                start,
+                end,
+                int(elapsed) if elapsed.isascii() and elapsed.isdigit() else 0,
+                tres_gpus(tres),
+            )
     return out
 
 

@@ -40,7 +40,7 @@ def deadline(cluster: ClusterConfig, environ: dict[str, str] | None = None) -> f
     configured limit (Slurm: the shard time limit; local: cluster.time_limit, or none)."""
     env = os.environ if environ is None else environ
     end = env.get("SLURM_JOB_END_TIME", "")
-    if end.isdigit():
+    if end.isascii() and end.isdigit():
         return float(end)
     if cluster.uses_slurm:
         return time.time() + slurm.shard_time_minutes(cluster) * 60

@@ -81,13 +81,15 @@ def label_rate(mine: ShardShare, whole: ShardShare, markers: Sequence[Seal | Non
             continue
         c = cost.shard_cost(marker)
         seconds = c.collect_s if c.collect_s else c.wall_s
-        by_tokens = bool(not math.isnan(whole.tokens[i]) and whole.tokens[i] > 0)
+        by_tokens = bool(math.isfinite(whole.tokens[i]) and whole.tokens[i] > 0 and math.isfinite(mine.tokens[i]))
         share = float(mine.tokens[i] / whole.tokens[i] if by_tokens else mine.rollouts[i] / whole.rollouts[i])
         bases.add(TOKENS if by_tokens else "rollouts")
         hours += share * seconds / 3600.0
         gpu_hours += share * c.gpu_hours
-        if not math.isnan(mine.tokens[i]):
+        if math.isfinite(mine.tokens[i]):
             tokens += float(mine.tokens[i])
+    if not math.isfinite(tokens) or not 0 <= tokens <= cost.MAX_TOKENS:  # rows' counts past any sane total
+        tokens = 0.0
     rollouts = int(sum(int(mine.rollouts[m.shard_index]) for m in markers if m is not None))
     return LabelRate(
         rollouts=rollouts,

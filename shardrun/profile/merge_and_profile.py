@@ -75,14 +75,14 @@ def merge_and_profile(
     policy = denominator.check_policy(missing or release.missing_policy)
     workers = workers or shard_reader.default_workers(plan.num_rollouts)
     with store.merge_lock(run_dir):
-        store.remove_stale_temps(store.merged_dir(run_dir))
+        store.remove_stale_temps(store.merged_dir(run_dir), store.MERGE_TMP_PREFIX)
         try:
             with contextlib.ExitStack() as stack:
                 # the summary's writer is entered first, so it is renamed last: a merge_summary.json in place means
                 # every output beside it comes from the same merge (one killed while renaming leaves the earlier one)
                 outputs = output_paths(run_dir, release)
                 out: dict[str, IO[bytes]] = {
-                    k: stack.enter_context(store.atomic_writer(outputs[k]))
+                    k: stack.enter_context(store.atomic_writer(outputs[k], prefix=store.MERGE_TMP_PREFIX))
                     for k in sorted(outputs, key=lambda k: k != "summary")
                 }
                 files = RowFiles(out["rollouts"], out["materialized_inputs"], out["failures"])
@@ -105,7 +105,7 @@ def merge_and_profile(
                 summary.timings["total_s"] = time.monotonic() - started
                 out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
         finally:
-            store.remove_stale_temps(store.merged_dir(run_dir))
+            store.remove_stale_temps(store.merged_dir(run_dir), store.MERGE_TMP_PREFIX)
     return summary
 
 
@@ -158,26 +158,30 @@ def _profile_labels(
     failed = np.array([t for t, _ in summary.failed_ids], np.int64)
     skipped = table.task_of_key(_skipped(run_dir, table, states))
     results = []
+    # each label's files are closed once written, and renamed when the stack closes (before the run's outputs): the
+    # files open at once do not grow with the labels (a blend of 10,000 labels merges under `ulimit -n 1024`)
+    at_end = stack.enter_context(store.renamed_at_end(store.MERGE_TMP_PREFIX))
     for entry, ranks in zip(plan.blend, blend_labels.task_ranks(plan, table)):
         paths = label_output_paths(run_dir, release, entry.label)
         for p in paths.values():
             p.parent.mkdir(parents=True, exist_ok=True)
-            store.remove_stale_temps(p.parent)
-        out = {k: stack.enter_context(store.atomic_writer(p)) for k, p in paths.items()}
+            store.remove_stale_temps(p.parent, store.MERGE_TMP_PREFIX)
         sub = table.subset(ranks)
         mine = blend_labels.shard_share(sub, len(plan.shards))
         part = MergeSummary(summary.run_dir, summary.fingerprint, summary.allow_partial)
-        entries = _profile_part(
-            run_dir,
-            blend_labels.label_plan(plan, entry),
-            sub,
-            states,
-            part,
-            out,
-            release,
-            policy,
-            f"groups-{entry.label}-",
-        )
+        with contextlib.ExitStack() as files:
+            out = {k: files.enter_context(at_end.writer(p)) for k, p in paths.items()}
+            entries = _profile_part(
+                run_dir,
+                blend_labels.label_plan(plan, entry),
+                sub,
+                states,
+                part,
+                out,
+                release,
+                policy,
+                f"groups-{entry.label}-",
+            )
         metrics: dict[str, Any] = next(
             (e["agent_metrics"] for e in entries if e["agent_ref"]["name"] == entry.agent), {}
         )
@@ -209,7 +213,7 @@ def _profile_labels(
     summary.labels = results
     summary.failed_lanes = [r.label for r in results if r.failed_lane]
     document = blend_labels.labels_document(run_dir, plan, results)
-    out_labels = stack.enter_context(store.atomic_writer(store.labels_path(run_dir)))
+    out_labels = stack.enter_context(store.atomic_writer(store.labels_path(run_dir), prefix=store.MERGE_TMP_PREFIX))
     out_labels.write(document.to_bytes())
 
 

@@ -62,8 +62,18 @@ def _num(v: Any, default: float = 0.0) -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else default
 
 
-def _opt(v: Any) -> float | None:
-    return _num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+MAX_TOKENS = 2**53
+"""The most tokens a seal's count may say (9e15: more than any run generates, and exact as a float); a larger,
+negative or non-finite count (`1e308`) is damage and counts as unknown, so no sum or rate overflows."""
+
+
+def token_count(v: Any) -> int | None:
+    """A seal's token count as an int, or None when it is missing or not a sane count (MAX_TOKENS)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return int(v) if 0 <= v <= MAX_TOKENS else None
 
 
 def shard_cost(marker: Seal) -> ShardCost:
@@ -75,7 +85,7 @@ def shard_cost(marker: Seal) -> ShardCost:
     if unknown:  # finished before it started: the clock stepped back; its duration (and GPU-hours) are unknown
         finished, gpu_hours = started, 0.0
     extra = marker.extra or {}
-    tokens = {k: int(extra[k]) for k in TOKEN_KEYS if _opt(extra.get(k)) is not None}
+    tokens = {k: n for k in TOKEN_KEYS if (n := token_count(extra.get(k))) is not None}
     return ShardCost(
         shard_index=marker.shard_index,
         attempt=1 if marker.attempt is None else marker.attempt,

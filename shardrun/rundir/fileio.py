@@ -21,9 +21,13 @@ import orjson
 from shardrun.core.errors import BadInput, NotRegularFile
 
 TMP_PREFIX = ".tmp-"  # a file being written atomically; a killed writer's is removed by remove_stale_temps
+MERGE_TMP_PREFIX = TMP_PREFIX + "merge-"  # the merge's own temp and scratch files: the only ones it removes
 
 __all__ = [
     "TMP_PREFIX",
+    "MERGE_TMP_PREFIX",
+    "RenamesAtEnd",
+    "renamed_at_end",
     "LINE_BLOCK",
     "fsync_dir",
     "atomic_writer",
@@ -58,10 +62,11 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path, buffering: int = -1) -> Iterator[IO[bytes]]:
-    """Write `path` atomically: temp file in the same directory, fsync, rename, fsync the directory."""
+def atomic_writer(path: Path, buffering: int = -1, prefix: str = TMP_PREFIX) -> Iterator[IO[bytes]]:
+    """Write `path` atomically: temp file in the same directory, fsync, rename, fsync the directory. `prefix` names
+    the temp file (MERGE_TMP_PREFIX: the merge's own, which only the merge removes as stale)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + path.name + ".", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=prefix + path.name + ".", dir=path.parent)
     try:
         with os.fdopen(fd, "wb", buffering=buffering) as f:
             yield f
@@ -84,11 +89,64 @@ def atomic_write_json(path: Path, obj: object) -> None:
     atomic_write_bytes(path, orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n")
 
 
-def remove_stale_temps(directory: Path) -> int:
-    """Delete temp files a killed writer left behind; returns how many."""
+class RenamesAtEnd:
+    """Files written now, each closed when written, and renamed into place together at the end (`renamed_at_end`):
+    many outputs of one atomic step with only the one being written open. None is renamed if the step fails."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.pending: list[tuple[str, Path]] = []
+
+    @contextlib.contextmanager
+    def writer(self, path: Path) -> Iterator[IO[bytes]]:
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=self.prefix + path.name + ".", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        self.pending.append((tmp, path))
+
+    def rename(self) -> None:
+        for tmp, path in self.pending:
+            os.replace(tmp, path)
+        for parent in {path.parent for _, path in self.pending}:
+            fsync_dir(parent)
+        self.pending = []
+
+    def discard(self) -> None:
+        for tmp, _ in self.pending:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self.pending = []
+
+
+@contextlib.contextmanager
+def renamed_at_end(prefix: str = TMP_PREFIX) -> Iterator[RenamesAtEnd]:
+    """A RenamesAtEnd whose files are renamed into place when the block ends, or removed if it raises."""
+    files = RenamesAtEnd(prefix)
+    try:
+        yield files
+    except BaseException:
+        files.discard()
+        raise
+    try:
+        files.rename()
+    finally:
+        files.discard()
+
+
+def remove_stale_temps(directory: Path, prefix: str = TMP_PREFIX) -> int:
+    """Delete temp files a killed writer left behind (those of `prefix`: a writer removes only its own kind, never
+    another command's temp file being written now); returns how many."""
     n = 0
     if directory.is_dir():
-        for p in directory.glob(TMP_PREFIX + "*"):
+        for p in directory.glob(prefix + "*"):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 n += 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardrun.core.gym_names import FAILURES, MATERIALIZED, ROLLOUTS
-from shardrun.rundir.fileio import TMP_PREFIX
+from shardrun.rundir.fileio import MERGE_TMP_PREFIX, TMP_PREFIX
 
 PLAN_FILE = "plan.json"
 SHARDS_DIR = "shards"
@@ -34,6 +34,7 @@ __all__ = [
     "MATERIALIZED",
     "ROLLOUTS",
     "TMP_PREFIX",
+    "MERGE_TMP_PREFIX",
     "PLAN_FILE",
     "SHARDS_DIR",
     "MERGED_DIR",
@@ -197,7 +198,7 @@ def merged_summary_path(run_dir: Path) -> Path:
 
 def merge_scratch(run_dir: Path, name: str) -> Path:
     """A scratch file of the running merge (snapshots, spills); removed as a stale temp if the merge is killed."""
-    return merged_dir(run_dir) / f"{TMP_PREFIX}{name}"
+    return merged_dir(run_dir) / f"{MERGE_TMP_PREFIX}{name}"
 
 
 def report_path(run_dir: Path) -> Path:

@@ -42,6 +42,11 @@ from shardrun.rundir import fileio, paths
 
 Count = Annotated[int, Field(ge=0)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+MAX_TIME = 32503680000.0
+"""The latest time a record may hold: 3000-01-01 (Unix seconds); a later one (the year 10000) is damage, and no
+clock or date rendering has to cope with it."""
+Time = Annotated[float, Field(allow_inf_nan=False, ge=0, le=MAX_TIME)]
+"""A moment, in Unix seconds: finite, from 1970 to 3000."""
 
 
 class Record(BaseModel):
@@ -130,7 +135,7 @@ class SealWorker(Record):
     id: str
     job_id: str | None = None
     servers_warm: bool = False
-    servers_up_since: Finite | None = None
+    servers_up_since: Time | None = None
 
 
 class Seal(Record):
@@ -147,8 +152,8 @@ class Seal(Record):
     num_duplicate_lines: Count = 0  # rollout lines of an identity already done (merge dedupes them)
     rollouts_sha256: str
     rollouts_bytes: Count
-    started_at: Finite | None = None
-    finished_at: Finite | None = None
+    started_at: Time | None = None
+    finished_at: Time | None = None
     host: str | None = None
     job_id: str | None = None
     attempt: Count | None = None
@@ -214,7 +219,7 @@ class SetAsideSeal(Record):
 
     seal: dict[str, Any]  # the seal as it was
     reason: str
-    set_aside_at: Finite
+    set_aside_at: Time
 
 
 def read_set_aside_seal(run_dir: Path, index: int) -> SetAsideSeal | None:
@@ -238,7 +243,7 @@ class LaunchBase(Record):
     maps a record to it); each mode's model holds its own fields only, and another mode's field is refused."""
 
     mode: str
-    submitted_at: Finite | None = None
+    submitted_at: Time | None = None
     host: str | None = None
     max_attempts: Count | None = None
     gpus_per_shard: Count | None = None
@@ -307,14 +312,14 @@ def _job_name(name: str | None) -> str | None:
 
 def _pid_keys(pids: dict[str, int | None]) -> dict[str, int | None]:
     for key in pids:
-        if not key.isdigit() or int(key) <= 0:
+        if not (key.isascii() and key.isdigit()) or int(key) <= 0:
             raise ValueError(f"{key!r} is not a process id")
     return pids
 
 
 def _shard_keys(jobs: dict[str, str | int]) -> dict[str, str | int]:
     for key in jobs:
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):
             raise ValueError(f"maps {key!r} to a job, not a shard index")
     return jobs
 
@@ -502,7 +507,7 @@ class ClaimRecord(Record):
     job_id: str | None = None
     host: str
     pid: Annotated[int, Field(gt=0)]
-    claimed_at: Finite
+    claimed_at: Time
     token: Annotated[str, Field(pattern=r"^[0-9a-f]{1,64}$")]
 
 
@@ -521,7 +526,7 @@ class HelpAsk(Record):
     """`help/TOKEN.ask.json`: an idle worker asks the shard's holder for a share (workers/tail_help.py)."""
 
     worker: str
-    at: Finite
+    at: Time
 
 
 class HelpGrant(Record):
@@ -529,20 +534,20 @@ class HelpGrant(Record):
 
     holder: str
     rows: list[Annotated[list[int], Field(min_length=2, max_length=2)]]
-    at: Finite
+    at: Time
 
 
 class HelpBeat(Record):
     """`help/TOKEN.beat.json`: the helper is at it."""
 
-    at: Finite
+    at: Time
 
 
 class HelpDone(Record):
     """`help/TOKEN.done.json`: the helper has stopped; its round's exit code."""
 
     rc: int
-    at: Finite
+    at: Time
 
 
 # ---------------------------------------------------------------- warm workers (workers/<id>/worker.json)
@@ -559,7 +564,9 @@ STARTING, IDLE, COLLECTING, DRAINING, STOPPED, FAILED = (
 
 class WorkerState(BaseModel):
     """`workers/<id>/worker.json`: a warm worker's job, host, process, state, current shard, shards sealed, server
-    starts and times, and the process groups of its running servers ([pgid, leader start ticks])."""
+    starts and times, and its running servers: their process groups ([pgid, leader start ticks]) and every process
+    of theirs it has seen ([pid, start ticks]: the leaders and their descendants, refreshed as it runs), so that
+    whoever reaps them after it signals only what it can show the worker started."""
 
     model_config = ConfigDict(strict=True, extra="allow", validate_assignment=True)
 
@@ -568,11 +575,11 @@ class WorkerState(BaseModel):
     host: str
     pid: Annotated[int, Field(gt=0)]
     pid_start: int | None
-    started_at: Finite
+    started_at: Time
     gpus: Count
     state: str = STARTING
     current_shard: Count | None = None
-    servers_up_since: Finite | None = None
+    servers_up_since: Time | None = None
     server_starts: Count = 0
     startup_s: Finite = 0.0  # seconds spent starting servers, every start
     sealed: list[Count] = Field(default_factory=list)
@@ -582,10 +589,11 @@ class WorkerState(BaseModel):
     slots: Count | None = None  # gym.num_samples_in_parallel: the policy requests its slot gate admits at once
     request_s: Finite = 0.0  # policy request-seconds through its slot gate, summed over requests
     failed_attempts: Count = 0
-    ended_at: Finite | None = None
+    ended_at: Time | None = None
     exit_reason: str = ""
-    updated_at: Finite = 0.0
+    updated_at: Time = 0.0
     server_groups: list[list[int]] = Field(default_factory=list)
+    server_processes: list[list[int]] = Field(default_factory=list)  # [pid, start ticks] of its servers and theirs
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -640,7 +648,7 @@ class ShardFailure(Record):
     job_id: str | None = None
     error: str = ""
     attempt: Count = 0
-    at: Finite | None = None
+    at: Time | None = None
     host: str | None = None
 
 

@@ -18,7 +18,7 @@ import http.client
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Iterator, Mapping, Sequence
+from typing import IO, Callable, Iterable, Iterator, Mapping, Sequence
 
 from shardrun.core.errors import NotRegularFile, ServerFailure
 from shardrun.rundir import store
@@ -323,26 +323,67 @@ def kill_tree(proc: Proc, extra: set[tuple[int, int]] | None = None) -> None:
 
 
 def reap_group(pgid: int, leader_ticks: int) -> int:
-    """SIGKILL what is left of a process group whose starter is gone (a SIGKILLed worker: its servers' leader got
-    SIGTERM from the kernel, but the servers it started stay in the group). `leader_ticks` is the leader's start
-    time: a live leader with another start time means the id now names another group, which is left alone.
-    Returns how many processes were killed."""
-    leader = start_ticks(pgid)
-    if leader is not None and leader != leader_ticks:
+    """SIGKILL a process group whose leader shardrun started and recorded: only while that leader still lives with
+    `leader_ticks` as its start time (then the group is the one it started, and its members started after it). A
+    leader that is gone, or a live process of another start time under that id, proves nothing: the group is left
+    alone (its members are reaped by their own records: `reap_recorded`). Returns how many processes were killed."""
+    if start_ticks(pgid) != leader_ticks:
         return 0
     targets = set()
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir("/proc"):
-            if entry.name.isdigit() and int(entry.name) != os.getpid():
+            if entry.name.isascii() and entry.name.isdigit() and int(entry.name) != os.getpid():
                 f = _stat(int(entry.name))
                 # a member started after the leader; anything older that shows this group id is not ours
                 if f and int(f[2]) == pgid and int(f[19]) >= leader_ticks:
                     targets.add((int(entry.name), int(f[19])))
-    for pid, _ in targets:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    return _kill_all(targets)
+
+
+def reap_recorded(procs: Iterable[Sequence[int]]) -> int:
+    """SIGKILL each recorded (pid, start ticks) that still runs with that start time: a process shardrun started
+    (or saw its server start) and recorded; a pid that is gone or now names another process is left alone. Returns
+    how many processes were killed."""
+    targets = {
+        (int(p[0]), int(p[1]))
+        for p in procs
+        if len(p) == 2 and p[0] > 0 and p[0] != os.getpid() and start_ticks(int(p[0])) == int(p[1])
+    }
+    return _kill_all(targets)
+
+
+def _kill_all(targets: set[tuple[int, int]]) -> int:
+    for pid, ticks in targets:
+        if start_ticks(pid) == ticks:  # read again just before the signal: the pid may have been reused since
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
     _wait_gone(targets, 5.0)
     return len(targets)
+
+
+def descendants(roots: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+    """(pid, start ticks) of the `roots` (pid, start ticks) that still run with that start time, and of every live
+    process descended from them (by /proc's parent pids): what a worker records of its servers, so that whoever
+    reaps them after it can show it started each one."""
+    table: dict[int, tuple[int, int]] = {}  # pid -> (ppid, start ticks)
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isascii() and entry.name.isdigit():
+                f = _stat(int(entry.name))
+                if f:
+                    table[int(entry.name)] = (int(f[1]), int(f[19]))
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out: dict[int, int] = {}
+    todo = [int(r[0]) for r in roots if len(r) == 2 and table.get(int(r[0]), (0, None))[1] == int(r[1])]
+    while todo:
+        pid = todo.pop()
+        if pid in out or pid == os.getpid():
+            continue
+        out[pid] = table[pid][1]
+        todo.extend(c for c in children.get(pid, ()) if table[c][1] >= out[pid])  # a child starts after its parent
+    return sorted(out.items())
 
 
 @contextlib.contextmanager
@@ -396,7 +437,7 @@ def _family(pgid: int, root: int) -> set[tuple[int, int]]:
     table: dict[int, list[str]] = {}
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir("/proc"):
-            if entry.name.isdigit():
+            if entry.name.isascii() and entry.name.isdigit():
                 f = _stat(int(entry.name))
                 if f:
                     table[int(entry.name)] = f

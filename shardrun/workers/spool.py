@@ -75,7 +75,7 @@ class SlotsReport(SpoolFile):
         out = set()
         for name in self.started:
             parts = name.split("-")
-            if len(parts) == 3 and parts[0] == "shard" and parts[1].isdigit():
+            if len(parts) == 3 and parts[0] == "shard" and parts[1].isascii() and parts[1].isdigit():
                 out.add(int(parts[1]))
         return out
 

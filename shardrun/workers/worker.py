@@ -49,6 +49,7 @@ from shardrun.workers import claims, lending, lent_share, warm_servers
 
 WAIT_POLL_S = 2.0
 SETTLE_S = 0.25  # a further shard is claimed once the budget has gone unfilled this long
+RECORD_SERVERS_S = 30.0  # how often a save records the servers' processes again (the children they started since)
 
 
 class ShardReleased(BaseException):
@@ -61,6 +62,31 @@ def gone(state: WorkerState) -> bool:
     """The worker's process is no longer running (on its host: only meaningful there)."""
     ticks = processes.start_ticks(state.pid)
     return ticks is None or (state.pid_start is not None and ticks != state.pid_start)
+
+
+def reap_servers(state: WorkerState, host: str) -> int | None:
+    """Kill what a worker gone from `host` left of its servers: each process its worker.json records with its start
+    time (reap_recorded), and the groups whose recorded leader still runs (reap_group). A SIGKILLed worker's server
+    leaders get SIGTERM from the kernel (processes.start: die_with_parent), but what they started lives on (Gym's
+    servers, for one). A pid or group id that now names another process is never signalled. None when the worker
+    is on another host, still runs, or recorded no servers; else how many processes were killed."""
+    if state.host != host or not (state.server_groups or state.server_processes) or not gone(state):
+        return None
+    killed = processes.reap_recorded(state.server_processes)
+    return killed + sum(processes.reap_group(g[0], g[1]) for g in state.server_groups if len(g) == 2)
+
+
+def reap_gone_workers(run_dir: Path, host: str) -> int:
+    """What every worker gone from `host` left of its servers (reap_servers), killed: for `shardrun cancel` and the
+    job after the workers. Returns how many processes were killed."""
+    return sum(reap_servers(st, host) or 0 for st in records.read_worker_states(run_dir))
+
+
+def merge_recorded(recorded: list[list[int]], seen: list[tuple[int, int]]) -> list[list[int]]:
+    """A worker's server processes: those `seen` now (processes.descendants of its leaders) and those recorded before
+    that still run with their start time (a child whose parent died is no longer anyone's descendant)."""
+    kept = {(p[0], p[1]) for p in recorded if len(p) == 2 and processes.start_ticks(p[0]) == p[1]}
+    return [list(p) for p in sorted(kept | set(seen))]
 
 
 def worker_id_for(job_id: str | None) -> str:
@@ -184,6 +210,7 @@ class Worker:
         self.restarts = 0
         self.servers_came_up = False  # this worker's servers were up once (restarts are for servers that died)
         self.reaped: set[tuple[str, int]] = set()  # (worker id, pid) whose leftovers were reaped
+        self._recorded_at = 0.0  # when the servers' processes were last recorded (time.monotonic)
         rules = self.plan.sampling.stop_when_decided if self.plan.sampling is not None else None
         # adaptive sampling: the run's rollouts read so far, so each shard start reads only what was appended since
         self.known = decided.RunRollouts(self.run_dir, self.plan, rules.metric) if rules is not None else None
@@ -205,6 +232,12 @@ class Worker:
             self.state.current_shards = held
             self.state.current_shard = held[0] if held else None
             self.state.updated_at = time.time()
+            if self.servers is not None and time.monotonic() - self._recorded_at >= RECORD_SERVERS_S:
+                self._recorded_at = time.monotonic()
+                with contextlib.suppress(OSError):
+                    self.state.server_processes = merge_recorded(
+                        self.state.server_processes, processes.descendants(self.servers.groups())
+                    )
             with contextlib.suppress(OSError):
                 records.write_worker_state(self.run_dir, self.state)
 
@@ -402,6 +435,7 @@ class Worker:
             server_groups=[list(g) for g in self.servers.groups()],
             state=IDLE,
         )
+        self.record_servers()
 
     def stop_servers(self, why: str) -> None:
         if self.servers is None:
@@ -410,26 +444,31 @@ class Worker:
         self.account()
         servers, self.servers = self.servers, None
         servers.stop()
-        self.save(servers_up_since=None, server_groups=[])
+        self.save(servers_up_since=None, server_groups=[], server_processes=[])
 
     def reap_leftovers(self, states: list[WorkerState]) -> None:
-        """Kill the servers that workers gone from this host left running. A SIGKILLed worker's server leaders get
-        SIGTERM from the kernel (processes.start: die_with_parent), but what they started stays in their process
-        groups (Gym's servers, for one); its worker.json names those groups. Slurm's cgroups do this for a job."""
+        """Kill the servers that workers gone from this host left running (`reap_servers`)."""
         for st in states:
             key = (st.worker_id, st.pid)
-            if (
-                st.host != self.state.host
-                or not st.server_groups
-                or key in self.reaped
-                or (st.pid, st.pid_start) == (self.state.pid, self.state.pid_start)
-                or not gone(st)
-            ):
+            if key in self.reaped or (st.pid, st.pid_start) == (self.state.pid, self.state.pid_start):
+                continue
+            killed = reap_servers(st, self.state.host)
+            if killed is None:
                 continue
             self.reaped.add(key)
-            killed = sum(processes.reap_group(pgid, ticks) for pgid, ticks in st.server_groups)
             if killed:
                 self.log(f"killed {killed} process(es) that worker {st.worker_id} (pid {st.pid}, gone) left running")
+
+    def record_servers(self) -> None:
+        """Record every process of the servers now (their leaders and what they started: `merge_recorded`); save()
+        does it again every RECORD_SERVERS_S while they run."""
+        if self.servers is not None:
+            self._recorded_at = time.monotonic()
+            self.save(
+                server_processes=merge_recorded(
+                    self.state.server_processes, processes.descendants(self.servers.groups())
+                )
+            )
 
     # ------------------------------------------------------------ choosing and claiming
 

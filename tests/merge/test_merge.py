@@ -426,7 +426,7 @@ def test_rerun_gives_identical_bytes(tmp_path: Path) -> None:
     run, _ = build(tmp_path, "roundrobin-dict-sparse-shuffled")
     merge_and_profile(run.run_dir, answer_field="extracted_answer")
     first = merged_bytes(run.run_dir)
-    (store.merged_dir(run.run_dir) / ".tmp-rollouts.jsonl.killed").write_bytes(b"half a file")
+    (store.merged_dir(run.run_dir) / f"{store.MERGE_TMP_PREFIX}rollouts.jsonl.killed").write_bytes(b"half a file")
     merge_and_profile(run.run_dir, answer_field="extracted_answer")
     assert merged_bytes(run.run_dir) == first and len(first) == 6
 

@@ -139,8 +139,10 @@ time.sleep(60)
     processes.wait_until(lambda: not _alive(child), timeout=10, what="child to die with its parent")
 
 
-def test_a_group_left_behind_by_its_dead_leader_is_reaped(tmp_path: Path) -> None:
-    """What a SIGKILLed worker leaves: its server leader is gone, the servers it started stay in its group."""
+def test_a_group_left_behind_by_its_dead_leader_is_reaped_by_its_recorded_members(tmp_path: Path) -> None:
+    """What a SIGKILLed worker leaves: its server leader is gone, the servers it started stay in its group. The group
+    id alone proves nothing once its leader is gone (it is not signalled); the members recorded with their start
+    times while the leader lived (descendants) are."""
     pidfile = tmp_path / "members"
     leader = processes.start(
         ["sh", "-c", f"sleep 300 & a=$!; sleep 300 & echo $a $! > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; wait"],
@@ -150,15 +152,30 @@ def test_a_group_left_behind_by_its_dead_leader_is_reaped(tmp_path: Path) -> Non
     assert group is not None and group[0] == leader.pid
     processes.wait_until(pidfile.exists, watch=[leader], timeout=20, what="the group's members")
     members = [int(p) for p in pidfile.read_text().split()]
+    recorded = processes.descendants([group])
+    assert sorted(p for p, _ in recorded) == sorted([leader.pid, *members])
     os.kill(leader.pid, signal.SIGKILL)
     leader.popen.wait(5)
     assert all(_alive(p) for p in members)  # the leader's death does not take its group with it
 
     assert processes.reap_group(group[0], group[1] + 1_000_000) == 0  # started after these: not their group
+    assert processes.reap_group(*group) == 0  # its leader is gone: the id could name anyone's group now
     assert all(_alive(p) for p in members)
-    assert processes.reap_group(*group) == 2
+    assert processes.reap_recorded([(p, t + 1) for p, t in recorded]) == 0  # not the recorded start times
+    assert all(_alive(p) for p in members)
+    assert processes.reap_recorded(recorded) == 2
     assert not any(_alive(p) for p in members)
-    assert processes.reap_group(*group) == 0  # nothing left
+    assert processes.reap_recorded(recorded) == 0  # nothing left
+
+
+def test_a_group_with_its_recorded_leader_alive_is_reaped(tmp_path: Path) -> None:
+    proc = processes.start(["sh", "-c", "sleep 300 & sleep 300 & wait"], tmp_path / "s.log")
+    try:
+        assert proc.group is not None
+        processes.wait_until(lambda: len(processes.descendants([proc.group])) == 3, timeout=20, what="children")
+        assert processes.reap_group(*proc.group) == 3
+    finally:
+        processes.stop(proc, grace=2)
 
 
 def test_a_live_leader_with_another_start_time_is_another_group(tmp_path: Path) -> None:

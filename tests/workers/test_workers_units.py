@@ -284,7 +284,8 @@ def test_resume_says_it_launched_workers(tmp_path: Path) -> None:
 
 def test_a_worker_reaps_the_servers_a_dead_worker_on_its_host_left(tmp_path: Path) -> None:
     """A SIGKILLed worker's servers outlive it (only their leaders get SIGTERM from the kernel): its worker.json names
-    their process groups, and a worker on the same host kills what is left of them; a live worker's are left alone."""
+    their processes (pid and start time: the leaders and what they started), and a worker on the same host kills what
+    is left of them; a live worker's are left alone. A group whose leader is gone is not signalled as a group."""
     run = builders.make_run(tmp_path, builders.input_rows(4), num_shards=2)
     cfg = run.cfg.model_copy(
         update={
@@ -304,7 +305,7 @@ def test_a_worker_reaps_the_servers_a_dead_worker_on_its_host_left(tmp_path: Pat
         dead_pid = processes.start(["true"], tmp_path / "t.log").popen
         dead_pid.wait(5)  # a pid that no longer runs
 
-        def record(worker_id: str, pid: int, ticks: int | None, groups: list) -> None:
+        def record(worker_id: str, pid: int, ticks: int | None, groups: list, procs: list | None = None) -> None:
             state = WorkerState(
                 worker_id=worker_id,
                 job_id=None,
@@ -315,10 +316,13 @@ def test_a_worker_reaps_the_servers_a_dead_worker_on_its_host_left(tmp_path: Pat
                 gpus=0,
             )
             state.server_groups = groups
+            state.server_processes = procs or []
             store.worker_dir(run.run_dir, worker_id).mkdir(parents=True)
             records.write_worker_state(run.run_dir, state)
 
-        record("w-dead", dead_pid.pid, 12345, [list(leader.group)])
+        seen = worker.merge_recorded([], processes.descendants([leader.group]))
+        assert sorted(p[0] for p in seen) == sorted([leader.pid, member])
+        record("w-dead", dead_pid.pid, 12345, [list(leader.group)], seen)
         record("w-live", live.pid, live.group[1], [list(live.group)])  # a live worker (its pid runs)
         os.kill(leader.pid, signal.SIGKILL)
         leader.popen.wait(5)

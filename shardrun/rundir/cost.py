@@ -333,10 +333,24 @@ def occupancy_rows(row: Mapping[str, Any]) -> list[tuple[str, str]]:
     per = {w: o for w, o in (row.get("worker_occupancy") or {}).items() if o is not None}
     if row.get("occupancy") is None:
         return []
-    text = f"{_fmt(row['occupancy'], '.2f')} of the policy's slots busy while collecting"
+    occupancy = row["occupancy"]
+    text = f"{share(occupancy)} of the policy's slots busy while collecting"
     if len(per) > 1:
-        text += " (" + ", ".join(f"{w} {o:.2f}" for w, o in sorted(per.items())) + ")"
+        text += " (" + ", ".join(f"{w} {share(o)}" for w, o in sorted(per.items())) + ")"
+    if occupancy < LOW_OCCUPANCY:
+        text += "; the policy answered faster than the Gym stack asked: the environments set the pace, not the policy"
     return [("slot occupancy", text)]
+
+
+LOW_OCCUPANCY = 0.1  # below this share of its slots busy, the policy is not what a run waits for
+
+
+def share(value: float) -> str:
+    """A share of the slots: two decimals, or two significant digits below 0.01 (never a bare 0.00 for a measured
+    share)."""
+    if 0 < value < 0.01:
+        return f"{value:.2g}" if value >= 0.0001 else "<0.0001"
+    return f"{value:.2f}"
 
 
 # ---------------------------------------------------------------- text

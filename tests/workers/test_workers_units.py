@@ -362,6 +362,18 @@ def test_slot_occupancy_counts_overlapping_shards_once_per_worker_and_for_the_ru
     assert "slot occupancy" not in dict(cost.workers_rows(cost.workers_row([wc])))
 
 
+def test_a_small_measured_occupancy_is_never_shown_as_zero_and_says_who_set_the_pace() -> None:
+    """A pre-hosted policy that answers at once (or the stand-in) keeps its slots busy a tiny share of the time:
+    status and the report show that share, not 0.00, and say the environments, not the policy, set the pace."""
+    from shardrun.rundir import cost
+
+    base = {"job_id": None, "gpus": 0, "started_at": 0.0, "ended_at": 1000.0, "host": "n", "pid": 7, "pid_start": None}
+    fast = WorkerState.model_validate(base | {"worker_id": "a", "holding_s": 600.0, "slots": 64, "request_s": 120.0})
+    text = dict(cost.workers_rows(cost.workers_row([cost.worker_cost(fast, now=0.0)])))["slot occupancy"]
+    assert text.startswith("0.0031 of the policy's slots busy") and "the environments set the pace" in text
+    assert cost.share(0.8) == "0.80" and cost.share(0.00001) == "<0.0001" and cost.share(0.0) == "0.00"
+
+
 def test_a_further_shard_is_claimed_only_when_the_held_ones_leave_the_budget_unfilled() -> None:
     """The pipeline (collector.pipeline_shards): the first shard always; a further one only below the depth, once the
     held shards have left the collector service's budget unfilled for SETTLE_S, when a look is due."""

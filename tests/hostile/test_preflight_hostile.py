@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import hostilekit
 from hostilekit import invoke, refused
 from reportkit import input_row, planned_run, seal_shards, write_input
 
@@ -23,16 +24,7 @@ CONFIG = "resources_servers/math/configs/math.yaml"
 
 def stand_in_venv(root: Path, version: str = "0.4.0") -> Path:
     """A directory laid out like a Gym venv (what preflight reads), with one server config in site-packages."""
-    venv = root / "gym-venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "ng_run").write_text("")
-    site = venv / "lib" / "python3.12" / "site-packages"
-    meta = site / f"nemo_gym-{version}.dist-info" / "METADATA"
-    meta.parent.mkdir(parents=True)
-    meta.write_text(f"Metadata-Version: 2.4\nName: nemo-gym\nVersion: {version}\n\n")
-    (site / CONFIG).parent.mkdir(parents=True)
-    (site / CONFIG).write_text("math: {}\n")
-    return venv
+    return hostilekit.stand_in_venv(root, version, (CONFIG,))
 
 
 @pytest.fixture()
@@ -218,3 +210,55 @@ def test_a_container_image_holds_the_venv_so_it_is_not_looked_for_here(tmp_path,
     keyed = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"env_vars": ["SHARDRUN_TEST_UNSET_KEY"]})})
     with pytest.raises(BadInput, match="cluster.env_vars"):
         preflight.check(keyed, keyed.run_dir, plan)
+
+
+# ---------------------------------------------------------------- submit --dry-run rehearses submit (#35, item 6)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["venv does not exist", "no venv anywhere", "a config path that resolves nowhere", "a base_url that is not http"],
+)
+def test_submit_dry_run_refuses_what_submit_refuses_with_the_same_exit_code_and_message(
+    tmp_path, clean_env, unchanged, case
+):
+    settings, named = CASES[case]
+    cfg = launch_config(tmp_path, **resolve(tmp_path, settings))
+    with unchanged(tmp_path):
+        rehearsal = invoke("submit", cfg, "--dry-run")
+        real = invoke("submit", cfg)
+    refused(rehearsal, *named)
+    assert rehearsal.exit_code == real.exit_code and rehearsal.output == real.output
+    assert "#!/bin/bash" not in rehearsal.output and "launch mode" not in rehearsal.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_submit_dry_run_refuses_a_changed_recorded_configuration_as_submit_does(tmp_path, clean_env, unchanged):
+    """A run launched with one Gym config: a dry run of a changed config is refused like the submit it rehearses."""
+    from shardrun.core import config
+    from shardrun.rundir import env_manifest
+
+    cfg = config.load(launch_config(tmp_path))
+    store.write_plan(cfg, store.scan_input(cfg))
+    env_manifest.check_and_record(cfg.run_dir, cfg)
+    changed = launch_config(tmp_path, policy={"base_url": "http://127.0.0.1:9/v1", "model_name": "another-model"})
+    with unchanged(tmp_path):
+        rehearsal = invoke("submit", changed, "--dry-run")
+        real = invoke("submit", changed)
+    assert rehearsal.exit_code == real.exit_code != 0, rehearsal.output
+    assert "configuration changed" in rehearsal.output and rehearsal.output == real.output
+
+
+def test_submit_dry_run_shows_the_plans_warnings_then_the_jobs(tmp_path, clean_env, unchanged):
+    path = launch_config(tmp_path)
+    data = json.loads(path.read_text())
+    data["num_repeats"] = {"_default": 2, "agent_typo": 3}
+    path.write_text(json.dumps(data))
+    with unchanged(tmp_path):
+        planned = invoke("plan", path)
+        rehearsal = invoke("submit", path, "--dry-run")
+    warning = "warning: num_repeats lists agent(s) no row uses (typo?): agent_typo"
+    assert warning in planned.output
+    assert rehearsal.exit_code == 0, rehearsal.output
+    assert warning in rehearsal.output and "launch mode: local jobs" in rehearsal.output
+    assert rehearsal.output.index(warning) < rehearsal.output.index("launch mode")

@@ -105,8 +105,11 @@ def plan(
     from shardrun.rundir import store
     from shardrun.plan import render
 
+    from shardrun.launch import preflight
+
     cfg = run(config_mod.load, config, overrides or [])
     the_plan = run(store.scan_input, cfg)
+    run(preflight.check_gpus, cfg)  # a self-hosted policy's GPUs fit the Slurm job (as submit checks)
     written = None
     if write:
         the_plan, written = run(store.write_plan, cfg, the_plan)

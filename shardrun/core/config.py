@@ -144,8 +144,15 @@ class VllmConfig(StrictModel):
     command: list[str] | None = Field(
         None, description="Launcher prefix; default `<python> -m vllm.entrypoints.openai.api_server`."
     )
-    tensor_parallel_size: int = Field(1, ge=1, le=4096)
-    data_parallel_size: int = Field(1, ge=1, le=4096)
+    tensor_parallel_size: int = Field(1, ge=1, le=4096, description="vLLM --tensor-parallel-size.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=4096, description="vLLM --pipeline-parallel-size.")
+    data_parallel_size: int = Field(1, ge=1, le=4096, description="vLLM --data-parallel-size.")
+    device: Literal["gpu", "cpu"] = Field(
+        "gpu",
+        description="What serves the model. gpu: on Slurm, tensor x pipeline x data parallel size GPUs must fit "
+        "cluster.nodes x cluster.gpus_per_node (checked at plan and submit). cpu: a CPU build of vLLM on purpose "
+        "(cluster.gpus_per_node may be 0); not passed to vLLM, whose build decides the device.",
+    )
     max_model_len: int | None = Field(None, ge=1, le=2**31 - 1)
     extra_args: list[str] = Field(default_factory=list, description="More vLLM CLI arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the vLLM process.")

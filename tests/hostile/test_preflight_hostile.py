@@ -262,3 +262,68 @@ def test_submit_dry_run_shows_the_plans_warnings_then_the_jobs(tmp_path, clean_e
     assert rehearsal.exit_code == 0, rehearsal.output
     assert warning in rehearsal.output and "launch mode: local jobs" in rehearsal.output
     assert rehearsal.output.index(warning) < rehearsal.output.index("launch mode")
+
+
+# ---------------------------------------------------------------- a self-hosted policy's GPUs fit the job (#35, item 5)
+
+IMAGE = {"executor": "slurm", "partition": "batch", "containers": {"shardrun": "/images/gym.sqsh"}}
+
+
+def gpu_config(tmp: Path, vllm: dict, cluster: dict) -> Path:
+    """A Slurm run (in an image: the vLLM interpreter is the image's) with a self-hosted policy."""
+    return launch_config(tmp, policy={"vllm": {"model": "org/model", "python": "/opt/vllm"} | vllm}, cluster=cluster)
+
+
+def test_more_gpus_than_the_job_has_are_refused_at_plan_submit_and_dry_run_naming_the_fields(
+    tmp_path, clean_env, unchanged
+):
+    cfg = gpu_config(tmp_path, {"tensor_parallel_size": 8}, IMAGE | {"nodes": 1, "gpus_per_node": 2})
+    says = (
+        "policy.vllm.tensor_parallel_size 8 x pipeline_parallel_size 1 needs 8 GPUs; "
+        "cluster.nodes 1 x cluster.gpus_per_node 2 gives 2"
+    )
+    with unchanged(tmp_path):
+        for args in (("plan", cfg), ("plan", cfg, "--write"), ("submit", cfg), ("submit", cfg, "--dry-run")):
+            refused(invoke(*args), says)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_gpu_less_slurm_job_for_a_self_hosted_policy_is_refused_unless_it_says_cpu(tmp_path, clean_env, unchanged):
+    cfg = gpu_config(tmp_path, {}, IMAGE)  # gpus_per_node defaults to 0
+    with unchanged(tmp_path):
+        refused(invoke("plan", cfg), "cluster.gpus_per_node: 0", "policy.vllm.device: cpu")
+        refused(invoke("submit", cfg, "--dry-run"), "cluster.gpus_per_node: 0", "needs 1 GPU(s)")
+        on_cpu = invoke("submit", cfg, "--dry-run", "policy.vllm.device=cpu")
+    assert on_cpu.exit_code == 0, on_cpu.output
+    assert "launch mode: Slurm job arrays" in on_cpu.output and "#!/bin/bash" in on_cpu.output
+    assert "--gpus-per-node" not in on_cpu.output
+
+
+@pytest.mark.parametrize(
+    "vllm, cluster, fits, names",
+    [
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, {"nodes": 2, "gpus_per_node": 4}, True, ()),
+        (
+            {"tensor_parallel_size": 4, "pipeline_parallel_size": 2, "data_parallel_size": 2},
+            {"nodes": 2, "gpus_per_node": 4},
+            False,
+            ("pipeline_parallel_size 2 x data_parallel_size 2 needs 16 GPUs", "cluster.nodes 2 x", "gives 8"),
+        ),
+        ({"pipeline_parallel_size": 3}, {"nodes": 1, "gpus_per_node": 2}, False, ("needs 3 GPUs", "gives 2")),
+        ({"tensor_parallel_size": 2}, {"nodes": 1, "gpus_per_node": 8}, True, ()),  # fewer than the job has: fine
+        ({"tensor_parallel_size": 8}, {"executor": "local"}, True, ()),  # local jobs: this machine's GPUs as they are
+        ({"tensor_parallel_size": 8}, {"workers": 2, "gpus_per_node": 4}, False, ("needs 8 GPUs", "gives 4")),
+    ],
+)
+def test_the_gpu_arithmetic(tmp_path, clean_env, vllm, cluster, fits, names):
+    from shardrun.core import config
+    from shardrun.launch import preflight
+
+    cfg = config.load(gpu_config(tmp_path, vllm, IMAGE | cluster))
+    problems = preflight.gpu_problems(cfg)
+    assert (problems == []) is fits, problems
+    for name in names:
+        assert name in "\n".join(problems)
+    if not fits:
+        with pytest.raises(BadInput, match="does not fit the Slurm job"):
+            preflight.check_gpus(cfg)

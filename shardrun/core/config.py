@@ -232,6 +232,12 @@ class ClusterConfig(StrictModel):
     qos: str | None = None
     containers: dict[str, str] = Field(default_factory=dict, description="Image per role, e.g. {shardrun: ...}.")
     mounts: list[str] = Field(default_factory=list, description="Container mounts SRC:DST.")
+    container_python: str | None = Field(
+        None,
+        description="With containers.shardrun: the interpreter inside the image that has shardrun installed (e.g. "
+        "/opt/venv/bin/python3, or python3 on the image's PATH); the jobs run it instead of this checkout's. "
+        "Required with an image (docs/cluster-configs.md, 'Containers').",
+    )
     env_vars: list[str] = Field(
         default_factory=list, description="NAME=value to set, or NAME to pass through from the submitting shell."
     )

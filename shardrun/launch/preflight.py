@@ -8,6 +8,7 @@ BadInput). Here, once, before a job exists or a launch is recorded:
 - a self-hosted policy (`policy.vllm`) whose jobs are Slurm jobs fits the job: tensor x pipeline x data parallel
   size GPUs within `cluster.nodes` x `cluster.gpus_per_node`, and no GPU-less job unless `policy.vllm.device: cpu`
   says so (`gpu_problems`; `plan` checks this too: `check_gpus`);
+- Slurm jobs in a container image name the image's interpreter (`cluster.container_python`);
 - and when some shard to launch still has rollouts to collect (a shard whose every identity is accounted for
   seals without servers):
   - the Gym venv (`gym.venv`, else $SHARDRUN_GYM_VENV, else the venv `scripts/setup.sh gym` builds) holds a
@@ -44,6 +45,8 @@ def check(cfg: RunConfig, run_dir: Path, plan: Plan, env: Mapping[str, str] | No
     cfg.require("gym", "policy")
     assert cfg.gym is not None and cfg.policy is not None
     problems = gpu_problems(cfg) + missing_environment(cfg, env)
+    if in_container(cfg) and not cfg.cluster_or_default.container_python:
+        problems.append(slurm.container_python_missing())
     if needs_servers(cfg, run_dir, plan):
         here = not in_container(cfg)
         problems += (gym_problems(cfg.gym, env) if here else []) + policy_problems(cfg.policy, env, here)

@@ -9,6 +9,7 @@ run needs none of this (the valid-but-unusual case)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,7 +195,13 @@ def test_a_container_image_holds_the_venv_so_it_is_not_looked_for_here(tmp_path,
     from shardrun.core import config
     from shardrun.launch import preflight
 
-    image = {"executor": "slurm", "partition": "batch", "containers": {"shardrun": "/images/gym.sqsh"}}
+    image = {
+        "executor": "slurm",
+        "partition": "batch",
+        "containers": {"shardrun": "/images/gym.sqsh"},
+        "container_python": "python3",
+        "gpus_per_node": 8,
+    }
     path = launch_config(
         tmp_path,
         gym={"venv": "/opt/in-the-image/gym-venv", "config_paths": ["/opt/in-the-image/gym.yaml"]},
@@ -266,7 +273,12 @@ def test_submit_dry_run_shows_the_plans_warnings_then_the_jobs(tmp_path, clean_e
 
 # ---------------------------------------------------------------- a self-hosted policy's GPUs fit the job (#35, item 5)
 
-IMAGE = {"executor": "slurm", "partition": "batch", "containers": {"shardrun": "/images/gym.sqsh"}}
+IMAGE = {
+    "executor": "slurm",
+    "partition": "batch",
+    "containers": {"shardrun": "/images/gym.sqsh"},
+    "container_python": "/opt/venv/bin/python3",
+}
 
 
 def gpu_config(tmp: Path, vllm: dict, cluster: dict) -> Path:
@@ -327,3 +339,19 @@ def test_the_gpu_arithmetic(tmp_path, clean_env, vllm, cluster, fits, names):
     if not fits:
         with pytest.raises(BadInput, match="does not fit the Slurm job"):
             preflight.check_gpus(cfg)
+
+
+# ---------------------------------------------------------------- jobs in a container image (#35, item 4)
+
+
+def test_a_container_image_without_its_interpreter_is_refused_naming_the_field(tmp_path, clean_env, unchanged):
+    """This checkout's interpreter does not exist in the image: the jobs need the image's (cluster.container_python)."""
+    image = {k: v for k, v in IMAGE.items() if k != "container_python"} | {"gpus_per_node": 1}
+    cfg = gpu_config(tmp_path, {}, image)
+    with unchanged(tmp_path):
+        for args in (("submit", cfg), ("submit", cfg, "--dry-run")):
+            refused(invoke(*args), "cluster.container_python: not set", "cluster.containers.shardrun")
+        given = invoke("submit", cfg, "--dry-run", "cluster.container_python=/opt/venv/bin/python3")
+    assert given.exit_code == 0, given.output
+    assert "/opt/venv/bin/python3 -u -m submitit.core._submit" in given.output
+    assert f"{sys.executable} -u -m" not in given.output

@@ -105,8 +105,11 @@ def plan(
     from shardrun.rundir import store
     from shardrun.plan import render
 
+    from shardrun.launch import preflight
+
     cfg = run(config_mod.load, config, overrides or [])
     the_plan = run(store.scan_input, cfg)
+    run(preflight.check_gpus, cfg)  # a self-hosted policy's GPUs fit the Slurm job (as submit checks)
     written = None
     if write:
         the_plan, written = run(store.write_plan, cfg, the_plan)
@@ -269,8 +272,8 @@ def submit(
     dry_run: bool = typer.Option(
         False,
         "--dry-run",
-        help="Print what would be submitted (Slurm: the array layout and "
-        "the sbatch scripts); write and submit nothing.",
+        help="Rehearse: run submit's checks and print the plan's warnings, then what would be submitted (Slurm: "
+        "the array layout and the sbatch scripts); write and submit nothing. Exits as submit would where it refuses.",
     ),
     no_merge_job: bool = typer.Option(
         False, "--no-merge-job", help="Slurm: do not submit the merge-and-profile job that runs after the arrays."
@@ -288,6 +291,7 @@ def submit(
         echo=say,
         merge_job=not no_merge_job,
         dry_run=dry_run,
+        warn=lambda w: say(f"warning: {terminal.shown(w)}", err=True),
     )
     if result.dry_run is not None:
         say(result.dry_run)

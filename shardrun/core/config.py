@@ -144,8 +144,15 @@ class VllmConfig(StrictModel):
     command: list[str] | None = Field(
         None, description="Launcher prefix; default `<python> -m vllm.entrypoints.openai.api_server`."
     )
-    tensor_parallel_size: int = Field(1, ge=1, le=4096)
-    data_parallel_size: int = Field(1, ge=1, le=4096)
+    tensor_parallel_size: int = Field(1, ge=1, le=4096, description="vLLM --tensor-parallel-size.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=4096, description="vLLM --pipeline-parallel-size.")
+    data_parallel_size: int = Field(1, ge=1, le=4096, description="vLLM --data-parallel-size.")
+    device: Literal["gpu", "cpu"] = Field(
+        "gpu",
+        description="What serves the model. gpu: on Slurm, tensor x pipeline x data parallel size GPUs must fit "
+        "cluster.nodes x cluster.gpus_per_node (checked at plan and submit). cpu: a CPU build of vLLM on purpose "
+        "(cluster.gpus_per_node may be 0); not passed to vLLM, whose build decides the device.",
+    )
     max_model_len: int | None = Field(None, ge=1, le=2**31 - 1)
     extra_args: list[str] = Field(default_factory=list, description="More vLLM CLI arguments.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the vLLM process.")
@@ -225,6 +232,12 @@ class ClusterConfig(StrictModel):
     qos: str | None = None
     containers: dict[str, str] = Field(default_factory=dict, description="Image per role, e.g. {shardrun: ...}.")
     mounts: list[str] = Field(default_factory=list, description="Container mounts SRC:DST.")
+    container_python: str | None = Field(
+        None,
+        description="With containers.shardrun: the interpreter inside the image that has shardrun installed (e.g. "
+        "/opt/venv/bin/python3, or python3 on the image's PATH); the jobs run it instead of this checkout's. "
+        "Required with an image (docs/cluster-configs.md, 'Containers').",
+    )
     env_vars: list[str] = Field(
         default_factory=list, description="NAME=value to set, or NAME to pass through from the submitting shell."
     )

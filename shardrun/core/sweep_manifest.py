@@ -5,7 +5,9 @@ mapping out.
 Carried out: nickname, num_shards, entries, materialize, gym_env_start (config_paths; every other key, a Gym
 config overlay, as a `++key=value` override of ng_run), gym_eval_run (num_repeats, num_samples_in_parallel; the
 rest as `++key=value` overrides of the collection), sbatch (account, partition, qos, timelimit; other keys as
-extra sbatch parameters), vllm.model. Named and skipped (a warning in the plan): vllm's P/D and launcher settings,
+extra sbatch parameters), vllm.model. A manifest states no GPUs per node and no parallel sizes: a self-hosted
+policy on Slurm is refused at plan and submit until cluster.gpus_per_node and the sizes are given (overrides after
+the manifest; launch/preflight.py's gpu_problems names them). Named and skipped (a warning in the plan): vllm's P/D and launcher settings,
 vllm_router, srun, gym_eval_profile. Refused: agent_ref_override (it would rewrite rows; shardrun sends every row
 as it is in its file) and any other key (a typo would otherwise be dropped).
 """
@@ -112,9 +114,12 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
         out["policy"] = {"vllm": {"model": vllm["model"]}}
     rest = sorted(k for k in vllm if k != "model")
     if rest:
+        nodes = [vllm[k] for k in ("prefill_nodes", "decode_nodes") if isinstance(vllm.get(k), int)]
+        asked = f"; the manifest asks for {sum(nodes)} node(s) per shard" if nodes else ""
         skipped.append(
-            f"vllm.{', vllm.'.join(rest)} (the P/D split and NVIDIA's launcher settings; shardrun serves one "
-            f"vLLM per shard, configured under policy.vllm)"
+            f"vllm.{', vllm.'.join(rest)} (the P/D split and NVIDIA's launcher settings{asked}; shardrun serves one "
+            f"vLLM per shard, configured under policy.vllm: its GPUs are cluster.nodes x cluster.gpus_per_node, "
+            f"used as policy.vllm.tensor_parallel_size x pipeline_parallel_size)"
         )
     for block, why in (
         ("vllm_router", "the P/D router; shardrun's policy is one vLLM per shard or an endpoint (policy.base_url)"),

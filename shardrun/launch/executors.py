@@ -9,6 +9,7 @@ needs is in the run directory (plan.json, launch.json, the shard's files) and in
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 from datetime import datetime
@@ -82,7 +83,10 @@ def slurm_executor(run_dir: Path, cluster: ClusterConfig, params: dict[str, Any]
     folder = store.jobs_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=cluster.max_requeues)
+        python = slurm.job_python(cluster)  # in a container image: the image's interpreter, not this one
+        executor = submitit.SlurmExecutor(
+            folder=folder, max_num_timeout=cluster.max_requeues, python=shlex.quote(python) if python else None
+        )
     except RuntimeError as e:  # no srun on PATH
         raise scheduler.SlurmError(f"cannot submit to Slurm from here: {e}") from None
     executor.update_parameters(**params)

@@ -5,6 +5,10 @@ BadInput). Here, once, before a job exists or a launch is recorded:
 
 - every environment variable a job takes from the submitting shell is set: `policy.api_key_env` and each bare
   NAME in `cluster.env_vars`;
+- a self-hosted policy (`policy.vllm`) whose jobs are Slurm jobs fits the job: tensor x pipeline x data parallel
+  size GPUs within `cluster.nodes` x `cluster.gpus_per_node`, and no GPU-less job unless `policy.vllm.device: cpu`
+  says so (`gpu_problems`; `plan` checks this too: `check_gpus`);
+- Slurm jobs in a container image name the image's interpreter (`cluster.container_python`);
 - and when some shard to launch still has rollouts to collect (a shard whose every identity is accounted for
   seals without servers):
   - the Gym venv (`gym.venv`, else $SHARDRUN_GYM_VENV, else the venv `scripts/setup.sh gym` builds) holds a
@@ -40,7 +44,9 @@ def check(cfg: RunConfig, run_dir: Path, plan: Plan, env: Mapping[str, str] | No
     env = os.environ if env is None else env
     cfg.require("gym", "policy")
     assert cfg.gym is not None and cfg.policy is not None
-    problems = missing_environment(cfg, env)
+    problems = gpu_problems(cfg) + missing_environment(cfg, env)
+    if in_container(cfg) and not cfg.cluster_or_default.container_python:
+        problems.append(slurm.container_python_missing())
     if needs_servers(cfg, run_dir, plan):
         here = not in_container(cfg)
         problems += (gym_problems(cfg.gym, env) if here else []) + policy_problems(cfg.policy, env, here)
@@ -55,6 +61,44 @@ def in_container(cfg: RunConfig) -> bool:
 
     cluster = cfg.cluster_or_default
     return backends.for_config(cfg).runs_on_slurm(cluster) and bool(cluster.containers.get(slurm.CONTAINER_ROLE))
+
+
+def check_gpus(cfg: RunConfig) -> None:
+    """`plan`: BadInput when a self-hosted policy's GPUs do not fit the job the config asks for (gpu_problems)."""
+    problems = gpu_problems(cfg)
+    if problems:
+        raise BadInput(f"{cfg.run_dir}: the self-hosted policy does not fit the Slurm job", problems)
+
+
+def gpu_problems(cfg: RunConfig) -> list[str]:
+    """A self-hosted vLLM in Slurm jobs: the GPUs it asks for (tensor x pipeline x data parallel size) must fit
+    the job's (cluster.nodes x cluster.gpus_per_node), and a job without GPUs serves on CPUs only on purpose
+    (policy.vllm.device: cpu). Local jobs use this machine's GPUs as they are: not checked."""
+    from shardrun.launch import backends
+
+    v = cfg.policy.vllm if cfg.policy is not None else None
+    cluster = cfg.cluster_or_default
+    if v is None or v.device == "cpu" or not backends.for_config(cfg).runs_on_slurm(cluster):
+        return []
+    tp, pp, dp = v.tensor_parallel_size, v.pipeline_parallel_size, v.data_parallel_size
+    needs = tp * pp * dp
+    asked = f"policy.vllm.tensor_parallel_size {tp} x pipeline_parallel_size {pp}" + (
+        f" x data_parallel_size {dp}" if dp != 1 else ""
+    )
+    if cluster.gpus_per_node == 0:
+        return [
+            f"cluster.gpus_per_node: 0, so the Slurm job has no GPU, but {asked} needs {needs} GPU(s) for the "
+            f"self-hosted policy (policy.vllm); set cluster.gpus_per_node (and cluster.nodes) to give them, or "
+            f"policy.vllm.device: cpu to serve on CPUs on purpose (a CPU build of vLLM)"
+        ]
+    gives = cluster.nodes * cluster.gpus_per_node
+    if needs > gives:
+        return [
+            f"{asked} needs {needs} GPUs; cluster.nodes {cluster.nodes} x cluster.gpus_per_node "
+            f"{cluster.gpus_per_node} gives {gives}; raise cluster.nodes or cluster.gpus_per_node, or lower the "
+            f"parallel sizes"
+        ]
+    return []
 
 
 def missing_environment(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:

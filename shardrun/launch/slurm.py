@@ -201,6 +201,25 @@ def _require_env(name: str) -> str:
     return f': "${{{name}:?{name} is not set (it is passed through from the shell that submitted the job)}}"'
 
 
+def job_python(cluster: ClusterConfig) -> str | None:
+    """The interpreter the jobs run shardrun with: in a container image, `cluster.container_python` (the image's;
+    this checkout's interpreter does not exist there); else None, this interpreter (sys.executable). BadInput
+    naming the field when an image is set without it."""
+    if not cluster.containers.get(CONTAINER_ROLE):
+        return None
+    if not cluster.container_python:
+        raise BadInput(container_python_missing())
+    return cluster.container_python
+
+
+def container_python_missing() -> str:
+    return (
+        f"cluster.container_python: not set, but cluster.containers.{CONTAINER_ROLE} runs the jobs in a container "
+        f"image, where this checkout's interpreter ({sys.executable}) does not exist; name the interpreter in the "
+        f"image that has shardrun installed (e.g. /opt/venv/bin/python3, or python3 on the image's PATH)"
+    )
+
+
 def container_srun_args(cluster: ClusterConfig) -> list[str]:
     image = cluster.containers.get(CONTAINER_ROLE)
     if not image:
@@ -284,10 +303,11 @@ def pass_through_env(cfg: RunConfig) -> list[str]:
     return [cfg.policy.api_key_env] if cfg.policy and cfg.policy.api_key_env else []
 
 
-def merge_command(run_dir: Path) -> list[str]:
+def merge_command(run_dir: Path, python: str | None = None) -> list[str]:
     """What the merge job runs: `shardrun merge-and-profile RUN_DIR` (it re-verifies every shard's seal itself,
-    since Slurm counts a dependency on a purged job id as met; missing shards: non-zero exit, 'shardrun resume')."""
-    return [sys.executable, "-m", "shardrun.cli", "merge-and-profile", str(run_dir)]
+    since Slurm counts a dependency on a purged job id as met; missing shards: non-zero exit, 'shardrun resume'),
+    with `python` (job_python: the image's), else this interpreter."""
+    return [python or sys.executable, "-m", "shardrun.cli", "merge-and-profile", str(run_dir)]
 
 
 @dataclass(frozen=True)
@@ -299,6 +319,7 @@ class SlurmPlan:
     layout: list[ArrayChunk]
     shard_params: dict[str, Any]
     merge_params: dict[str, Any] | None
+    python: str | None = None  # the jobs' interpreter in a container image (job_python); None: the submitting one
 
     def array_params(self, chunk: ArrayChunk) -> dict[str, Any]:
         return {**self.shard_params, "array_parallelism": chunk.parallelism}
@@ -315,6 +336,7 @@ def slurm_plan(
     after: Sequence[str] = (),
 ) -> SlurmPlan:
     cluster = cfg.cluster_or_default
+    python = job_python(cluster)
     tag = job_tag(cluster.job_name_prefix, run_dir, fingerprint)
     comment = f"shardrun {run_dir}"
     shard_params = shard_parameters(cluster, job_name=tag, comment=comment, pass_through_env=pass_through_env(cfg))
@@ -326,6 +348,7 @@ def slurm_plan(
         array_layout(list(indices), max_array_size, cluster.array_parallelism),
         shard_params,
         merge_params,
+        python,
     )
 
 
@@ -347,8 +370,10 @@ def render_sbatch(params: dict[str, Any], folder: Path, *, map_count: int | None
 
 
 def slurm_scripts(sp: SlurmPlan, run_dir: Path, *, python: str | None = None) -> list[tuple[str, str]]:
-    """(title, sbatch script) for every sbatch call of the submission, in order (pure)."""
+    """(title, sbatch script) for every sbatch call of the submission, in order (pure). The jobs run the image's
+    interpreter in a container (sp.python), else `python` (default: this one, as submitit does)."""
     jobs_dir = store.jobs_dir(run_dir)
+    python = sp.python or python
     out = []
     for k, chunk in enumerate(sp.layout):
         out.append(

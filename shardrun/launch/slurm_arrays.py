@@ -114,7 +114,7 @@ class SlurmArrays(Launcher):
                 set(request.run_job_names) | {sp.tag, sp.merge_name},
                 submitted.arrays,
                 sp.merge_name,
-                slurm.merge_command(run_dir),
+                slurm.merge_command(run_dir, sp.python),
             )
 
     def record(self, request: Request, launch: Launch, common: dict[str, Any]) -> SlurmArraysLaunch:

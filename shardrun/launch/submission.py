@@ -336,11 +336,13 @@ def submit(
     echo: Callable[[str], None] = print,
     merge_job: bool = True,
     dry_run: bool = False,
+    warn: Callable[[str], None] | None = None,
 ) -> SubmitResult:
     """`shardrun submit`: plan + launch every unsealed shard (+ wait, by default for the local executor; on Slurm
-    + the merge job unless `merge_job` is off). `dry_run` writes and submits nothing: it describes the launch."""
+    + the merge job unless `merge_job` is off). `dry_run` writes and submits nothing: it rehearses the submission
+    (dry_run_submit), saying the plan's warnings through `warn`."""
     if dry_run:
-        return dry_run_submit(cfg, merge_job=merge_job)
+        return dry_run_submit(cfg, merge_job=merge_job, warn=warn)
     cfg.require("gym", "policy")
     plan = store.scan_input(cfg)
     preflight.check(cfg, cfg.run_dir, plan)  # everything a shard needs, before anything is written or launched
@@ -352,14 +354,23 @@ def submit(
     return result
 
 
-def dry_run_submit(cfg: RunConfig, *, merge_job: bool) -> SubmitResult:
-    """What `submit` would launch: the shards not sealed yet (all of them for a run not planned yet)."""
+def dry_run_submit(cfg: RunConfig, *, merge_job: bool, warn: Callable[[str], None] | None = None) -> SubmitResult:
+    """A rehearsal of `submit`: the plan's warnings (through `warn`, as `plan` prints them), the same checks
+    (preflight, the Gym version, the recorded configuration), refusing with the same error where `submit` would,
+    then what `submit` would launch: the shards not sealed yet (all of them for a run not planned yet). Nothing is
+    written or submitted."""
     run_dir = cfg.run_dir
     plan = store.scan_input(cfg)
+    for w in plan.warnings:
+        if warn is not None:
+            warn(w)
     store.check_run_dir(run_dir)
-    existing = store.existing_plan_matches(run_dir, plan)  # PlanMismatch if the run directory holds another plan
+    preflight.check(cfg, run_dir, plan)  # what submit refuses (PlanMismatch for another plan in the run directory)
+    existing = store.existing_plan_matches(run_dir, plan)
     if existing:
         plan = store.load_plan(run_dir)  # the plan as recorded: its fingerprint is what the seals name
+        check_gym_version(cfg, plan)
+        env_manifest.check_and_record(run_dir, cfg, dry_run=True)  # submit refuses a changed Gym or policy config
     todo, done, ignored = unsealed(run_dir, plan) if existing else ([s.index for s in plan.shards], [], [])
     result = SubmitResult(run_dir, plan, False, {}, done, ignored, None)
     text = (
@@ -367,9 +378,6 @@ def dry_run_submit(cfg: RunConfig, *, merge_job: bool) -> SubmitResult:
         if todo
         else "every shard is sealed; nothing would be submitted"
     )
-    missing = [name for name in ("gym", "policy") if getattr(cfg, name) is None]
-    if missing:
-        text += f"\nnote: the config has no {' or '.join(missing)} section; submit needs them"
     result.dry_run = text
     return result
 

@@ -12,6 +12,7 @@ The job functions take the run directory (and a worker number) only; all state i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -113,13 +114,12 @@ def worker_count(cluster: ClusterConfig, shards: int) -> int:
 def worker_slurm_plan(cfg: RunConfig, run_dir: Path, plan: Plan, n: int) -> slurm.SlurmPlan:
     """The workers' array: one chunk of n tasks (0..n-1), all at once, with the per-shard resources."""
     sp = slurm.slurm_plan(cfg, run_dir, plan.fingerprint, list(range(n)), max_array_size=n + 1, merge_job=False)
-    return slurm.SlurmPlan(
-        sp.tag, sp.merge_name, sp.layout, {**sp.shard_params, "array_parallelism": n}, sp.merge_params
-    )
+    return dataclasses.replace(sp, shard_params={**sp.shard_params, "array_parallelism": n})
 
 
-def after_command(run_dir: Path, round_no: int) -> list[str]:
-    return [sys.executable, "-m", AFTER_MODULE, str(run_dir), "--round", str(round_no)]
+def after_command(run_dir: Path, round_no: int, python: str | None = None) -> list[str]:
+    """What the job after the workers runs, with `python` (slurm.job_python: a container image's), else this one."""
+    return [python or sys.executable, "-m", AFTER_MODULE, str(run_dir), "--round", str(round_no)]
 
 
 class WarmWorkers(Launcher):
@@ -166,7 +166,7 @@ class WarmWorkers(Launcher):
                 set(request.run_job_names) | {sp.tag, sp.merge_name},
                 [array],
                 sp.merge_name,
-                after_command(run_dir, request.round_no),
+                after_command(run_dir, request.round_no, sp.python),
             )
 
     def record(self, request: Request, launch: Launch, common: dict[str, Any]) -> WarmWorkersLaunch:

@@ -124,6 +124,8 @@ def build(cfg: RunConfig, env: Mapping[str, str] | None = None, cwd: Path | None
                 data_parallel_size=v.data_parallel_size,
                 extra_args=list(v.extra_args),  # the server's sampling defaults (e.g. --generation-config) live here
             )
+            if v.pipeline_parallel_size != 1:  # recorded only when set: runs launched before it compare unchanged
+                policy["pipeline_parallel_size"] = v.pipeline_parallel_size
         else:
             policy.update(base_url=pol.base_url, model_name=pol.model_name)
         out["policy"] = policy

@@ -81,6 +81,8 @@ def build_command(vcfg: VllmConfig, host: str, port: int, env: Mapping[str, str]
             str(port),
             "--tensor-parallel-size",
             str(vcfg.tensor_parallel_size),
+            "--pipeline-parallel-size",
+            str(vcfg.pipeline_parallel_size),
             "--data-parallel-size",
             str(vcfg.data_parallel_size),
         ]

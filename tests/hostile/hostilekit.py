@@ -91,3 +91,19 @@ def invoke_bounded(*args: str, bound_s: float = BOUND_S) -> Outcome:
     worker.join(bound_s)
     assert not worker.is_alive() and box, f"shardrun {' '.join(map(str, args))} did not end within {bound_s:g} s"
     return box[0]
+
+
+def stand_in_venv(root: Path, version: str = "0.4.0", configs: tuple[str, ...] = ()) -> Path:
+    """A directory laid out like a Gym venv (what preflight reads: dist-info, bin/ng_run, site-packages), with the
+    server configs `configs` in site-packages; it never starts Gym."""
+    venv = root / "gym-venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "ng_run").write_text("")
+    site = venv / "lib" / "python3.12" / "site-packages"
+    meta = site / f"nemo_gym-{version}.dist-info" / "METADATA"
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(f"Metadata-Version: 2.4\nName: nemo-gym\nVersion: {version}\n\n")
+    for config in configs:
+        (site / config).parent.mkdir(parents=True, exist_ok=True)
+        (site / config).write_text(f"{Path(config).stem}: {{}}\n")
+    return venv

@@ -9,9 +9,11 @@ run needs none of this (the valid-but-unusual case)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
+import hostilekit
 from hostilekit import invoke, refused
 from reportkit import input_row, planned_run, seal_shards, write_input
 
@@ -23,16 +25,7 @@ CONFIG = "resources_servers/math/configs/math.yaml"
 
 def stand_in_venv(root: Path, version: str = "0.4.0") -> Path:
     """A directory laid out like a Gym venv (what preflight reads), with one server config in site-packages."""
-    venv = root / "gym-venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "ng_run").write_text("")
-    site = venv / "lib" / "python3.12" / "site-packages"
-    meta = site / f"nemo_gym-{version}.dist-info" / "METADATA"
-    meta.parent.mkdir(parents=True)
-    meta.write_text(f"Metadata-Version: 2.4\nName: nemo-gym\nVersion: {version}\n\n")
-    (site / CONFIG).parent.mkdir(parents=True)
-    (site / CONFIG).write_text("math: {}\n")
-    return venv
+    return hostilekit.stand_in_venv(root, version, (CONFIG,))
 
 
 @pytest.fixture()
@@ -202,7 +195,13 @@ def test_a_container_image_holds_the_venv_so_it_is_not_looked_for_here(tmp_path,
     from shardrun.core import config
     from shardrun.launch import preflight
 
-    image = {"executor": "slurm", "partition": "batch", "containers": {"shardrun": "/images/gym.sqsh"}}
+    image = {
+        "executor": "slurm",
+        "partition": "batch",
+        "containers": {"shardrun": "/images/gym.sqsh"},
+        "container_python": "python3",
+        "gpus_per_node": 8,
+    }
     path = launch_config(
         tmp_path,
         gym={"venv": "/opt/in-the-image/gym-venv", "config_paths": ["/opt/in-the-image/gym.yaml"]},
@@ -218,3 +217,141 @@ def test_a_container_image_holds_the_venv_so_it_is_not_looked_for_here(tmp_path,
     keyed = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"env_vars": ["SHARDRUN_TEST_UNSET_KEY"]})})
     with pytest.raises(BadInput, match="cluster.env_vars"):
         preflight.check(keyed, keyed.run_dir, plan)
+
+
+# ---------------------------------------------------------------- submit --dry-run rehearses submit (#35, item 6)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["venv does not exist", "no venv anywhere", "a config path that resolves nowhere", "a base_url that is not http"],
+)
+def test_submit_dry_run_refuses_what_submit_refuses_with_the_same_exit_code_and_message(
+    tmp_path, clean_env, unchanged, case
+):
+    settings, named = CASES[case]
+    cfg = launch_config(tmp_path, **resolve(tmp_path, settings))
+    with unchanged(tmp_path):
+        rehearsal = invoke("submit", cfg, "--dry-run")
+        real = invoke("submit", cfg)
+    refused(rehearsal, *named)
+    assert rehearsal.exit_code == real.exit_code and rehearsal.output == real.output
+    assert "#!/bin/bash" not in rehearsal.output and "launch mode" not in rehearsal.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_submit_dry_run_refuses_a_changed_recorded_configuration_as_submit_does(tmp_path, clean_env, unchanged):
+    """A run launched with one Gym config: a dry run of a changed config is refused like the submit it rehearses."""
+    from shardrun.core import config
+    from shardrun.rundir import env_manifest
+
+    cfg = config.load(launch_config(tmp_path))
+    store.write_plan(cfg, store.scan_input(cfg))
+    env_manifest.check_and_record(cfg.run_dir, cfg)
+    changed = launch_config(tmp_path, policy={"base_url": "http://127.0.0.1:9/v1", "model_name": "another-model"})
+    with unchanged(tmp_path):
+        rehearsal = invoke("submit", changed, "--dry-run")
+        real = invoke("submit", changed)
+    assert rehearsal.exit_code == real.exit_code != 0, rehearsal.output
+    assert "configuration changed" in rehearsal.output and rehearsal.output == real.output
+
+
+def test_submit_dry_run_shows_the_plans_warnings_then_the_jobs(tmp_path, clean_env, unchanged):
+    path = launch_config(tmp_path)
+    data = json.loads(path.read_text())
+    data["num_repeats"] = {"_default": 2, "agent_typo": 3}
+    path.write_text(json.dumps(data))
+    with unchanged(tmp_path):
+        planned = invoke("plan", path)
+        rehearsal = invoke("submit", path, "--dry-run")
+    warning = "warning: num_repeats lists agent(s) no row uses (typo?): agent_typo"
+    assert warning in planned.output
+    assert rehearsal.exit_code == 0, rehearsal.output
+    assert warning in rehearsal.output and "launch mode: local jobs" in rehearsal.output
+    assert rehearsal.output.index(warning) < rehearsal.output.index("launch mode")
+
+
+# ---------------------------------------------------------------- a self-hosted policy's GPUs fit the job (#35, item 5)
+
+IMAGE = {
+    "executor": "slurm",
+    "partition": "batch",
+    "containers": {"shardrun": "/images/gym.sqsh"},
+    "container_python": "/opt/venv/bin/python3",
+}
+
+
+def gpu_config(tmp: Path, vllm: dict, cluster: dict) -> Path:
+    """A Slurm run (in an image: the vLLM interpreter is the image's) with a self-hosted policy."""
+    return launch_config(tmp, policy={"vllm": {"model": "org/model", "python": "/opt/vllm"} | vllm}, cluster=cluster)
+
+
+def test_more_gpus_than_the_job_has_are_refused_at_plan_submit_and_dry_run_naming_the_fields(
+    tmp_path, clean_env, unchanged
+):
+    cfg = gpu_config(tmp_path, {"tensor_parallel_size": 8}, IMAGE | {"nodes": 1, "gpus_per_node": 2})
+    says = (
+        "policy.vllm.tensor_parallel_size 8 x pipeline_parallel_size 1 needs 8 GPUs; "
+        "cluster.nodes 1 x cluster.gpus_per_node 2 gives 2"
+    )
+    with unchanged(tmp_path):
+        for args in (("plan", cfg), ("plan", cfg, "--write"), ("submit", cfg), ("submit", cfg, "--dry-run")):
+            refused(invoke(*args), says)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_gpu_less_slurm_job_for_a_self_hosted_policy_is_refused_unless_it_says_cpu(tmp_path, clean_env, unchanged):
+    cfg = gpu_config(tmp_path, {}, IMAGE)  # gpus_per_node defaults to 0
+    with unchanged(tmp_path):
+        refused(invoke("plan", cfg), "cluster.gpus_per_node: 0", "policy.vllm.device: cpu")
+        refused(invoke("submit", cfg, "--dry-run"), "cluster.gpus_per_node: 0", "needs 1 GPU(s)")
+        on_cpu = invoke("submit", cfg, "--dry-run", "policy.vllm.device=cpu")
+    assert on_cpu.exit_code == 0, on_cpu.output
+    assert "launch mode: Slurm job arrays" in on_cpu.output and "#!/bin/bash" in on_cpu.output
+    assert "--gpus-per-node" not in on_cpu.output
+
+
+@pytest.mark.parametrize(
+    "vllm, cluster, fits, names",
+    [
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}, {"nodes": 2, "gpus_per_node": 4}, True, ()),
+        (
+            {"tensor_parallel_size": 4, "pipeline_parallel_size": 2, "data_parallel_size": 2},
+            {"nodes": 2, "gpus_per_node": 4},
+            False,
+            ("pipeline_parallel_size 2 x data_parallel_size 2 needs 16 GPUs", "cluster.nodes 2 x", "gives 8"),
+        ),
+        ({"pipeline_parallel_size": 3}, {"nodes": 1, "gpus_per_node": 2}, False, ("needs 3 GPUs", "gives 2")),
+        ({"tensor_parallel_size": 2}, {"nodes": 1, "gpus_per_node": 8}, True, ()),  # fewer than the job has: fine
+        ({"tensor_parallel_size": 8}, {"executor": "local"}, True, ()),  # local jobs: this machine's GPUs as they are
+        ({"tensor_parallel_size": 8}, {"workers": 2, "gpus_per_node": 4}, False, ("needs 8 GPUs", "gives 4")),
+    ],
+)
+def test_the_gpu_arithmetic(tmp_path, clean_env, vllm, cluster, fits, names):
+    from shardrun.core import config
+    from shardrun.launch import preflight
+
+    cfg = config.load(gpu_config(tmp_path, vllm, IMAGE | cluster))
+    problems = preflight.gpu_problems(cfg)
+    assert (problems == []) is fits, problems
+    for name in names:
+        assert name in "\n".join(problems)
+    if not fits:
+        with pytest.raises(BadInput, match="does not fit the Slurm job"):
+            preflight.check_gpus(cfg)
+
+
+# ---------------------------------------------------------------- jobs in a container image (#35, item 4)
+
+
+def test_a_container_image_without_its_interpreter_is_refused_naming_the_field(tmp_path, clean_env, unchanged):
+    """This checkout's interpreter does not exist in the image: the jobs need the image's (cluster.container_python)."""
+    image = {k: v for k, v in IMAGE.items() if k != "container_python"} | {"gpus_per_node": 1}
+    cfg = gpu_config(tmp_path, {}, image)
+    with unchanged(tmp_path):
+        for args in (("submit", cfg), ("submit", cfg, "--dry-run")):
+            refused(invoke(*args), "cluster.container_python: not set", "cluster.containers.shardrun")
+        given = invoke("submit", cfg, "--dry-run", "cluster.container_python=/opt/venv/bin/python3")
+    assert given.exit_code == 0, given.output
+    assert "/opt/venv/bin/python3 -u -m submitit.core._submit" in given.output
+    assert f"{sys.executable} -u -m" not in given.output

@@ -12,10 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
-from hostilekit import invoke, refused
+from hostilekit import invoke, refused, stand_in_venv
 from reportkit import input_row, write_input
 
 from shardrun.core import config
+
+
+GYM_CONFIG = "resources_servers/math_with_judge/configs/math_with_judge.yaml"
 
 
 def slurm_config(tmp: Path, cluster: dict | None = None, run_dir: str | None = None) -> Path:
@@ -25,7 +28,7 @@ def slurm_config(tmp: Path, cluster: dict | None = None, run_dir: str | None = N
         "run_dir": run_dir if run_dir is not None else str(tmp / "run"),
         "num_repeats": 2,
         "sharding": {"num_shards": 2},
-        "gym": {"config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"]},
+        "gym": {"venv": str(stand_in_venv(tmp, configs=(GYM_CONFIG,))), "config_paths": [GYM_CONFIG]},
         "policy": {"base_url": "http://127.0.0.1:9/v1", "model_name": "m"},
         "cluster": {"executor": "slurm", "partition": "batch", "max_array_size": 1001} | (cluster or {}),
     }

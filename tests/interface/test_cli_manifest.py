@@ -97,10 +97,30 @@ def write_blend(tmp_path: Path) -> Path:
     return path
 
 
+# a manifest states no GPUs per node and no parallel sizes: given after it, as overrides
+GPUS = ["cluster.gpus_per_node=8", "policy.vllm.tensor_parallel_size=8"]
+
+
+def test_a_manifest_self_hosting_on_slurm_is_refused_until_its_gpus_are_given(tmp_path, monkeypatch):
+    """The manifest's vllm.model is a self-hosted policy, its sbatch block a Slurm job: one node and no GPU
+    unless told (#35). `plan` refuses naming what to set; the translation's note says what the manifest asked."""
+    path = write_blend(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["plan", str(path), "run_dir=runs/x"])
+    assert result.exit_code == 2, result.output
+    assert "cluster.gpus_per_node: 0" in result.output and "policy.vllm.tensor_parallel_size 1" in result.output
+    small = runner.invoke(app, ["plan", str(path), "run_dir=runs/x", "cluster.gpus_per_node=4", GPUS[1]])
+    assert small.exit_code == 2
+    assert "needs 8 GPUs; cluster.nodes 1 x cluster.gpus_per_node 4 gives 4" in small.output
+    fits = runner.invoke(app, ["plan", str(path), "run_dir=runs/x", *GPUS])
+    assert fits.exit_code == 0, fits.output
+    assert "the manifest asks for 10 node(s) per shard" in fits.output and "cluster.gpus_per_node" in fits.output
+
+
 def test_plan_a_manifest_from_the_command_line(tmp_path, monkeypatch):
     path = write_blend(tmp_path)
     monkeypatch.chdir(tmp_path)
-    result = runner.invoke(app, ["plan", str(path), "run_dir=runs/x", "--json"])
+    result = runner.invoke(app, ["plan", str(path), "run_dir=runs/x", *GPUS, "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output[: result.output.rindex("}") + 1])
     assert [(e["label"], e["tasks"], e["rollouts"]) for e in summary["entries"]] == [("one", 5, 15), ("two", 2, 6)]
@@ -108,7 +128,15 @@ def test_plan_a_manifest_from_the_command_line(tmp_path, monkeypatch):
     # overrides apply after the translation; on the command line limit_per_entry caps every entry
     result = runner.invoke(
         app,
-        ["plan", str(path), "run_dir=runs/x", "materialize.limit_per_entry=1", "entries.0.num_repeats=5", "--write"],
+        [
+            "plan",
+            str(path),
+            "run_dir=runs/x",
+            *GPUS,
+            "materialize.limit_per_entry=1",
+            "entries.0.num_repeats=5",
+            "--write",
+        ],
     )
     assert result.exit_code == 0, result.output
     plan = json.loads((tmp_path / "runs/x/plan.json").read_text())
@@ -141,6 +169,25 @@ def test_the_manifests_shipped_with_gym_translate(name, tmp_path, monkeypatch):
     first = raw["entries"][0]
     assert result.exit_code == 2, result.output
     assert f"input file not found: {first['data']} (entry {first['label']!r}, field data)" in result.output
+
+
+@pytest.mark.gym  # the nemo-gym 0.7.0 wheel's own files
+@pytest.mark.skipif(not WHEEL.is_dir(), reason="the nemo-gym 0.7.0 wheel (scripts/setup.sh gym) is not installed")
+def test_nvidias_super_manifest_is_refused_on_slurm_until_its_gpus_are_given(tmp_path):
+    """nemotron_3_5_super.yaml self-hosts its model (vllm.model) in Slurm jobs (sbatch) over prefill_nodes +
+    decode_nodes nodes, and states no GPUs per node: the translation says what it asked, the GPU check what to set."""
+    from shardrun.launch import preflight
+
+    path = WHEEL / "manifests" / "nemotron_3_5_super.yaml"
+    raw = yaml.safe_load(path.read_text())
+    cfg = config.load(path, [f"run_dir={tmp_path / 'run'}"])
+    assert cfg.cluster is not None and cfg.cluster.nodes == 1 and cfg.cluster.gpus_per_node == 0
+    problems = "\n".join(preflight.gpu_problems(cfg))
+    assert "cluster.gpus_per_node: 0" in problems and "policy.vllm.device: cpu" in problems
+    nodes = raw["vllm"]["prefill_nodes"] + raw["vllm"]["decode_nodes"]
+    assert any(f"asks for {nodes} node(s) per shard" in w for w in cfg.not_carried_out)
+    given = config.load(path, [f"run_dir={tmp_path / 'run'}", *GPUS])
+    assert preflight.gpu_problems(given) == []
 
 
 def test_the_example_blend_plans(tmp_path, monkeypatch):

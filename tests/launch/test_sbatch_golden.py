@@ -8,6 +8,7 @@ diff."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,9 @@ def test_sbatch_scripts_for_the_example_cluster_config(tmp_path, monkeypatch):
     assert "#SBATCH --dependency='afterany:<array 0 job id>:<array 1 job id>:<array 2 job id>'" in text
     assert "#SBATCH --kill-on-invalid-dep=yes" in text and "#SBATCH --requeue" in text
     assert ': "${MY_KEY:?' in text  # the key is passed through from the environment, never written
+    # in the image the jobs run its interpreter (cluster.container_python), not the submitting checkout's
+    image_python = "/opt/shardrun/.venv/bin/python3 -u -m submitit.core._submit"
+    assert text.count(image_python) == 4 and f"{PYTHON} -u" not in text
 
 
 # ---------------------------------------------------------------- hostile and unusual configs (#13)
@@ -80,6 +84,7 @@ UNUSUAL_CLUSTER = {
     "setup": ["echo \"quoted; $HOME\" 'single' `tick`\tdone"],
     "env_vars": ["WEIRD=a b 'c' \"d\" $e", "MY_KEY"],
     "containers": {"shardrun": "/images/with space.sqsh"},
+    "container_python": "/opt/with space/bin/python3",
     "mounts": ["/lustre/a b:/data"],
     "additional_parameters": {"exclusive": True, "constraint": "h100&nvlink|a100", "ntasks": 1, "gpus": 8},
 }
@@ -141,3 +146,31 @@ def test_valid_but_unusual_values_render_safely(tmp_path, monkeypatch):
             line.split("=", 1)[0][len("#SBATCH ") :] for line in lines[start:end]
         }
     assert "#SBATCH --constraint='h100&nvlink|a100'" in text and "#SBATCH --requeue" in text
+    assert text.count("'/opt/with space/bin/python3' -u -m submitit.core._submit") == 2 and f"{PYTHON} -u" not in text
+
+
+def test_without_an_image_the_jobs_run_the_submitting_interpreter(tmp_path, monkeypatch):
+    bare = {k: v for k, v in UNUSUAL_CLUSTER.items() if k not in ("containers", "mounts", "container_python")}
+    text = render_config(tmp_path, monkeypatch, bare, RUN_DIR)
+    assert text.count(f"{PYTHON} -u -m submitit.core._submit") == 2 and "--container-image" not in text
+
+
+def test_an_image_without_its_interpreter_is_refused_before_anything_is_rendered(tmp_path, monkeypatch):
+    from shardrun.core.errors import BadInput
+
+    no_python = {k: v for k, v in UNUSUAL_CLUSTER.items() if k != "container_python"}
+    with pytest.raises(BadInput, match="cluster.container_python: not set"):
+        render_config(tmp_path, monkeypatch, no_python, RUN_DIR)
+
+
+def test_the_jobs_after_the_run_run_the_images_interpreter_too(tmp_path, monkeypatch):
+    """The merge job and the job after warm workers run a command in the image: the image's interpreter."""
+    from shardrun.launch import warm_workers
+
+    render_config(tmp_path, monkeypatch, UNUSUAL_CLUSTER, RUN_DIR)
+    cfg = config.load(tmp_path / "run.yaml")
+    sp = slurm.slurm_plan(cfg, RUN_DIR, FINGERPRINT, range(3), max_array_size=1001, merge_job=True)
+    assert sp.python == "/opt/with space/bin/python3"
+    assert slurm.merge_command(RUN_DIR, sp.python)[0] == sp.python
+    assert warm_workers.after_command(RUN_DIR, 1, sp.python)[0] == sp.python
+    assert slurm.merge_command(RUN_DIR)[0] == sys.executable  # in the job after the workers: its own interpreter

@@ -57,6 +57,8 @@ def test_default_command_is_api_server_module_of_the_configured_venv(tmp_path: P
         "22100",
         "--tensor-parallel-size",
         "1",
+        "--pipeline-parallel-size",
+        "1",
         "--data-parallel-size",
         "1",
         "--max-model-len",
@@ -73,6 +75,7 @@ def test_vllm_serve_prefix_takes_the_model_positionally_with_parallel_sizes() ->
         served_model_name="policy",
         command=["vllm", "serve"],
         tensor_parallel_size=4,
+        pipeline_parallel_size=2,
         data_parallel_size=2,
     )
     cmd = vllm.build_command(v, "0.0.0.0", 8000, env={})
@@ -84,6 +87,7 @@ def test_vllm_serve_prefix_takes_the_model_positionally_with_parallel_sizes() ->
         "--host": "0.0.0.0",
         "--port": "8000",
         "--tensor-parallel-size": "4",
+        "--pipeline-parallel-size": "2",
         "--data-parallel-size": "2",
     }
 

@@ -166,9 +166,9 @@ def test_the_manifests_shipped_with_gym_translate(name, tmp_path, monkeypatch):
     assert cfg.nickname == raw["nickname"]
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["plan", str(path), f"run_dir={tmp_path / 'run'}"])
-    first = raw["entries"][0]
     assert result.exit_code == 2, result.output
-    assert f"input file not found: {first['data']} (entry {first['label']!r}, field data)" in result.output
+    for i, entry in enumerate(raw["entries"]):  # every missing file is named, each with its entry, in one error
+        assert f"entries.{i}.data (entry {entry['label']!r}): {entry['data']}: no such file" in result.output
 
 
 @pytest.mark.gym  # the nemo-gym 0.7.0 wheel's own files

@@ -172,7 +172,7 @@ def test_a_worker_killed_mid_way(world, tmp_path: Path) -> None:
     tmp, input_jsonl, _ = world
     question = f"What is {2 + 2} + 3?"  # task 2 (sometimes solved), in shard 0 with rollouts 0 and 1
     with harness.fake_policy(
-        tmp_path, "--shares", str(tmp / "shares.json"), "--fault", f"hang:match={question},seed=1", offset=1
+        tmp_path, "--shares", str(tmp / "shares.json"), "--fault", f"hang:match={question},seed=1"
     ) as fake:
         cfg = config_for(tmp, input_jsonl, "killed", fake.base_url, 4, {"stop_when_decided": RULES})
         data = yaml.safe_load(cfg.read_text())

@@ -200,7 +200,8 @@ def merged_temps(run_dir: Path) -> dict[str, int]:
     """Temp files of a merge in progress: output (or scratch) name -> bytes written so far."""
     out = {}
     for p in synthetic.temps(store.merged_dir(run_dir)):
-        name = p.name[len(store.TMP_PREFIX) :]
+        prefix = store.MERGE_TMP_PREFIX if p.name.startswith(store.MERGE_TMP_PREFIX) else store.TMP_PREFIX
+        name = p.name[len(prefix) :]  # the merge's own temps carry its prefix (only it removes them)
         try:
             size = p.stat().st_size
         except FileNotFoundError:  # renamed into place (or removed) since it was listed

@@ -197,7 +197,14 @@ def slurm_cfg(vllm: dict, cluster: dict, router=None):
             "policy.vllm.replicas 3 of 3 GPU(s) each: 2 node(s) of 5 GPUs hold 2",
         ),
     ],
-    ids=["tp8-on-2-gpus-per-node", "no-gpus", "replicas-over-gpus", "span-not-whole-nodes", "dp-and-tp-across", "packing"],
+    ids=[
+        "tp8-on-2-gpus-per-node",
+        "no-gpus",
+        "replicas-over-gpus",
+        "span-not-whole-nodes",
+        "dp-and-tp-across",
+        "packing",
+    ],
 )
 def test_refusals_name_the_fields(vllm, cluster, expected):
     problems = preflight.gpu_problems(slurm_cfg(vllm, cluster))
@@ -218,6 +225,8 @@ def test_cpu_on_purpose_still_checks_the_nodes():
 
 
 def test_cluster_time_limit_is_one_definition():
-    assert ClusterConfig(time_limit="01:30:00").shard_time_minutes() == 90 == slurm.shard_time_minutes(
-        ClusterConfig(time_limit="01:30:00")
+    assert (
+        ClusterConfig(time_limit="01:30:00").shard_time_minutes()
+        == 90
+        == slurm.shard_time_minutes(ClusterConfig(time_limit="01:30:00"))
     )

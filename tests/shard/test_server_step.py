@@ -113,7 +113,7 @@ def test_the_api_key_reaches_the_servers_by_environment_only(tmp_path: Path):
 class Health(BaseHTTPRequestHandler):
     status = 200
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         self.send_response(type(self).status)
         self.send_header("Content-Length", "0")
         self.end_headers()

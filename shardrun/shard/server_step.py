@@ -11,6 +11,7 @@ While collecting, the step exiting (any status) or a server not answering `/heal
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -153,6 +154,12 @@ def start(
     senv = step_env(env, api_key)
     if job.spans_nodes:
         cmd = srun_command(len(job.hosts), script, cluster or ClusterConfig())
+        if shutil.which("srun", path=senv.get("PATH")) is None:
+            raise ServerFailure(
+                "srun is not on PATH in the shard's job, so the policy's server step over the job's nodes cannot "
+                "start; in a container image, the image needs Slurm's client commands and the Slurm config "
+                "(docs/cluster-configs.md, 'Jobs over several nodes, in containers')"
+            )
     else:
         for root in lay.roots:
             host, _, p = root.rpartition("//")[2].rpartition(":")

@@ -158,9 +158,40 @@ class VllmConfig(StrictModel):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the vLLM process.")
     port: int | None = Field(None, ge=1, le=65535, description="Port; default derived from the shard index.")
     ready_timeout_s: float = Field(
-        900.0, gt=0, description="Seconds to wait for the vLLM server to be ready (loading the model included)."
+        1200.0,
+        gt=0,
+        description="Seconds to wait for the vLLM server(s) to be ready: /health answers 200 and /v1/models lists "
+        "the served name (loading the model included; some models load for more than 10 minutes).",
     )
-    host: str = Field("127.0.0.1", description="Address the server binds (0.0.0.0 to serve other nodes too).")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the server binds (0.0.0.0 to serve other nodes too). Servers of a job over several "
+        "nodes bind their node's hostname instead, which the other nodes reach (docs/policy.md, 'Shapes').",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="Independent vLLM servers per job, spread over its nodes (cluster.nodes), each with tensor x "
+        "pipeline x data parallel size GPUs; the collector's requests spread over all of them (Gym's list of base "
+        "URLs, or policy.router). The slot budget (gym.num_samples_in_parallel) is per job.",
+    )
+    nodes_per_replica: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Nodes one server spans. Default: tensor x pipeline x data parallel size over "
+        "cluster.gpus_per_node, rounded up (1 without GPUs). Above 1, one server runs across nodes with vLLM's own "
+        "multi-node launch: --nnodes/--node-rank/--master-addr and --headless (tensor x pipeline), or native data "
+        "parallel with headless ranks (data_parallel_size); no Ray.",
+    )
+    liveness_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="While collecting, a server whose /health does not answer for this long fails the job as a "
+        "server failure (an exit of any server, status 0 included, fails it at once).",
+    )
 
     @field_validator("env", mode="before")
     @classmethod
@@ -194,11 +225,41 @@ class VllmConfig(StrictModel):
         return v
 
 
+class RouterOptions(StrictModel):
+    """vllm-router's settings. The defaults are NVIDIA's reward-profiling recipe's, chosen after its stock health
+    checks ejected busy engines (a slow /health means busy, not dead)."""
+
+    command: list[str] = Field(default_factory=lambda: ["vllm-router"], description="The router's launcher.")
+    port: int | None = Field(None, ge=1, le=65535, description="Its port; default the policy's port + 1000.")
+    policy: str = Field("cache_aware", description="vllm-router --policy.")
+    health_timeout_s: int = Field(60, ge=1, description="--health-check-timeout-secs (upstream default 5).")
+    health_interval_s: int = Field(120, ge=1, description="--health-check-interval-secs.")
+    health_failures: int = Field(10, ge=1, description="--health-failure-threshold (upstream default 3).")
+    request_timeout_s: int | None = Field(
+        None,
+        ge=1,
+        description="--request-timeout-secs: finite and below the walltime. Default 3600, or half the job's time "
+        "limit when that is shorter.",
+    )
+    queue_size: int | None = Field(
+        None, ge=0, description="--queue-size and --max-concurrent-requests; default the job's concurrency."
+    )
+    circuit_breaker: bool = Field(False, description="Off: a fixed fleet inside one job has nowhere to fail over to.")
+    startup_timeout_s: int = Field(1200, ge=1, description="--worker-startup-timeout-secs.")
+    extra_args: list[str] = Field(default_factory=list, description="More vllm-router arguments.")
+
+
 class PolicyConfig(StrictModel):
     base_url: str | list[str] | None = Field(None, description="Pre-hosted OpenAI-compatible endpoint(s), .../v1.")
     api_key_env: str | None = Field(None, description="NAME of the environment variable holding the API key.")
     model_name: str | None = Field(None, description="Model name sent to a pre-hosted endpoint.")
     vllm: VllmConfig | None = Field(None, description="Self-hosted vLLM, started per shard.")
+    router: Literal["vllm-router"] | None = Field(
+        None,
+        description="vllm-router: one router on the job's first node in front of the policy.vllm replicas; the "
+        "collector talks to it alone (settings: policy.router_options).",
+    )
+    router_options: RouterOptions = Field(default_factory=RouterOptions)
     ready_timeout_s: float = Field(
         60.0,
         gt=0,
@@ -213,6 +274,11 @@ class PolicyConfig(StrictModel):
             raise ValueError("set exactly one of policy.base_url (pre-hosted) or policy.vllm (self-hosted)")
         if self.base_url is not None and not self.model_name:
             raise ValueError("policy.model_name is required with policy.base_url")
+        if self.router is not None and self.vllm is None:
+            raise ValueError(
+                "policy.router starts a router in front of the self-hosted replicas (policy.vllm); a pre-hosted "
+                "endpoint (policy.base_url) is used as it is"
+            )
         return self
 
     @field_validator("api_key_env")
@@ -306,6 +372,12 @@ class ClusterConfig(StrictModel):
         the launch backends (which answer everyone else: launch/backends.py) and by this module's own checks
         (tests/launch/test_launchers.py fails on any other comparison, and on this property read elsewhere)."""
         return self.executor == "slurm"
+
+    def shard_time_minutes(self) -> int:
+        """A shard job's time limit in minutes: timeouts[partition] if set, else time_limit, else 04:00:00."""
+        if self.partition and self.partition in self.timeouts:
+            return slurm_values.parse_time_limit(self.timeouts[self.partition])
+        return slurm_values.parse_time_limit(self.time_limit or slurm_values.DEFAULT_TIME_LIMIT)
 
     @model_validator(mode="after")
     def _lease_over_heartbeat(self) -> "ClusterConfig":

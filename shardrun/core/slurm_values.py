@@ -24,10 +24,13 @@ import math
 import re
 from typing import Any, Iterable
 
+from shardrun.core.errors import BadInput
+
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 NAME_RULE = "letters, digits, '_', '.' and '-' (starting with a letter, a digit or '_'), at most 128"
 OPTION = re.compile(r"-{0,2}[A-Za-z][A-Za-z0-9_\-]{0,63}")
 TIME_LIMIT = re.compile(r"^(?:(?P<d>\d+)-)?(?P<rest>[\d:]+)$")
+DEFAULT_TIME_LIMIT = "04:00:00"  # a shard job's, when the config gives none
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # every control character but the tab
 _CONTROL_OR_TAB = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -154,3 +157,27 @@ def run_dir(value: str, slurm: bool) -> None:
             f"run_dir {value!r} holds '%', which Slurm reads as a pattern (%j, %A, ...) in the job log paths under "
             f"it; rename the run directory"
         )
+
+
+def parse_time_limit(value: str | int) -> int:
+    """A Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) -> whole minutes (rounded up)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise BadInput(f"time limit must be at least 1 minute, got {value}")
+        return value
+    text = str(value).strip()
+    m = TIME_LIMIT.match(text)
+    parts = m.group("rest").split(":") if m else []
+    if not m or not 1 <= len(parts) <= 3 or any(not p for p in parts):
+        raise BadInput(f"time limit {value!r}: expected MM, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
+    nums = [int(p) for p in parts]
+    if m.group("d") is not None:
+        days = int(m.group("d"))
+        h, mi, s = (nums + [0, 0])[:3]
+    else:
+        days = 0
+        h, mi, s = (0, nums[0], 0) if len(nums) == 1 else (0, nums[0], nums[1]) if len(nums) == 2 else nums
+    seconds = ((days * 24 + h) * 60 + mi) * 60 + s
+    if seconds < 60:
+        raise BadInput(f"time limit {value!r}: Slurm's smallest limit is 1 minute")
+    return math.ceil(seconds / 60)

@@ -35,7 +35,7 @@ from shardrun.core.errors import BadInput, ShardFailed
 from shardrun.launch import slurm
 from shardrun.plan.planner import Plan
 from shardrun.rundir import env_manifest, ledger, seal, store
-from shardrun.shard import gym_stack, vllm
+from shardrun.shard import gym_stack, server_layout, vllm
 
 
 def check(cfg: RunConfig, run_dir: Path, plan: Plan, env: Mapping[str, str] | None = None) -> None:
@@ -77,13 +77,18 @@ def gpu_problems(cfg: RunConfig) -> list[str]:
     from shardrun.launch import backends
 
     v = cfg.policy.vllm if cfg.policy is not None else None
+    router = cfg.policy.router if cfg.policy is not None else None
     cluster = cfg.cluster_or_default
-    if v is None or v.device == "cpu" or not backends.for_config(cfg).runs_on_slurm(cluster):
+    if v is None or not backends.for_config(cfg).runs_on_slurm(cluster):
         return []
-    tp, pp, dp = v.tensor_parallel_size, v.pipeline_parallel_size, v.data_parallel_size
-    needs = tp * pp * dp
-    asked = f"policy.vllm.tensor_parallel_size {tp} x pipeline_parallel_size {pp}" + (
-        f" x data_parallel_size {dp}" if dp != 1 else ""
+    if v.device == "cpu":
+        return server_layout.shape_problems(v, router, cluster.nodes, 0)
+    tp, pp, dp, r = v.tensor_parallel_size, v.pipeline_parallel_size, v.data_parallel_size, v.replicas
+    needs = tp * pp * dp * r
+    asked = (
+        (f"policy.vllm.replicas {r} x " if r != 1 else "policy.vllm.")
+        + f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}"
+        + (f" x data_parallel_size {dp}" if dp != 1 else "")
     )
     if cluster.gpus_per_node == 0:
         return [
@@ -98,7 +103,7 @@ def gpu_problems(cfg: RunConfig) -> list[str]:
             f"{cluster.gpus_per_node} gives {gives}; raise cluster.nodes or cluster.gpus_per_node, or lower the "
             f"parallel sizes"
         ]
-    return []
+    return server_layout.shape_problems(v, router, cluster.nodes, cluster.gpus_per_node)
 
 
 def missing_environment(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:

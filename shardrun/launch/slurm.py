@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from shardrun.core.config import ClusterConfig, RunConfig
-from shardrun.core.slurm_values import TIME_LIMIT
+from shardrun.core import slurm_values
 from shardrun.core.errors import BadInput
 from shardrun.rundir import store
+from shardrun.shard import server_step
 
-DEFAULT_TIME_LIMIT = "04:00:00"
+DEFAULT_TIME_LIMIT = slurm_values.DEFAULT_TIME_LIMIT
 MERGE_SUFFIX = "-merge"
-CONTAINER_ROLE = "shardrun"
+CONTAINER_ROLE = server_step.CONTAINER_ROLE
 
 _SECRET_NAME = re.compile(r"(KEY|TOKEN|PASSWORD|PASSWD|SECRET|CREDENTIAL)S?$", re.IGNORECASE)
 
@@ -124,38 +125,13 @@ def format_ranges(values: Iterable[int]) -> str:
 
 # ---------------------------------------------------------------- resources
 
-_TIME = TIME_LIMIT  # Slurm's time syntax, one definition (core/slurm_values.py)
-
-
-def parse_time_limit(value: str | int) -> int:
-    """A Slurm time limit (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) -> whole minutes (rounded up)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise BadInput(f"time limit must be at least 1 minute, got {value}")
-        return value
-    text = str(value).strip()
-    m = _TIME.match(text)
-    parts = m.group("rest").split(":") if m else []
-    if not m or not 1 <= len(parts) <= 3 or any(not p for p in parts):
-        raise BadInput(f"time limit {value!r}: expected MM, MM:SS, HH:MM:SS or D-HH[:MM[:SS]]")
-    nums = [int(p) for p in parts]
-    if m.group("d") is not None:
-        days = int(m.group("d"))
-        h, mi, s = (nums + [0, 0])[:3]
-    else:
-        days = 0
-        h, mi, s = (0, nums[0], 0) if len(nums) == 1 else (0, nums[0], nums[1]) if len(nums) == 2 else nums
-    seconds = ((days * 24 + h) * 60 + mi) * 60 + s
-    if seconds < 60:
-        raise BadInput(f"time limit {value!r}: Slurm's smallest limit is 1 minute")
-    return math.ceil(seconds / 60)
+parse_time_limit = slurm_values.parse_time_limit  # Slurm's time syntax, one definition (core/slurm_values.py)
 
 
 def shard_time_minutes(cluster: ClusterConfig) -> int:
-    """The shard time limit: timeouts[partition] if set, else time_limit, else DEFAULT_TIME_LIMIT."""
-    if cluster.partition and cluster.partition in cluster.timeouts:
-        return parse_time_limit(cluster.timeouts[cluster.partition])
-    return parse_time_limit(cluster.time_limit or DEFAULT_TIME_LIMIT)
+    """The shard time limit in minutes (ClusterConfig.shard_time_minutes: timeouts[partition], else time_limit,
+    else DEFAULT_TIME_LIMIT)."""
+    return cluster.shard_time_minutes()
 
 
 def signal_delay_s(cluster: ClusterConfig, time_min: int) -> int:
@@ -221,15 +197,14 @@ def container_python_missing() -> str:
 
 
 def container_srun_args(cluster: ClusterConfig) -> list[str]:
-    image = cluster.containers.get(CONTAINER_ROLE)
-    if not image:
-        if cluster.mounts:
-            raise BadInput("cluster.mounts needs a container image: set cluster.containers.shardrun")
-        return []
-    args = [f"--container-image={image}"]
-    if cluster.mounts:
-        args.append("--container-mounts=" + ",".join(cluster.mounts))
-    return args
+    """pyxis's arguments for the job's srun (server_step.container_args: one definition with the server step's)."""
+    return server_step.container_args(cluster)
+
+
+def driver_srun_args(cluster: ClusterConfig) -> list[str]:
+    """The shard or warm worker runs once per job, on its first node: a job over several nodes gives the others to
+    the policy's server step (shard/server_step.py), which the shard starts itself."""
+    return ["--nodes=1", "--ntasks=1"] if cluster.nodes > 1 else []
 
 
 def shard_parameters(
@@ -255,7 +230,7 @@ def shard_parameters(
         params["gpus_per_node"] = cluster.gpus_per_node
     if cluster.mem_gb is not None:
         params["mem"] = mem_string(cluster.mem_gb)
-    srun_args = container_srun_args(cluster)
+    srun_args = driver_srun_args(cluster) + container_srun_args(cluster)
     if srun_args:
         params["srun_args"] = srun_args
     return params
@@ -392,3 +367,33 @@ def slurm_scripts(sp: SlurmPlan, run_dir: Path, *, python: str | None = None) ->
             )
         )
     return out
+
+
+def server_step_preview(cfg: RunConfig, run_dir: Path, where: str) -> list[str]:
+    """`submit --dry-run`: the policy's server step a job starts (the srun line and the script each node runs, for
+    node names as Slurm will give them), for a self-hosted policy of several servers or nodes; none otherwise."""
+    from shardrun.shard import policy as policy_mod, server_layout
+
+    p, cluster = cfg.policy, cfg.cluster_or_default
+    if p is None or p.vllm is None:
+        return []
+    gpus = cluster.gpus_per_node
+    hosts = tuple(f"NODE{k}" for k in range(cluster.nodes))
+    job = server_layout.JobNodes(
+        hosts, gpus, cluster.shard_time_minutes() * 60, cfg.gym.num_samples_in_parallel if cfg.gym else None
+    )
+    if policy_mod.one_server(p, job):
+        return []
+    home = Path(where)
+    lay = server_layout.layout(p, job, p.vllm.port or 8000, home, {})
+    script = store.vllm_scratch_dirs(home)[0].parent / server_layout.SCRIPT_NAME
+    step = server_step.srun_command(len(hosts), script, cluster) if job.spans_nodes else ["bash", str(script)]
+    return [
+        "",
+        f"# ---- the policy's server step in each job: {server_layout.describe(lay)}",
+        f"# (NODE0..NODE{len(hosts) - 1}: the job's nodes, `scontrol show hostnames $SLURM_JOB_NODELIST`; port "
+        f"{p.vllm.port or 8000} stands for policy.vllm.port, or a free one)",
+        shlex.join(step),
+        f"# ---- {script}",
+        server_layout.node_script(lay).rstrip("\n"),
+    ]

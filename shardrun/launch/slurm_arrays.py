@@ -150,6 +150,7 @@ class SlurmArrays(Launcher):
             lines.append(f"merge job: {sp.merge_name}, after every array ends (afterany, --kill-on-invalid-dep=yes)")
         for title, script in slurm.slurm_scripts(sp, request.run_dir):
             lines += ["", f"# ---- sbatch script for {title}", script.rstrip("\n")]
+        lines += slurm.server_step_preview(request.cfg, request.run_dir, str(store.shard_dir(request.run_dir, 0)))
         return "\n".join(lines)
 
     def live(self, launched: Launched, ask_slurm: AskSlurm) -> LiveJobs:

@@ -209,6 +209,7 @@ class WarmWorkers(Launcher):
                     f"after job: afterany on the array; resubmits workers for unsealed shards up to "
                     f"{cluster.auto_resume_rounds} round(s), then merge-and-profile"
                 )
+            lines += slurm.server_step_preview(request.cfg, request.run_dir, f"{request.run_dir}/workers/WORKER")
         return "\n".join(lines)
 
     def live(self, launched: Launched, ask_slurm: AskSlurm) -> LiveJobs:

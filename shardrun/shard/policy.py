@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from shardrun.shard import processes
-from shardrun.core.config import PolicyConfig
+from shardrun.shard import processes, server_layout
+from shardrun.core.config import ClusterConfig, PolicyConfig
 from shardrun.core.errors import BadInput, ServerFailure
 
 
@@ -55,8 +55,8 @@ class PolicyEndpoint:
 
     def problem(self) -> str | None:
         """Why the policy server is unusable now, or None (for the watchdog)."""
-        if self.server is not None and not self.server.alive():
-            return f"the vLLM server exited: {self.server.proc.describe_exit()}"
+        if self.server is not None:
+            return self.server.problem()
         for url in self.base_urls:
             got = processes.http_get(url + "/models", timeout=5.0, headers=auth(self.api_key))
             if got is None:
@@ -95,16 +95,42 @@ def check_prehosted(endpoint: PolicyEndpoint, timeout: float) -> float:
     return waited
 
 
-def open_policy(policy: PolicyConfig, shard_dir: Path, env: Mapping[str, str] | None = None) -> PolicyEndpoint:
-    """Start (self-hosted) or check (pre-hosted) the policy endpoint; ServerFailure when it is not usable."""
+def one_server(policy: PolicyConfig, job: "server_layout.JobNodes") -> bool:
+    """A single vLLM beside Gym (started by vllm.start_vllm), or a layout of several (server_step)."""
+    v = policy.vllm
+    return (
+        v is not None
+        and v.replicas == 1
+        and policy.router is None
+        and not job.spans_nodes
+        and (server_layout.nodes_per_server(v, job.gpus_per_node) == 1)
+    )
+
+
+def open_policy(
+    policy: PolicyConfig,
+    shard_dir: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    cluster: ClusterConfig | None = None,
+    concurrency: int | None = None,
+) -> PolicyEndpoint:
+    """Start (self-hosted) or check (pre-hosted) the policy endpoint; ServerFailure when it is not usable.
+    A self-hosted policy of several servers or nodes (docs/policy.md, 'Shapes') is one server step over the job."""
     env = dict(os.environ if env is None else env)
     key = api_key(policy, env)
     if policy.vllm is not None:
-        from shardrun.shard import vllm
+        from shardrun.shard import server_step, vllm
 
         port = policy.vllm.port or processes.free_port()
-        server = vllm.start_vllm(policy.vllm, shard_dir, port, api_key=key, env=env)
-        return PolicyEndpoint([server.base_url], server.model_name, key, server)
+        job = server_step.job_nodes(cluster, env, gpus_visible(env), concurrency)
+        if one_server(policy, job):
+            server = vllm.start_vllm(policy.vllm, shard_dir, port, api_key=key, env=env)
+            return PolicyEndpoint([server.base_url], server.model_name, key, server)
+        step = server_step.start(policy, cluster, job, shard_dir, port, env, key)
+        endpoint = PolicyEndpoint(step.layout.urls, step.model_name, key, step)
+        endpoint.notes.append(server_layout.describe(step.layout))
+        return endpoint
     endpoint = PolicyEndpoint(base_urls(policy), str(policy.model_name), key)
     try:
         check_prehosted(endpoint, policy.ready_timeout_s)
@@ -114,3 +140,9 @@ def open_policy(policy: PolicyConfig, shard_dir: Path, env: Mapping[str, str] | 
             f"the endpoint up and reachable from this node?)"
         ) from None
     return endpoint
+
+
+def gpus_visible(env: Mapping[str, str]) -> int:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES)."""
+    devices = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return len([d for d in devices.split(",") if d.strip() and d.strip() != "-1"]) if devices else 0

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from shardrun.core import gym_adapter
-from shardrun.core.config import GymConfig, PolicyConfig, RunConfig
+from shardrun.core.config import ClusterConfig, GymConfig, PolicyConfig, RunConfig
 from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
 from shardrun.rundir import decided, ledger, records, seal, store
@@ -176,8 +176,7 @@ def shard_attempt(run_dir: Path, index: int) -> int:
 
 
 def gpus_visible() -> int:
-    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    return len([d for d in devices.split(",") if d.strip() and d.strip() != "-1"]) if devices else 0
+    return policy.gpus_visible(os.environ)
 
 
 @contextlib.contextmanager
@@ -246,11 +245,12 @@ def start_servers(
     place: gym_stack.StackPlace,
     log: Callable[[str], None],
     front: Callable[[list[str]], Front] | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> Servers:
     """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running. `front`
     (a warm worker's slot gate): made from the policy's addresses; the stack reaches the policy through it."""
     t0 = time.monotonic()
-    endpoint = policy.open_policy(policy_cfg, place.home)
+    endpoint = policy.open_policy(policy_cfg, place.home, cluster=cluster, concurrency=gym.num_samples_in_parallel)
     before: Front | None = None
     try:
         for note in endpoint.notes:
@@ -485,7 +485,12 @@ class Shard:
 
     def start_servers(self, teardown: contextlib.ExitStack) -> tuple[policy.PolicyEndpoint, gym_stack.GymStack]:
         servers = start_servers(
-            self.policy, self.gym, self.run_dir, gym_stack.shard_place(self.run_dir, self.index), self.log
+            self.policy,
+            self.gym,
+            self.run_dir,
+            gym_stack.shard_place(self.run_dir, self.index),
+            self.log,
+            cluster=self.cfg.cluster_or_default,
         )
         teardown.callback(servers.stop)
         self.server_wait_s = servers.ready_s

@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from shardrun.shard import processes
 from shardrun.rundir import store
@@ -219,6 +219,37 @@ def port_answers(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+# ---------------------------------------------------------------- liveness
+
+
+@dataclass
+class Liveness:
+    """While collecting: a server whose /health answers 503 (a dead engine) is a problem at once; one that does not
+    answer is a problem once it has not answered for `timeout_s` (a busy engine answers late, not never)."""
+
+    roots: list[str]
+    timeout_s: float
+    clock: Callable[[], float] = time.monotonic
+    silent_since: dict[str, float] = field(default_factory=dict)
+
+    def problem(self) -> str | None:
+        for root in self.roots:
+            got = processes.http_get(root + HEALTH_PATH, timeout=10.0)
+            if got is not None and got[0] == 503:
+                return f"policy server {root}: {HEALTH_PATH} answered 503, the engine is dead"
+            if got is not None and got[0] == 200:
+                self.silent_since.pop(root, None)
+                continue
+            now = self.clock()
+            since = self.silent_since.setdefault(root, now)
+            if now - since >= self.timeout_s:
+                return (
+                    f"policy server {root} has not answered GET {HEALTH_PATH} for {now - since:.0f} s "
+                    f"(policy.vllm.liveness_timeout_s = {self.timeout_s:g})"
+                )
+        return None
+
+
 # ---------------------------------------------------------------- the running server
 
 
@@ -231,6 +262,7 @@ class VllmServer:
     ready_s: float
     api_key: str | None = field(default=None, repr=False)
     owned_rpc_dir: Path | None = None
+    liveness: Liveness | None = None
 
     @property
     def base_url(self) -> str:
@@ -246,6 +278,13 @@ class VllmServer:
 
     def alive(self) -> bool:
         return self.proc.alive()
+
+    def problem(self) -> str | None:
+        """Why the server is unusable now, or None: it exited (any status: vLLM exits 0 when its engine dies), or
+        it fails its liveness check."""
+        if not self.proc.alive():
+            return f"the vLLM server exited: {self.proc.describe_exit()}"
+        return self.liveness.problem() if self.liveness is not None else None
 
     def stop(self) -> int | None:
         """Stop the whole server tree (SIGTERM, then SIGKILL) and remove its sockets; safe to call twice."""
@@ -297,7 +336,8 @@ def start_vllm(
     for d in (spec.tmp_dir, spec.cache_dir):
         d.mkdir(parents=True, exist_ok=True)
     proc = processes.start(spec.cmd, spec.log_path, name=f"vllm:{spec.model_name}:{port}", env=spec.env)
-    server = VllmServer(proc=proc, spec=spec, ready_s=0.0, api_key=api_key, owned_rpc_dir=owned)
+    liveness = Liveness([spec.root_url], vcfg.liveness_timeout_s)
+    server = VllmServer(proc=proc, spec=spec, ready_s=0.0, api_key=api_key, owned_rpc_dir=owned, liveness=liveness)
     try:
         server.ready_s = wait_ready(
             proc,

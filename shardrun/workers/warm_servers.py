@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardrun.core import gym_adapter
-from shardrun.core.config import CollectorConfig, GymConfig, PolicyConfig
+from shardrun.core.config import ClusterConfig, CollectorConfig, GymConfig, PolicyConfig
 from shardrun.shard import gym_stack, policy, runtime
 from shardrun.workers import collector_service, slot_gate
 
@@ -59,6 +59,7 @@ def start(
     run_dir: Path,
     place: gym_stack.StackPlace,
     log: Callable[[str], None],
+    cluster: ClusterConfig | None = None,
 ) -> WarmServers:
     """Start the policy, the slot gate admitting gym.num_samples_in_parallel requests at once, the Gym stack behind
     it and (collector.service) the collector service with `collector.rollouts_per_slot` rollouts in flight per slot
@@ -69,7 +70,9 @@ def start(
         gates.append(slot_gate.Gate(urls, gym.num_samples_in_parallel))
         return gates[-1]
 
-    servers = WarmServers(runtime.start_servers(policy_cfg, gym, run_dir, place, log, front=gate), gates[0])
+    servers = WarmServers(
+        runtime.start_servers(policy_cfg, gym, run_dir, place, log, front=gate, cluster=cluster), gates[0]
+    )
     if not collecting.service:
         return servers
     try:

@@ -424,7 +424,9 @@ class Worker:
     def start_servers(self) -> None:
         self.save(state=STARTING)
         t0 = time.monotonic()
-        self.servers = warm_servers.start(self.policy, self.gym, self.cfg.collector, self.run_dir, self.place, self.log)
+        self.servers = warm_servers.start(
+            self.policy, self.gym, self.cfg.collector, self.run_dir, self.place, self.log, cluster=self.cluster
+        )
         self.gate_seen = 0.0
         self.warm = False
         self.servers_came_up = True

@@ -9,7 +9,8 @@ takes vLLM's `--served-model-name` and `--host`, ignores the flags it does not k
 and with `--startup-delay S` opens its port only after S seconds, as vLLM does once its model is loaded.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions (what NeMo Gym's vllm_model calls), and
-POST /_fault (JSON {"faults": ["KIND:COND", ...], "delay": SECONDS}) to change a running server's faults.
+POST /_fault (JSON {"faults": ["KIND:COND", ...], "delay": SECONDS, "die_code": N}) to change a running server's
+faults.
 
 Answers are a pure function of the conversation and the request's `seed`: "What is a op b?" gets
 `\\boxed{a op b}` (correct) or `\\boxed{a op b + 1}` for a deterministic share of (prompt, seed) pairs; other
@@ -140,6 +141,7 @@ class State:
         self.set_faults(args.fault)
         self.log_path = args.request_log
         self.delay = args.delay
+        self.die_code = args.die_code
         self.tail_share, self.tail_delay = args.tail_share, args.tail_delay
         self.answer_log = args.answer_log
         self.count = 0
@@ -229,6 +231,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/_fault":
             self.state.set_faults(body.get("faults", []))
             self.state.delay = float(body.get("delay", self.state.delay))
+            self.state.die_code = int(body.get("die_code", self.state.die_code))
             self._send(200, {"faults": body.get("faults", []), "delay": self.state.delay})
             return
         if self.path != "/v1/chat/completions":
@@ -254,7 +257,7 @@ class Handler(BaseHTTPRequestHandler):
         if not auth_ok:
             self._send(401, {"error": {"message": "bad api key", "type": "authentication_error"}})
         elif fault == "die":
-            os._exit(17)
+            os._exit(self.state.die_code)
         elif fault == "hang":
             while True:
                 time.sleep(3600)
@@ -292,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tail-share", type=float, default=0.0, help="share of (prompt, seed) pairs that take longer")
     p.add_argument("--tail-delay", type=float, default=0.0, help="seconds more for those (a heavy-tailed latency)")
     p.add_argument("--fault", action="append", default=[], help="KIND:COND[,COND...] (see module doc)")
+    p.add_argument(
+        "--die-code", type=int, default=17, help="the die fault's exit status (vLLM exits 0 when its engine dies)"
+    )
     p.add_argument("--served-model-name", default=None, help="as vLLM: the model name clients use (wins over --model)")
     p.add_argument(
         "--startup-delay", type=float, default=0.0, help="seconds before the port opens (a model loading, as vLLM)"

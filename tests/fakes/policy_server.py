@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import socket
 import re
 import sys
 import threading
@@ -250,6 +251,7 @@ class Handler(BaseHTTPRequestHandler):
                 "model": body.get("model"),
                 "tools": bool(body.get("tools")),
                 "auth_ok": auth_ok,
+                "served_by": f"{socket.gethostname()}:{self.server.server_address[1]}",
                 "fault": fault,
                 "t": time.time(),
             }

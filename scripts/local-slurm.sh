@@ -216,8 +216,14 @@ kill_netns() {
 
 # teardown_net: remove the namespaces, veths and bridge that the record names (only those), then the record
 teardown_net() {
-  local kind name addr ns veth bridge=
+  local kind name addr ns veth bridge='' pid
   [ -f "$NODES_REC" ] || return 0
+  # every slurmd is told at once, then each is waited for
+  while read -r -u 3 name addr ns veth; do
+    pid=$(alive "$(slurmd_pidfile "$name")" slurmd) || continue
+    log "stopping slurmd of $name (pid $pid)"
+    kill -TERM "$pid" 2>/dev/null || true
+  done 3< <(recorded_nodes)
   while read -r -u 3 kind name addr ns veth; do
     case "$kind" in
       bridge) bridge=$name ;;
@@ -229,27 +235,32 @@ teardown_net() {
         ;;
     esac
   done 3<"$NODES_REC"
-  if [ -n "$bridge" ] && ip link show "$bridge" >/dev/null 2>&1; then log "removing bridge $bridge"; ip link del "$bridge" || true; fi
+  if [ -n "$bridge" ] && ip link show "$bridge" >/dev/null 2>&1; then
+    log "removing bridge $bridge"
+    ip link del "$bridge" || true
+  fi
   rm -f "$NODES_REC"
 }
 
 # check_net: refuse names and addresses that something other than this cluster holds
 check_net() {
-  local kind name addr ns veth route
+  local kind name addr ns veth route ours="is not this cluster's (another cluster's port base?); use --port-base"
   while read -r -u 3 kind name addr ns veth; do
     [ "$kind" = node ] || continue
-    [ ! -e "/run/netns/$ns" ] || die "network namespace $ns exists but is not this cluster's (another cluster with port base $PORT_BASE?); use --port-base"
-    ! ip link show "$veth" >/dev/null 2>&1 || die "network interface $veth exists but is not this cluster's; use --port-base"
+    [ ! -e "/run/netns/$ns" ] || die "the network namespace $ns exists but $ours"
+    ! ip link show "$veth" >/dev/null 2>&1 || die "the network interface $veth exists but $ours"
   done 3< <(planned_nodes)
-  ! ip link show "$BRIDGE" >/dev/null 2>&1 || die "network interface $BRIDGE exists but is not this cluster's; use --port-base"
+  ! ip link show "$BRIDGE" >/dev/null 2>&1 || die "the network interface $BRIDGE exists but $ours"
   route=$(ip -4 -o route show root "$NET_PREFIX.0/24" 2>/dev/null | head -n1)
-  [ -z "$route" ] || die "the subnet $NET_PREFIX.0/24 that port base $PORT_BASE gives is in use ($route); use --port-base"
+  [ -z "$route" ] || die "the subnet $NET_PREFIX.0/24 of port base $PORT_BASE is in use ($route); use --port-base"
 }
 
 # ensure_bridge: the bridge with the controller's address, up
 ensure_bridge() {
-  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge || die "could not create the bridge $BRIDGE"
-  { ip addr replace "$CTL_ADDR/24" dev "$BRIDGE" && ip link set "$BRIDGE" up; } || die "could not set up the bridge $BRIDGE"
+  if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    ip link add "$BRIDGE" type bridge || die "could not create the bridge $BRIDGE"
+  fi
+  { ip addr replace "$CTL_ADDR/24" dev "$BRIDGE" && ip link set "$BRIDGE" up; } || die "could not set up $BRIDGE"
 }
 
 # start_node NAME ADDR NETNS VETH: a fresh network namespace joined to the bridge, then slurmd in it with its own
@@ -397,8 +408,8 @@ SlurmdLogFile=$STATE/log/slurmd.log"
   else
     title="a test cluster of $NODES nodes in network namespaces"
     while read -r -u 3 name addr ns veth; do
-      nodelines+="${nodelines:+$'\n'}NodeName=$name NodeAddr=$addr NodeHostname=$name CPUs=$CPUS RealMemory=$mem$gres"
-      nodelines+=" State=UNKNOWN"
+      nodelines+="${nodelines:+$'\n'}NodeName=$name NodeAddr=$addr NodeHostname=$name"
+      nodelines+=" CPUs=$CPUS RealMemory=$mem$gres State=UNKNOWN"
     done 3< <(sed -n 's/^node //p' <<<"$(planned_nodes)")
     partition=sr[1-$NODES]
     paths="SlurmctldHost=$ctl($CTL_ADDR)"

@@ -289,6 +289,10 @@ def launch_unsealed(
         todo, done, ignored = unsealed(run_dir, plan)
         st = status.collect(run_dir, plan=plan) if todo else None
         live = set(st.indices(*status.LIVE_STATES)) if st else set()
+        if st is not None:
+            # seals again, after the liveness check: a shard whose job sealed it and ended between the first look
+            # and the liveness check is sealed now, not to be launched twice (a job seals before it exits)
+            todo, done, ignored = unsealed(run_dir, plan)
         result = SubmitResult(run_dir, plan, False, {}, done, ignored, None, live=sorted(live & set(todo)))
         if st is not None and max_attempts is not None:
             result.gave_up = [

@@ -44,6 +44,7 @@ __all__ = [
     "CompleteLines",
     "complete_lines",
     "repair_torn_tail",
+    "cut_back",
     "iter_jsonl_objects",
     "count_complete_lines",
     "append_jsonl",
@@ -318,6 +319,23 @@ def repair_torn_tail(path: Path) -> int:
         f.flush()
         os.fsync(f.fileno())
     return size - keep
+
+
+def cut_back(path: Path, size: int) -> int:
+    """Cut an appended file back to `size` bytes (what it held before a writer that has exited added to it).
+    Returns the bytes removed; nothing when it is not longer."""
+    try:
+        now = os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+    if now <= size:
+        return 0
+    open_regular(path).close()  # never a FIFO or a device
+    with open(path, "r+b") as f:
+        f.truncate(size)
+        f.flush()
+        os.fsync(f.fileno())
+    return now - size
 
 
 def iter_jsonl_objects(path: Path) -> Iterable[dict]:

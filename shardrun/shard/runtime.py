@@ -513,7 +513,18 @@ class Shard:
             if not book.pending:
                 return
             before = progress_mark(book)
+            failures = store.failures_path(self.run_dir, self.index)
+            mark = size(failures)
             rc, failed = self.collect_round(adapter, rounds, checks, round_no, len(book.pending))
+            down = endpoint.problem() or stack.problem()
+            if down:
+                # a server died under the round: its failed rollouts are the servers' failure, not attempts of
+                # theirs (a dead policy fails every request at once, and would use up every attempt in seconds)
+                cut = store.cut_back(failures, mark)
+                raise ServerFailure(
+                    f"{down}; the round's failed rollouts are not counted as attempts"
+                    + (f" ({cut} bytes of failure records taken back)" if cut else "")
+                )
             if failed:
                 ledger.record_attempts(self.run_dir, self.index, failed, self.attempt)
                 for (t, r), reason in failed.items():
@@ -523,9 +534,6 @@ class Shard:
                 return
             after = progress_mark(book)
             if rc != 0 and not failed and book.pending:
-                down = endpoint.problem() or stack.problem()
-                if down:  # the collector gave up because a server died under it: the servers' failure, not Gym's
-                    raise ServerFailure(f"{down}; the collector exited with code {rc}")
                 raise ShardFailed(
                     f"ng_collect_rollouts exited with code {rc} and named no failed rollout; "
                     f"{len(book.pending)} rollouts still pending. Last lines of "

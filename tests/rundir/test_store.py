@@ -140,6 +140,18 @@ def test_repair_torn_tail(tmp_path):
     assert p.read_bytes() == b""
 
 
+def test_cut_back_takes_back_what_a_round_appended(tmp_path):
+    p = tmp_path / "rollouts_failures.jsonl"
+    assert store.cut_back(p, 0) == 0  # nothing there yet
+    p.write_bytes(b'{"before": 1}\n')
+    mark = p.stat().st_size
+    with open(p, "ab") as f:
+        f.write(b'{"round": 1}\n{"round": 2}\n')
+    assert store.cut_back(p, mark) == 26
+    assert p.read_bytes() == b'{"before": 1}\n'
+    assert store.cut_back(p, mark) == 0 and store.cut_back(p, mark + 100) == 0  # never grows a file
+
+
 def _plan_in_child(cfg_json: str, q) -> None:
     cfg = config.RunConfig.model_validate_json(cfg_json)
     q.put(store.write_plan(cfg)[1])

@@ -1,0 +1,237 @@
+"""A job over several nodes on the real local Slurm of two nodes (scripts/local-slurm.sh --nodes 2: each node a
+slurmd in its own network namespace, with its own hostname and address).
+
+A warm worker over both nodes with `policy.vllm.replicas: 2`: the worker runs once, on the first node, with Gym and
+the collector; the policy's server step (`srun --kill-on-bad-exit=1`, one task per node) starts one replica on each
+node, bound to its node's hostname; both replicas answer requests, every identity lands once, and the merged
+profile equals one unsharded Gym run's. Then a replica that exits (status 0, as vLLM does when its engine dies)
+ends the step and fails the worker as a server failure; `resume` completes the run with every identity once.
+
+Real Slurm, `ng_run` and `ng_collect_rollouts`; the replicas are the stand-in policy server (tests/fakes/
+policy_server.py) given vLLM's command line: a fake at the seam shardrun does not own, the GPU model server.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+
+from shardrun.rundir import store
+from shardrun.shard import gym_stack
+from slurm_helpers import math_input, planned_identities, write_config
+from tests.e2e.test_e2e_local import profile_rows, unsharded_reference
+from tests.fakes import harness
+
+pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1500)]
+SHARDS = 4
+TASKS = 8
+REPEATS = 2
+POLICY_PORT = 24917  # every node binds it: each has its own network namespace
+
+
+@pytest.fixture
+def nodes_env(slurm_nodes_cluster, gym_venv) -> dict[str, str]:
+    env = slurm_nodes_cluster.env
+    env[harness.API_KEY_ENV] = harness.API_KEY
+    env[gym_stack.VENV_ENV] = str(gym_venv)
+    return env
+
+
+def cli(env: dict[str, str], cwd: Path, *args, timeout: float = 300, check: bool = True):
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardrun.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
+    if check:
+        assert proc.returncode == 0, f"shardrun {args} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def wait_for(check, timeout: float, what: str, interval: float = 2.0):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def config(tmp_path: Path, inp: Path, run_dir: Path, request_log: Path, faults=(), **cluster) -> Path:
+    return write_config(
+        tmp_path / "run.yaml",
+        inp,
+        run_dir,
+        None,
+        repeats=REPEATS,
+        shards=SHARDS,
+        policy={
+            "base_url": None,
+            "model_name": None,
+            "vllm": {
+                "model": "fake-model",
+                "command": [
+                    sys.executable,
+                    str(harness.FAKE),
+                    "--correct-share",
+                    "0.5",
+                    "--request-log",
+                    str(request_log),
+                    *faults,
+                ],
+                "host": "0.0.0.0",
+                "port": POLICY_PORT,
+                "replicas": 2,
+                "device": "cpu",
+                "ready_timeout_s": 300,
+                "liveness_timeout_s": 60,
+            },
+        },
+        cluster={"nodes": 2, "gpus_per_node": 0, "workers": 1, "claim_heartbeat_s": 1, "claim_lease_s": 20, **cluster},
+        gym={"num_samples_in_parallel": 4},
+    )
+
+
+def requests(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+
+
+def merged_identities(run_dir: Path) -> list[tuple]:
+    rows = [orjson.loads(line) for line in store.merged_rollouts_path(run_dir).read_bytes().splitlines() if line]
+    return sorted((r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows)
+
+
+def test_a_warm_worker_over_two_nodes_with_a_replica_on_each(tmp_path: Path, nodes_env, gym_venv, slurm_nodes_cluster):
+    inp = math_input(tmp_path / "input.jsonl", TASKS)
+    run_dir = tmp_path / "run"
+    log = tmp_path / "requests.jsonl"
+    cfg = config(tmp_path, inp, run_dir, log)
+    dry = cli(nodes_env, tmp_path, "submit", cfg, "--dry-run")
+    assert "srun --overlap --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --ntasks-per-node=1" in dry.stdout, dry.stdout
+    cli(nodes_env, tmp_path, "submit", cfg)
+    wait_for(lambda: store.merged_summary_path(run_dir).exists(), 1200, "the merged run")
+
+    # both replicas answered, each on its own node, at the same port
+    served = {r["served_by"] for r in requests(log)}
+    assert served == {f"{name}:{POLICY_PORT}" for name in slurm_nodes_cluster.nodes}, served
+    # every identity once
+    assert merged_identities(run_dir) == planned_identities(run_dir, SHARDS)
+    # the worker ran once, on the first node; the step's script says which replica ran where
+    script = (run_dir / "workers").rglob("policy-servers.sh")
+    text = next(script).read_text()
+    first, second = list(slurm_nodes_cluster.nodes)
+    assert f"--host {first} " in text and f"--host {second} " in text
+    # the merged profile equals one unsharded Gym run's (the stand-in answers the same whichever replica asks)
+    with harness.fake_policy(tmp_path, "--correct-share", "0.5") as fake:
+        ref_cfg = write_config(tmp_path / "ref.yaml", inp, tmp_path / "ref-run", fake.base_url, repeats=REPEATS)
+        ref = unsharded_reference(tmp_path, ref_cfg, inp, gym_venv, repeats=REPEATS)
+    ours = profile_rows(store.merged_reward_profiling_path(run_dir))
+    assert ours == profile_rows(ref / "rollouts_reward_profiling.jsonl")
+
+
+def post(url: str, body: dict, key: str | None = None, timeout: float = 30) -> int | None:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+@pytest.mark.parametrize(
+    "die_code, restarts", [(0, 1), (3, 0)], ids=["exit-0-the-worker-restarts-its-servers", "exit-3-resume-completes"]
+)
+def test_a_replica_that_exits_fails_the_job_and_the_run_completes(
+    tmp_path: Path, nodes_env, slurm_nodes_cluster, die_code: int, restarts: int
+):
+    """Rollouts of the last task are held at the policy, so the run is mid-way whatever the machine's pace; then the
+    second node's replica exits with `die_code`. The step ends on both nodes; the worker restarts its servers
+    (cluster.max_server_restarts 1) or ends (0, then `resume`); the holds on the new replicas are lifted and the
+    run completes with every identity once."""
+    inp = math_input(tmp_path / "input.jsonl", TASKS)
+    last = orjson.loads(inp.read_text().splitlines()[-1])["question"]
+    run_dir = tmp_path / "run"
+    log = tmp_path / "requests.jsonl"
+    cfg = config(
+        tmp_path,
+        inp,
+        run_dir,
+        log,
+        faults=["--fault", f"hold:match={last}"],
+        max_server_restarts=restarts,
+        auto_resume_rounds=0,
+    )
+    replicas = [f"http://{addr}:{POLICY_PORT}" for addr in slurm_nodes_cluster.nodes.values()]
+
+    def holds() -> int:
+        return sum(1 for r in requests(log) if r["fault"] == "hold")
+
+    cli(nodes_env, tmp_path, "submit", cfg)
+    wait_for(lambda: holds() or queued(nodes_env, run_dir) == [], 900, "a rollout of the last task held at the policy")
+    assert holds(), "the run ended without asking for the last task"
+    before = holds()
+    # the second node's replica exits with die_code on its next request: this one
+    assert post(replicas[1] + "/_fault", {"faults": ["die:after=0"], "die_code": die_code}) == 200
+    post(replicas[1] + "/v1/chat/completions", {"model": "fake-model", "messages": []}, harness.API_KEY)
+
+    def failed_with_the_step() -> str | None:
+        text = "".join(p.read_text() for p in (run_dir / "workers").rglob("worker.log"))
+        return text if "the policy server step exited" in text else None
+
+    text = wait_for(failed_with_the_step, 600, "the worker to see the server step gone")
+    if restarts:
+        assert "restarting the servers (1 of 1)" in wait_for(
+            lambda: (t := failed_with_the_step()) and "restarting the servers" in t and t, 300, "a restart"
+        )
+    else:  # the worker ends, the job after it finds the run incomplete: nothing of the run is left in the queue
+        wait_for(lambda: not queued(nodes_env, run_dir), 600, "the worker and the job after it to end")
+        cli(nodes_env, tmp_path, "resume", cfg)
+    # the new replicas hold the last task again: lift the holds on both once they ask
+    wait_for(lambda: holds() > before, 900, "the new replicas to be asked for the last task")
+    for url in replicas:
+        wait_for(lambda url=url: post(url + "/_fault", {"faults": []}) == 200, 300, f"{url} to take the lift")
+    wait_for(lambda: store.merged_summary_path(run_dir).exists() or None, 1200, "the merged run")
+    assert merged_identities(run_dir) == planned_identities(run_dir, SHARDS)
+    step_logs = "".join(p.read_text() for p in (run_dir / "workers").rglob("policy-servers.log"))
+    assert f"exited with status {die_code}; stopping this node's servers" in step_logs, step_logs
+    assert "the policy server step exited" in text
+
+
+def queued(env: dict[str, str], run_dir: Path) -> list[str]:
+    """The run's jobs (workers and the job after them) that squeue still lists on the nodes cluster."""
+    names = {name for rec in store.read_launches(run_dir) for name in rec.slurm_names}
+    out = subprocess.run(
+        ["squeue", "--noheader", "--array", f"--name={','.join(sorted(names))}", "--format=%i"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
+    ).stdout
+    return out.split()
+
+
+@pytest.fixture(autouse=True)
+def no_jobs_left(request, tmp_path: Path):
+    yield
+    run_dir = tmp_path / "run"
+    if store.launches_path(run_dir).exists():
+        env = request.getfixturevalue("nodes_env")
+        for job in queued(env, run_dir):
+            subprocess.run(["scancel", job], capture_output=True, timeout=60, env=env)

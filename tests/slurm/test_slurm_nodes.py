@@ -201,7 +201,7 @@ def test_a_replica_that_exits_fails_the_job_and_the_run_completes(
         )
     else:  # the worker ends, the job after it finds the run incomplete: nothing of the run is left in the queue
         wait_for(lambda: not queued(nodes_env, run_dir), 600, "the worker and the job after it to end")
-        cli(nodes_env, tmp_path, "resume", cfg)
+        cli(nodes_env, tmp_path, "resume", run_dir)
     # the new replicas hold the last task again: lift the holds on both once they ask
     wait_for(lambda: holds() > before, 900, "the new replicas to be asked for the last task")
     for url in replicas:
@@ -228,10 +228,11 @@ def queued(env: dict[str, str], run_dir: Path) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_jobs_left(request, tmp_path: Path):
+def no_jobs_left(tmp_path: Path, slurm_nodes_cluster):
+    """Whatever a test leaves queued on the nodes cluster is cancelled."""
     yield
     run_dir = tmp_path / "run"
     if store.launches_path(run_dir).exists():
-        env = request.getfixturevalue("nodes_env")
+        env = slurm_nodes_cluster.env
         for job in queued(env, run_dir):
             subprocess.run(["scancel", job], capture_output=True, timeout=60, env=env)

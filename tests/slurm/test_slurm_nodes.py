@@ -35,6 +35,7 @@ SHARDS = 4
 TASKS = 8
 REPEATS = 2
 POLICY_PORT = 24917  # every node binds it: each has its own network namespace
+ROUTER = Path(sys.executable).parent / "vllm-router"
 
 
 @pytest.fixture
@@ -70,7 +71,7 @@ def wait_for(check, timeout: float, what: str, interval: float = 2.0):
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
-def config(tmp_path: Path, inp: Path, run_dir: Path, request_log: Path, faults=(), **cluster) -> Path:
+def config(tmp_path: Path, inp: Path, run_dir: Path, request_log: Path, faults=(), router=False, **cluster) -> Path:
     return write_config(
         tmp_path / "run.yaml",
         inp,
@@ -99,6 +100,15 @@ def config(tmp_path: Path, inp: Path, run_dir: Path, request_log: Path, faults=(
                 "ready_timeout_s": 300,
                 "liveness_timeout_s": 60,
             },
+            # vllm-router from PyPI (the test extra), spreading requests in turn so both replicas see some
+            **(
+                {
+                    "router": "vllm-router",
+                    "router_options": {"command": [str(ROUTER)], "policy": "round_robin", "startup_timeout_s": 300},
+                }
+                if router
+                else {}
+            ),
         },
         cluster={"nodes": 2, "gpus_per_node": 0, "workers": 1, "claim_heartbeat_s": 1, "claim_lease_s": 20, **cluster},
         gym={"num_samples_in_parallel": 4},
@@ -114,11 +124,14 @@ def merged_identities(run_dir: Path) -> list[tuple]:
     return sorted((r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows)
 
 
-def test_a_warm_worker_over_two_nodes_with_a_replica_on_each(tmp_path: Path, nodes_env, gym_venv, slurm_nodes_cluster):
+@pytest.mark.parametrize("router", [False, True], ids=["base-urls", "vllm-router"])
+def test_a_warm_worker_over_two_nodes_with_a_replica_on_each(
+    tmp_path: Path, nodes_env, gym_venv, slurm_nodes_cluster, router: bool
+):
     inp = math_input(tmp_path / "input.jsonl", TASKS)
     run_dir = tmp_path / "run"
     log = tmp_path / "requests.jsonl"
-    cfg = config(tmp_path, inp, run_dir, log)
+    cfg = config(tmp_path, inp, run_dir, log, router=router)
     dry = cli(nodes_env, tmp_path, "submit", cfg, "--dry-run")
     assert "srun --overlap --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --ntasks-per-node=1" in dry.stdout, dry.stdout
     cli(nodes_env, tmp_path, "submit", cfg)
@@ -134,6 +147,12 @@ def test_a_warm_worker_over_two_nodes_with_a_replica_on_each(tmp_path: Path, nod
     text = next(script).read_text()
     first, second = list(slurm_nodes_cluster.nodes)
     assert f"--host {first} " in text and f"--host {second} " in text
+    worker_log = "".join(p.read_text() for p in (run_dir / "workers").rglob("worker.log"))
+    if router:  # the collector talked to the router alone, on the first node
+        assert f"behind vllm-router at http://{first}:{POLICY_PORT + 1000}" in worker_log, worker_log
+        assert f"--worker-urls http://{first}:{POLICY_PORT} http://{second}:{POLICY_PORT}" in text
+    else:
+        assert f"http://{first}:{POLICY_PORT}/v1, http://{second}:{POLICY_PORT}/v1" in worker_log, worker_log
     # the merged profile equals one unsharded Gym run's (the stand-in answers the same whichever replica asks)
     with harness.fake_policy(tmp_path, "--correct-share", "0.5") as fake:
         ref_cfg = write_config(tmp_path / "ref.yaml", inp, tmp_path / "ref-run", fake.base_url, repeats=REPEATS)

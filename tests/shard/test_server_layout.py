@@ -7,6 +7,7 @@ node runs). A change is deliberate: regenerate with SHARDRUN_UPDATE_GOLDEN=1 and
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -230,3 +231,39 @@ def test_cluster_time_limit_is_one_definition():
         == 90
         == slurm.shard_time_minutes(ClusterConfig(time_limit="01:30:00"))
     )
+
+
+@pytest.mark.parametrize(
+    "vllm, cluster, named",
+    [
+        ({"tensor_parallel_size": 8}, {"nodes": 1, "gpus_per_node": 2}, "cluster.gpus_per_node 2 gives 2"),
+        ({"replicas": 2}, {"nodes": 2, "gpus_per_node": 0}, "cluster.gpus_per_node: 0, so the Slurm job has no GPU"),
+        (
+            {"tensor_parallel_size": 8},
+            {"nodes": 1, "gpus_per_node": 8, "containers": {"shardrun": "/images/x.sqsh"}},
+            "cluster.container_python: not set",
+        ),
+    ],
+    ids=["tp8-on-2-gpus", "self-hosted-without-gpus", "image-without-interpreter"],
+)
+def test_submit_dry_run_exits_2_naming_the_field(tmp_path: Path, monkeypatch, vllm, cluster, named):
+    from typer.testing import CliRunner
+
+    from shardrun.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"responses_create_params": {"input": "1+1?"}, "agent_ref": {"name": "a"}}\n')
+    (tmp_path / "model").mkdir()
+    cfg = {
+        "input_jsonl": "in.jsonl",
+        "run_dir": str(tmp_path / "run"),
+        "num_repeats": 2,
+        "gym": {"config_paths": ["resources_servers/math_with_judge/configs/math_with_judge.yaml"]},
+        "policy": {"vllm": {"model": str(tmp_path / "model"), **vllm}},
+        "cluster": {"executor": "slurm", **cluster},
+    }
+    (tmp_path / "run.yaml").write_text(json.dumps(cfg))
+    out = CliRunner().invoke(app, ["submit", "run.yaml", "--dry-run"])
+    assert out.exit_code == 2, out.output
+    assert named in out.output, out.output
+    assert "srun --overlap" not in out.output and not (tmp_path / "run").exists()

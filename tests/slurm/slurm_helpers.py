@@ -46,13 +46,17 @@ STACK = builders.Stack(
 write_config = functools.partial(builders.write_config, stack=STACK)
 
 
-def shardrun(*args: str, cwd: Path, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def shardrun(
+    *args: str, cwd: Path, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The CLI as a subprocess, in this process's environment or `env` (another cluster's SLURM_CONF)."""
     proc = subprocess.run(
         [sys.executable, "-m", "shardrun.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=cwd,
+        env=env,
     )
     if check:
         assert proc.returncode == 0, (

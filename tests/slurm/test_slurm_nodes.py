@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest
 
 from shardrun.rundir import store
 from shardrun.shard import gym_stack
-from slurm_helpers import math_input, planned_identities, write_config
+from slurm_helpers import math_input, planned_identities, shardrun, wait_for, write_config
 from tests.e2e.test_e2e_local import profile_rows, unsharded_reference
 from tests.fakes import harness
 
@@ -47,28 +46,7 @@ def nodes_env(slurm_nodes_cluster, gym_venv) -> dict[str, str]:
 
 
 def cli(env: dict[str, str], cwd: Path, *args, timeout: float = 300, check: bool = True):
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardrun.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env=env,
-    )
-    if check:
-        assert proc.returncode == 0, f"shardrun {args} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
-def wait_for(check, timeout: float, what: str, interval: float = 2.0):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+    return shardrun(*args, cwd=cwd, timeout=timeout, check=check, env=env)
 
 
 def config(tmp_path: Path, inp: Path, run_dir: Path, request_log: Path, faults=(), router=False, **cluster) -> Path:

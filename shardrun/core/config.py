@@ -137,6 +137,15 @@ class GymConfig(StrictModel):
     health_interval_s: float = Field(5.0, gt=0, description="Seconds between the watchdog's server health checks.")
 
 
+def words(v: Any) -> Any:
+    """YAML (and override parsing) turn `8000` into a number; command-line words are strings."""
+    return (
+        [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in v]
+        if isinstance(v, list)
+        else v
+    )
+
+
 class VllmConfig(StrictModel):
     model: str = Field(..., description="Checkpoint directory or model id served by vLLM.")
     served_model_name: str | None = Field(None, description="Name clients use; defaults to the model path's name.")
@@ -207,12 +216,7 @@ class VllmConfig(StrictModel):
     @field_validator("command", "extra_args", mode="before")
     @classmethod
     def _args_as_strings(cls, v: Any) -> Any:
-        """YAML (and override parsing) turn `8000` into a number; command-line words are strings."""
-        return (
-            [str(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in v]
-            if isinstance(v, list)
-            else v
-        )
+        return words(v)
 
     @field_validator("command", "extra_args")
     @classmethod
@@ -247,6 +251,11 @@ class RouterOptions(StrictModel):
     circuit_breaker: bool = Field(False, description="Off: a fixed fleet inside one job has nowhere to fail over to.")
     startup_timeout_s: int = Field(1200, ge=1, description="--worker-startup-timeout-secs.")
     extra_args: list[str] = Field(default_factory=list, description="More vllm-router arguments.")
+
+    @field_validator("command", "extra_args", mode="before")
+    @classmethod
+    def _args_as_strings(cls, v: Any) -> Any:
+        return words(v)
 
 
 class PolicyConfig(StrictModel):

@@ -7,8 +7,9 @@ config overlay, as a `++key=value` override of ng_run), gym_eval_run (num_repeat
 rest as `++key=value` overrides of the collection), sbatch (account, partition, qos, timelimit; other keys as
 extra sbatch parameters), vllm.model. A manifest states no GPUs per node and no parallel sizes: a self-hosted
 policy on Slurm is refused at plan and submit until cluster.gpus_per_node and the sizes are given (overrides after
-the manifest; launch/preflight.py's gpu_problems names them). Named and skipped (a warning in the plan): vllm's P/D and launcher settings,
-vllm_router, srun, gym_eval_profile. Refused: agent_ref_override (it would rewrite rows; shardrun sends every row
+the manifest; launch/preflight.py's gpu_problems names them). vllm.prefill_nodes + decode_nodes become the job's
+nodes with a replica on each behind vllm-router, its settings from vllm_router (the P/D split itself is not carried
+out). Named and skipped (a warning in the plan): vllm's P/D and launcher settings, srun, gym_eval_profile. Refused: agent_ref_override (it would rewrite rows; shardrun sends every row
 as it is in its file) and any other key (a typo would otherwise be dropped).
 """
 
@@ -112,17 +113,36 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
     vllm = _mapping(data.get("vllm"), "vllm", source)
     if vllm.get("model") is not None:
         out["policy"] = {"vllm": {"model": vllm["model"]}}
+    nodes = [vllm[k] for k in ("prefill_nodes", "decode_nodes") if isinstance(vllm.get(k), int) and vllm[k] > 0]
+    if nodes and "policy" in out:
+        # the recipe's shape, without its P/D split: that many nodes per job, a replica on each, behind vllm-router
+        out.setdefault("cluster", {"executor": "slurm"})["nodes"] = sum(nodes)
+        out["policy"]["vllm"]["replicas"] = sum(nodes)
+        out["policy"]["router"] = "vllm-router"
     rest = sorted(k for k in vllm if k != "model")
     if rest:
-        nodes = [vllm[k] for k in ("prefill_nodes", "decode_nodes") if isinstance(vllm.get(k), int)]
-        asked = f"; the manifest asks for {sum(nodes)} node(s) per shard" if nodes else ""
+        asked = (
+            f"; its {sum(nodes)} node(s) per shard become cluster.nodes {sum(nodes)} with one policy.vllm replica "
+            f"each behind vllm-router (policy.router)"
+            if nodes and "policy" in out
+            else ""
+        )
         skipped.append(
-            f"vllm.{', vllm.'.join(rest)} (the P/D split and NVIDIA's launcher settings{asked}; shardrun serves one "
-            f"vLLM per shard, configured under policy.vllm: its GPUs are cluster.nodes x cluster.gpus_per_node, "
-            f"used as policy.vllm.tensor_parallel_size x pipeline_parallel_size)"
+            f"vllm.{', vllm.'.join(rest)} (the P/D split and NVIDIA's launcher settings{asked}; the GPUs of a node "
+            f"are cluster.gpus_per_node, used as policy.vllm.tensor_parallel_size x pipeline_parallel_size)"
+        )
+    router = _mapping(data.get("vllm_router"), "vllm_router", source)
+    if router and out.get("policy", {}).get("router"):
+        options, left = router_options(router)
+        out["policy"]["router_options"] = options
+        if left:
+            skipped.append(f"vllm_router: {', '.join(left)} (no vllm-router setting of shardrun's takes them)")
+    elif router:
+        skipped.append(
+            f"vllm_router: {', '.join(sorted(router))} (no router: the manifest's vllm block has no prefill or "
+            f"decode nodes to put it in front of; set policy.router and policy.vllm.replicas)"
         )
     for block, why in (
-        ("vllm_router", "the P/D router; shardrun's policy is one vLLM per shard or an endpoint (policy.base_url)"),
         ("srun", "containers and the sandbox tier; set cluster.containers / cluster.mounts, start a sandbox yourself"),
         ("gym_eval_profile", "the profiler's settings; merge-and-profile profiles what was collected"),
     ):
@@ -131,6 +151,37 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
     if skipped:
         out["not_carried_out"] = skipped
     return out
+
+
+ROUTER_KEYS = {  # the manifest's vllm_router key -> policy.router_options' (the same settings of vllm-router)
+    "health_timeout_s": "health_timeout_s",
+    "health_interval_s": "health_interval_s",
+    "health_failures": "health_failures",
+    "request_timeout_s": "request_timeout_s",
+    "queue_size": "queue_size",
+    "circuit_breaker": "circuit_breaker",
+}
+ROUTER_FLAGS = {"queue_timeout_s": "--queue-timeout-secs", "log_level": "--log-level"}
+
+
+def router_options(block: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """policy.router_options from a manifest's vllm_router block, and the keys left over. max_concurrent is the
+    queue's depth where queue_size is not given (shardrun sets both from one number)."""
+    options: dict[str, Any] = {}
+    extra: list[str] = []
+    left = []
+    for key, value in block.items():
+        if key in ROUTER_KEYS and value is not None:
+            options[ROUTER_KEYS[key]] = value
+        elif key in ROUTER_FLAGS and value is not None:
+            extra += [ROUTER_FLAGS[key], str(value)]
+        elif key == "max_concurrent" and block.get("queue_size") is None and value is not None:
+            options["queue_size"] = value
+        elif value is not None:
+            left.append(key)
+    if extra:
+        options["extra_args"] = extra
+    return options, sorted(left)
 
 
 def _entry(entry: Any, i: int, source: str) -> dict[str, Any]:

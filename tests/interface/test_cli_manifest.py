@@ -55,12 +55,18 @@ def test_the_translation_maps_every_block():
         "qos": "normal",
         "time_limit": "04:00:00",
         "additional_parameters": {"constraint": "gpu"},
+        "nodes": 10,  # prefill_nodes + decode_nodes: a replica on each, behind vllm-router
     }
-    assert out["policy"] == {"vllm": {"model": "/models/m"}}
+    assert out["policy"] == {
+        "vllm": {"model": "/models/m", "replicas": 10},
+        "router": "vllm-router",
+        "router_options": {"request_timeout_s": 3600},
+    }
     assert [e["label"] for e in out["entries"]] == ["one", "two"] and out["entries"][1]["notes"] == {"x": 1}
     skipped = " | ".join(out["not_carried_out"])
-    for block in ("vllm.decode_nodes", "vllm.prefill_nodes", "vllm_router: request_timeout_s", "srun: container"):
+    for block in ("vllm.decode_nodes", "vllm.prefill_nodes", "srun: container"):
         assert block in skipped
+    assert "vllm_router" not in skipped and "become cluster.nodes 10 with one policy.vllm replica each" in skipped
     # the Gym overlay goes to ng_run as an override Hydra parses back to the same value
     (overlay,) = out["gym"]["overrides"]
     parsed = OverridesParser.create().parse_override(overlay)
@@ -102,19 +108,21 @@ GPUS = ["cluster.gpus_per_node=8", "policy.vllm.tensor_parallel_size=8"]
 
 
 def test_a_manifest_self_hosting_on_slurm_is_refused_until_its_gpus_are_given(tmp_path, monkeypatch):
-    """The manifest's vllm.model is a self-hosted policy, its sbatch block a Slurm job: one node and no GPU
-    unless told (#35). `plan` refuses naming what to set; the translation's note says what the manifest asked."""
+    """The manifest's vllm.model is a self-hosted policy, its sbatch block a Slurm job of prefill + decode nodes
+    with no GPU unless told (#35). `plan` refuses naming what to set; the translation's note says what it made of
+    the manifest's shape."""
     path = write_blend(tmp_path)
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["plan", str(path), "run_dir=runs/x"])
     assert result.exit_code == 2, result.output
-    assert "cluster.gpus_per_node: 0" in result.output and "policy.vllm.tensor_parallel_size 1" in result.output
+    assert "cluster.gpus_per_node: 0" in result.output
+    assert "policy.vllm.replicas 10 x tensor_parallel_size 1" in result.output
     small = runner.invoke(app, ["plan", str(path), "run_dir=runs/x", "cluster.gpus_per_node=4", GPUS[1]])
     assert small.exit_code == 2
-    assert "needs 8 GPUs; cluster.nodes 1 x cluster.gpus_per_node 4 gives 4" in small.output
+    assert "needs 80 GPUs; cluster.nodes 10 x cluster.gpus_per_node 4 gives 40" in small.output
     fits = runner.invoke(app, ["plan", str(path), "run_dir=runs/x", *GPUS])
     assert fits.exit_code == 0, fits.output
-    assert "the manifest asks for 10 node(s) per shard" in fits.output and "cluster.gpus_per_node" in fits.output
+    assert "its 10 node(s) per shard become cluster.nodes 10" in fits.output and "cluster.gpus_per_node" in fits.output
 
 
 def test_plan_a_manifest_from_the_command_line(tmp_path, monkeypatch):
@@ -124,7 +132,7 @@ def test_plan_a_manifest_from_the_command_line(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output[: result.output.rindex("}") + 1])
     assert [(e["label"], e["tasks"], e["rollouts"]) for e in summary["entries"]] == [("one", 5, 15), ("two", 2, 6)]
-    assert "warning: not carried out: vllm_router" in result.output
+    assert "warning: not carried out: vllm_router" not in result.output  # the router is carried out
     # overrides apply after the translation; on the command line limit_per_entry caps every entry
     result = runner.invoke(
         app,
@@ -181,11 +189,17 @@ def test_nvidias_super_manifest_is_refused_on_slurm_until_its_gpus_are_given(tmp
     path = WHEEL / "manifests" / "nemotron_3_5_super.yaml"
     raw = yaml.safe_load(path.read_text())
     cfg = config.load(path, [f"run_dir={tmp_path / 'run'}"])
-    assert cfg.cluster is not None and cfg.cluster.nodes == 1 and cfg.cluster.gpus_per_node == 0
+    nodes = raw["vllm"]["prefill_nodes"] + raw["vllm"]["decode_nodes"]
+    assert cfg.cluster is not None and cfg.cluster.nodes == nodes and cfg.cluster.gpus_per_node == 0
+    assert cfg.policy.vllm.replicas == nodes and cfg.policy.router == "vllm-router"
+    # the recipe's router settings carried over (its health checks tolerate busy engines)
+    ro = cfg.policy.router_options
+    assert (ro.health_timeout_s, ro.health_interval_s, ro.health_failures) == (60, 120, 10)
+    assert ro.request_timeout_s == 3600 and ro.circuit_breaker is False
+    assert ro.extra_args == ["--queue-timeout-secs", "600", "--log-level", "info"]
     problems = "\n".join(preflight.gpu_problems(cfg))
     assert "cluster.gpus_per_node: 0" in problems and "policy.vllm.device: cpu" in problems
-    nodes = raw["vllm"]["prefill_nodes"] + raw["vllm"]["decode_nodes"]
-    assert any(f"asks for {nodes} node(s) per shard" in w for w in cfg.not_carried_out)
+    assert any(f"its {nodes} node(s) per shard become cluster.nodes {nodes}" in w for w in cfg.not_carried_out)
     given = config.load(path, [f"run_dir={tmp_path / 'run'}", *GPUS])
     assert preflight.gpu_problems(given) == []
 

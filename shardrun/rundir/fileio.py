@@ -14,7 +14,7 @@ import re
 import stat
 import tempfile
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import IO, Callable, Iterable, Iterator
 
 import orjson
 
@@ -290,8 +290,9 @@ def complete_lines(path: Path) -> Iterator[bytes]:
             yield from (line + b"\n" for line in lines if line.strip())
 
 
-def repair_torn_tail(path: Path) -> int:
-    """Cut a file back to its last newline (a killed writer's half line). Returns the bytes removed."""
+def repair_torn_tail(path: Path, announce: Callable[[int], None] | None = None) -> int:
+    """Cut a file back to its last newline (a killed writer's half line). Returns the bytes removed. `announce`
+    is told the size before the cut, so a log says so even when this process is killed right after cutting."""
     try:
         open_regular(path).close()  # never a FIFO or a device
         size = os.path.getsize(path)
@@ -315,6 +316,8 @@ def repair_torn_tail(path: Path) -> int:
             keep = 0
         if keep == size:
             return 0
+        if announce is not None:
+            announce(size - keep)
         f.truncate(keep)
         f.flush()
         os.fsync(f.fileno())

@@ -14,6 +14,7 @@ as reward 0) and the next round runs the rest. Anything else fails the shard wit
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -433,6 +434,9 @@ class Shard:
 
     # ------------------------------------------------------------ files
 
+    def log_cut(self, name: str, size: int) -> None:
+        self.log(f"cut a torn last line ({size} bytes) from {name}")
+
     def prepare_files(self) -> None:
         shard = store.shard_dir(self.run_dir, self.index)
         store.remove_stale_temps(shard)
@@ -441,9 +445,7 @@ class Shard:
             store.failures_path(self.run_dir, self.index),
             store.rollout_attempts_path(self.run_dir, self.index),
         ):
-            cut = store.repair_torn_tail(path)
-            if cut:
-                self.log(f"cut a torn last line ({cut} bytes) from {path.name}")
+            store.repair_torn_tail(path, announce=functools.partial(self.log_cut, path.name))
         store.rollouts_path(self.run_dir, self.index).touch()
         with contextlib.suppress(FileNotFoundError):
             store.env_yaml_path(self.run_dir, self.index).unlink()  # left by a killed attempt

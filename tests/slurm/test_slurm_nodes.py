@@ -13,6 +13,7 @@ policy_server.py) given vLLM's command line: a fake at the seam shardrun does no
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -33,7 +34,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.
 SHARDS = 4
 TASKS = 8
 REPEATS = 2
-POLICY_PORT = 24917  # every node binds it: each has its own network namespace
+# every node binds the same port (each has its own network namespace); each test its own, so a server of the test
+# before that is still going away never stands in the way
+PORTS = itertools.count(24917, 10)
 ROUTER = Path(sys.executable).parent / "vllm-router"
 
 
@@ -49,7 +52,9 @@ def cli(env: dict[str, str], cwd: Path, *args, timeout: float = 300, check: bool
     return shardrun(*args, cwd=cwd, timeout=timeout, check=check, env=env)
 
 
-def config(tmp_path: Path, inp: Path, run_dir: Path, request_log: Path, faults=(), router=False, **cluster) -> Path:
+def config(
+    tmp_path: Path, inp: Path, run_dir: Path, request_log: Path, port: int, faults=(), router=False, **cluster
+) -> Path:
     return write_config(
         tmp_path / "run.yaml",
         inp,
@@ -72,7 +77,7 @@ def config(tmp_path: Path, inp: Path, run_dir: Path, request_log: Path, faults=(
                     *faults,
                 ],
                 "host": "0.0.0.0",
-                "port": POLICY_PORT,
+                "port": port,
                 "replicas": 2,
                 "device": "cpu",
                 "ready_timeout_s": 300,
@@ -109,7 +114,8 @@ def test_a_warm_worker_over_two_nodes_with_a_replica_on_each(
     inp = math_input(tmp_path / "input.jsonl", TASKS)
     run_dir = tmp_path / "run"
     log = tmp_path / "requests.jsonl"
-    cfg = config(tmp_path, inp, run_dir, log, router=router)
+    port = next(PORTS)
+    cfg = config(tmp_path, inp, run_dir, log, port, router=router)
     dry = cli(nodes_env, tmp_path, "submit", cfg, "--dry-run")
     assert "srun --overlap --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --ntasks-per-node=1" in dry.stdout, dry.stdout
     cli(nodes_env, tmp_path, "submit", cfg)
@@ -117,7 +123,7 @@ def test_a_warm_worker_over_two_nodes_with_a_replica_on_each(
 
     # both replicas answered, each on its own node, at the same port
     served = {r["served_by"] for r in requests(log)}
-    assert served == {f"{name}:{POLICY_PORT}" for name in slurm_nodes_cluster.nodes}, served
+    assert served == {f"{name}:{port}" for name in slurm_nodes_cluster.nodes}, served
     # every identity once
     assert merged_identities(run_dir) == planned_identities(run_dir, SHARDS)
     # the worker ran once, on the first node; the step's script says which replica ran where
@@ -127,10 +133,10 @@ def test_a_warm_worker_over_two_nodes_with_a_replica_on_each(
     assert f"--host {first} " in text and f"--host {second} " in text
     worker_log = "".join(p.read_text() for p in (run_dir / "workers").rglob("worker.log"))
     if router:  # the collector talked to the router alone, on the first node
-        assert f"behind vllm-router at http://{first}:{POLICY_PORT + 1000}" in worker_log, worker_log
-        assert f"--worker-urls http://{first}:{POLICY_PORT} http://{second}:{POLICY_PORT}" in text
+        assert f"behind vllm-router at http://{first}:{port + 1000}" in worker_log, worker_log
+        assert f"--worker-urls http://{first}:{port} http://{second}:{port}" in text
     else:
-        assert f"http://{first}:{POLICY_PORT}/v1, http://{second}:{POLICY_PORT}/v1" in worker_log, worker_log
+        assert f"http://{first}:{port}/v1, http://{second}:{port}/v1" in worker_log, worker_log
     # the merged profile equals one unsharded Gym run's (the stand-in answers the same whichever replica asks)
     with harness.fake_policy(tmp_path, "--correct-share", "0.5") as fake:
         ref_cfg = write_config(tmp_path / "ref.yaml", inp, tmp_path / "ref-run", fake.base_url, repeats=REPEATS)
@@ -165,16 +171,18 @@ def test_a_replica_that_exits_fails_the_job_and_the_run_completes(
     last = orjson.loads(inp.read_text().splitlines()[-1])["question"]
     run_dir = tmp_path / "run"
     log = tmp_path / "requests.jsonl"
+    port = next(PORTS)
     cfg = config(
         tmp_path,
         inp,
         run_dir,
         log,
+        port,
         faults=["--fault", f"hold:match={last}"],
         max_server_restarts=restarts,
         auto_resume_rounds=0,
     )
-    replicas = [f"http://{addr}:{POLICY_PORT}" for addr in slurm_nodes_cluster.nodes.values()]
+    replicas = [f"http://{addr}:{port}" for addr in slurm_nodes_cluster.nodes.values()]
 
     def holds() -> int:
         return sum(1 for r in requests(log) if r["fault"] == "hold")

@@ -110,6 +110,7 @@ def plan(
     cfg = run(config_mod.load, config, overrides or [])
     the_plan = run(store.scan_input, cfg)
     run(preflight.check_gpus, cfg)  # a self-hosted policy's GPUs fit the Slurm job (as submit checks)
+    run(preflight.check_secrets, cfg)  # every variable gym.secrets names is set here (as submit checks)
     written = None
     if write:
         the_plan, written = run(store.write_plan, cfg, the_plan)

@@ -28,12 +28,17 @@ from pydantic import (
 )
 
 from shardrun.core import slurm_values
-from shardrun.core.credentials import find_credentials, redact, secret_reason
+from shardrun.core.credentials import find_credentials, name_reason, redact, secret_reason
 from shardrun.core.errors import BadInput
 from shardrun.core.gym_names import LABEL_MAX, MAX_REPEATS, label_problem
 from shardrun.core.task_rules import TaskRules, problems
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+ENV_YAML_POLICY_KEYS = ("policy_base_url", "policy_api_key", "policy_model_name")
+"""The keys shardrun writes into Gym's env.yaml for the policy (shard/gym_stack.py: env_yaml_text)."""
+ENV_YAML_RESERVED = (*ENV_YAML_POLICY_KEYS, "config_paths", "head_server", "skip_venv_if_present", "uv_venv_dir")
+"""Top-level keys of Gym's config a `gym.secrets` key must not take: the policy's, and those shardrun sets itself."""
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 DEFAULT_MAX_ARRAY_SIZE = 1001
 
 
@@ -135,6 +140,34 @@ class GymConfig(StrictModel):
         None, description="Where Gym's per-server venvs live with server_venvs=uv (default: beside gym.venv)."
     )
     health_interval_s: float = Field(5.0, gt=0, description="Seconds between the watchdog's server health checks.")
+    secrets: dict[str, str] = Field(
+        default_factory=dict,
+        description="Secrets Gym's configs reference (`${nv_inference_api_key}`), by NAME: variable -> the "
+        "environment variable holding it ({nv_inference_api_key: NV_INFERENCE_API_KEY}). Read from the environment "
+        "at stack start and written into the stack's env.yaml (0600, deleted at stop), never into plan.json, job "
+        "scripts or logs; a variable not set where you plan or submit is refused.",
+    )
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, v: dict[str, str]) -> dict[str, str]:
+        """Keys: top-level keys of Gym's config (letters, digits, _) none of shardrun's own; values: names of
+        environment variables. The messages name the key, never the value (it may be the secret pasted in)."""
+        for key, name in v.items():
+            if not _NAME.fullmatch(key):
+                raise ValueError(
+                    f"gym.secrets key {key!r} is not a variable Gym's configs can reference as ${{...}} "
+                    f"(letters, digits, _)"
+                )
+            if key in ENV_YAML_RESERVED:
+                raise ValueError(
+                    f"gym.secrets key {key!r} is one shardrun writes into env.yaml itself "
+                    f"({', '.join(ENV_YAML_RESERVED)}); name the variable differently"
+                )
+            reason = name_reason(name)
+            if reason:
+                raise ValueError(f"gym.secrets.{key} {reason}; give the NAME of the environment variable holding it")
+        return v
 
 
 def words(v: Any) -> Any:
@@ -1045,7 +1078,7 @@ def refuse_secret_overrides(overrides: Sequence[str]) -> None:
     found = [
         f"override {i} ({redact(o.partition('=')[0].strip())}): {reason}; secrets are not allowed in configs or "
         f"overrides (they would be stored in plan.json or a job script): keep it in an environment variable and "
-        f"name that variable instead (policy.api_key_env, or a bare NAME in cluster.env_vars)"
+        f"name that variable instead (policy.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
         for i, o in enumerate(overrides, 1)
         for _where, reason in find_credentials(o)
     ]
@@ -1117,7 +1150,7 @@ def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
     secrets = [
         f"{where}: {reason}; secrets are not allowed in configs or overrides (they would be stored in "
         f"plan.json or a job script): keep it in an environment variable and name that variable instead "
-        f"(policy.api_key_env, or a bare NAME in cluster.env_vars)"
+        f"(policy.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
         for where, reason in find_credentials(data)
     ]
     if secrets:

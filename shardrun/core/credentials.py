@@ -79,12 +79,46 @@ def secret_reason(name: str, value: str) -> str | None:
     return None
 
 
+NAME_MAPS = ("gym.secrets",)
+"""Sections whose values are NAMEs of environment variables under whatever keys (`gym.secrets`: the variable Gym's
+configs reference -> the environment variable holding it): judged by name_reason, not by their keys."""
+
+
+def name_reason(value: str) -> str | None:
+    """Why `value`, where the NAME of an environment variable belongs, is not one (the secret itself?); None for a
+    name. A name is letters, digits and `_`, not starting with a digit, and not shaped like a token: a long random
+    word with digits (mixed case, or no `_` at all) is taken for a key pasted in its place."""
+    kind = token_shape(value)
+    if kind:
+        return f"holds what looks like {kind}, where the NAME of an environment variable belongs"
+    if not _VARIABLE_NAME.fullmatch(value):
+        return (
+            "takes the NAME of an environment variable (letters, digits, _), and this value is not one "
+            "(the secret itself?)"
+        )
+    if (
+        len(value) >= MIN_SECRET_LENGTH
+        and entropy(value) >= MIN_SECRET_ENTROPY
+        and any(c.isdigit() for c in value)
+        and ("_" not in value or (value.upper() != value and value.lower() != value))
+    ):
+        return "looks like a secret (long and random), not the NAME of an environment variable"
+    return None
+
+
 def find_credentials(data: Any, where: str = "") -> Iterator[tuple[str, str]]:
     """(dotted location, reason) for every credential in a nested dict/list of strings; `NAME=value` strings
-    (overrides, env_vars) are judged as value `value` under name `NAME`."""
+    (overrides, env_vars) are judged as value `value` under name `NAME`. The values of a NAME_MAPS section (and an
+    override of one of its keys) are judged as names of environment variables (name_reason)."""
     if isinstance(data, dict):
         for key, value in data.items():
-            yield from find_credentials(value, f"{where}.{key}" if where else str(key))
+            here = f"{where}.{key}" if where else str(key)
+            if where in NAME_MAPS and isinstance(value, str):
+                reason = name_reason(value)
+                if reason:
+                    yield here, reason
+                continue
+            yield from find_credentials(value, here)
         return
     if isinstance(data, (list, tuple)):
         for i, value in enumerate(data):
@@ -95,6 +129,12 @@ def find_credentials(data: Any, where: str = "") -> Iterator[tuple[str, str]]:
     name = where.rsplit(".", 1)[-1].split("[", 1)[0]
     key, sep, value = data.partition("=")
     if sep and re.fullmatch(r"[+~]{0,2}[A-Za-z_][\w.]*", key):
+        section = key.lstrip("+~").rsplit(".", 1)[0]
+        if section in NAME_MAPS:
+            reason = name_reason(value)
+            if reason:
+                yield where or "(value)", reason
+            return
         name, data = key.lstrip("+~").rsplit(".", 1)[-1], value
     reason = secret_reason(name, data)
     if reason:

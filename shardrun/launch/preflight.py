@@ -3,8 +3,8 @@
 A config that cannot work used to be found by every shard on its own (eight shards, eight times the same
 BadInput). Here, once, before a job exists or a launch is recorded:
 
-- every environment variable a job takes from the submitting shell is set: `policy.api_key_env` and each bare
-  NAME in `cluster.env_vars`;
+- every environment variable a job takes from the submitting shell is set: `policy.api_key_env`, each bare
+  NAME in `cluster.env_vars` and each variable `gym.secrets` names (`plan` checks these too: `check_secrets`);
 - a self-hosted policy (`policy.vllm`) whose jobs are Slurm jobs fits the job: tensor x pipeline x data parallel
   size GPUs within `cluster.nodes` x `cluster.gpus_per_node`, and no GPU-less job unless `policy.vllm.device: cpu`
   says so (`gpu_problems`; `plan` checks this too: `check_gpus`);
@@ -107,13 +107,31 @@ def gpu_problems(cfg: RunConfig) -> list[str]:
 
 
 def missing_environment(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:
+    """Each variable a job takes from this shell that is unset, by the key that names it (never a value)."""
     cluster = cfg.cluster_or_default
     key = cfg.policy.api_key_env if cfg.policy else None
+    secrets = cfg.gym.secrets if cfg.gym else {}
     out = []
     for name in slurm.missing_pass_through(cluster.env_vars, [key] if key else [], env):
         where = "policy.api_key_env" if name == key else "cluster.env_vars"
         out.append(f"{where}: ${name} is not set in this shell; export it where you submit (jobs take it from here)")
-    return out
+    return out + missing_secrets(secrets, env)
+
+
+def missing_secrets(secrets: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
+    """`gym.secrets.KEY: $NAME is not set ...` for each gym.secrets entry whose variable is unset in `env`."""
+    return [
+        f"gym.secrets.{key}: ${name} is not set in this shell; export it where you submit (jobs take it from here)"
+        for key, name in secrets.items()
+        if not env.get(name)
+    ]
+
+
+def check_secrets(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
+    """`plan`: BadInput naming each gym.secrets key whose environment variable is not set here (as submit checks)."""
+    problems = missing_secrets(cfg.gym.secrets if cfg.gym else {}, os.environ if env is None else env)
+    if problems:
+        raise BadInput(f"{cfg.run_dir}: a Gym stack could not write its env.yaml", problems)
 
 
 def needs_servers(cfg: RunConfig, run_dir: Path, plan: Plan) -> bool:

@@ -274,8 +274,11 @@ def merge_parameters(cluster: ClusterConfig, *, job_name: str, comment: str, aft
 
 
 def pass_through_env(cfg: RunConfig) -> list[str]:
-    """Environment variables a shard job needs from the submitting shell besides cluster.env_vars: the API key."""
-    return [cfg.policy.api_key_env] if cfg.policy and cfg.policy.api_key_env else []
+    """Environment variables a shard job (or warm worker) needs from the submitting shell besides cluster.env_vars:
+    the API key, and the variables gym.secrets names (written into the Gym stack's env.yaml at its start)."""
+    names = [cfg.policy.api_key_env] if cfg.policy and cfg.policy.api_key_env else []
+    names += cfg.gym.secrets.values() if cfg.gym else []
+    return list(dict.fromkeys(names))
 
 
 def merge_command(run_dir: Path, python: str | None = None) -> list[str]:

@@ -4,7 +4,7 @@ The plan fingerprint covers what decides which rollouts exist (input, repeats, s
 *against* is the manifest's: the Gym release and venv, every config file (the paths as given, where they resolve and
 a digest of their content, nested `config_paths` included), the Hydra overrides of the stack and the collector,
 how the servers' venvs are made, and the policy (endpoint or self-hosted model, served name, the sampling defaults
-shardrun sends). Secrets are never in it: the policy key is named by its variable only.
+shardrun sends). Secrets are never in it: the policy key and `gym.secrets` are named by their variables only.
 
 The first launch writes the manifest. Every later launch (submit or resume) builds it again from its config and
 refuses a difference, naming each changed item, unless the change is allowed (`resume --allow-config-change`);
@@ -111,6 +111,8 @@ def build(cfg: RunConfig, env: Mapping[str, str] | None = None, cwd: Path | None
             "uv_venv_dir": gym.uv_venv_dir,
             "responses_create_params": dict(gym.responses_create_params),
         }
+        if gym.secrets:  # the NAMEs of the variables only, never a value; recorded only when set (runs before compare)
+            out["gym"]["secrets"] = dict(gym.secrets)
     pol = cfg.policy
     if pol is not None:
         policy: dict[str, Any] = {"api_key_env": pol.api_key_env}

@@ -3,7 +3,8 @@
 The command, the server kinds and the release's own flags come from the release's adapter (gym_adapter.py); what
 every supported release needs here (docs/runtime.md has the measurements):
 - `env.yaml` in ng_run's working directory carries `policy_base_url` (a string or a list), `policy_api_key` and
-  `policy_model_name`; it holds the key, so it is written 0600 and deleted at teardown.
+  `policy_model_name`, and each `gym.secrets` variable with the value of the environment variable it names (read
+  here, at stack start); it holds keys, so it is written 0600 and deleted at teardown.
 - A head-server port per stack (`+head_server.host` and `+head_server.port` together), chosen free by the kernel
   so stacks of two shards on one node never collide; the servers themselves get random free ports from Gym.
 - uv must find the exact plain Python the Gym venv was made from (its pyvenv.cfg `home`) and must not download
@@ -11,7 +12,8 @@ every supported release needs here (docs/runtime.md has the measurements):
   107 bytes) and RAY_AUTH_MODE=disabled (no ~/.ray token).
 - server_venvs=shared: `<uv_venv_dir>/<type>/<impl>/.venv` symlinks to the Gym venv and
   `+skip_venv_if_present=true`: no uv run at all (UV_OFFLINE=1 as a guard).
-- ng_run's output reaches its log through processes' redactor, which masks the policy key wherever Gym prints it.
+- ng_run's output reaches its log through processes' redactor, which masks the policy key and the secrets wherever
+  Gym prints them.
 - ng_run is stopped with SIGTERM to its process group, then stragglers (Ray workers leave the group) are killed.
 """
 
@@ -33,7 +35,7 @@ from shardrun.shard import processes
 from shardrun.core.gym_adapter import GymAdapter, for_venv
 from shardrun.rundir import store
 from shardrun.core import gym_version
-from shardrun.core.config import GymConfig
+from shardrun.core.config import ENV_YAML_POLICY_KEYS, GymConfig
 from shardrun.core.errors import BadInput, ServerFailure
 
 VENV_ENV = gym_version.VENV_ENV
@@ -51,11 +53,30 @@ RAY_TMP_BASE_MAX = 40
 # ---------------------------------------------------------------- pure parts
 
 
-def env_yaml_text(base_urls: Sequence[str], api_key: str | None, model_name: str) -> str:
+def env_yaml_text(
+    base_urls: Sequence[str], api_key: str | None, model_name: str, secrets: Mapping[str, str] | None = None
+) -> str:
+    """Gym's env.yaml: the policy's three keys, then `secrets` (gym.secrets' variables with their values)."""
     url: str | list[str] = base_urls[0] if len(base_urls) == 1 else list(base_urls)
-    return yaml.safe_dump(
-        {"policy_base_url": url, "policy_api_key": api_key or "EMPTY", "policy_model_name": model_name}, sort_keys=False
-    )
+    base_url_key, api_key_key, model_key = ENV_YAML_POLICY_KEYS
+    data: dict[str, object] = {base_url_key: url, api_key_key: api_key or "EMPTY", model_key: model_name}
+    for key, value in (secrets or {}).items():
+        if key in data:  # GymConfig refuses these; a guard for a caller that did not validate
+            raise BadInput(f"gym.secrets.{key}: shardrun writes {key} into env.yaml itself")
+        data[key] = value
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def secret_values(gym: GymConfig, env: Mapping[str, str]) -> dict[str, str]:
+    """{gym.secrets key: the value of the environment variable it names}; BadInput naming the key and the variable
+    (never a value) for one not set."""
+    missing = [f"gym.secrets.{key}: ${name}" for key, name in gym.secrets.items() if not env.get(name)]
+    if missing:
+        raise BadInput(
+            f"{', '.join(missing)} not set in the shard's environment (export it where you submit; it is read "
+            f"at stack start, written only into the stack's env.yaml)"
+        )
+    return {key: env[name] for key, name in gym.secrets.items()}
 
 
 def hydra_list(items: Sequence[str]) -> str:
@@ -272,7 +293,7 @@ class GymStack:
         return None
 
     def stop(self) -> None:
-        """SIGTERM ng_run's group, kill stragglers, delete env.yaml (it holds the key) and Ray's temp dir."""
+        """SIGTERM ng_run's group, kill stragglers, delete env.yaml (it holds the keys) and Ray's temp dir."""
         try:
             processes.stop(self.proc, grace=STOP_GRACE_S, straggler_grace=STRAGGLER_GRACE_S)
         finally:
@@ -329,7 +350,8 @@ def start(
         venvs_dir = Path(gym.uv_venv_dir) if gym.uv_venv_dir else venv.parent / (venv.name + "-server-venvs")
         venvs_dir.mkdir(parents=True, exist_ok=True)
     env_yaml = work / store.ENV_YAML
-    write_env_yaml(env_yaml, env_yaml_text(base_urls, api_key, model_name))
+    secrets = secret_values(gym, base_env)
+    write_env_yaml(env_yaml, env_yaml_text(base_urls, api_key, model_name, secrets))
     ray_tmp = ray_tmp_dir(place.home)
     log_from = log_size(place.log)  # ng_run's log is appended to: this start's part begins here
     port = processes.free_port(HEAD_HOST)
@@ -343,7 +365,7 @@ def start(
         name="ng_run",
         cwd=work,
         env=stack_env(base_env, venv, ray_tmp, shared),
-        redact=[api_key] if api_key else [],
+        redact=([api_key] if api_key else []) + list(secrets.values()),
     )
     return GymStack(proc=proc, port=port, env_yaml=env_yaml, ray_tmp=ray_tmp, log_from=log_from)
 

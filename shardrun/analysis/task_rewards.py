@@ -39,7 +39,9 @@ from shardrun.rundir import store
 
 GROUPINGS = ("agent", "label")
 DEFAULT_TOP = 10
-PREVIEW_CHARS = 60
+PREVIEW_CHARS = 60  # a prompt's preview on the terminal
+PROMPT_CHARS = 200  # a prompt's start as the JSON form and the task lists keep it
+SHARED_PREFIX_CHARS = 16  # a start the listed prompts share from this long on is shown as "…" (an instruction)
 QUARTILES = ("min", "q1", "median", "q3", "max")
 NO_TASK = "no task profiled"
 
@@ -64,7 +66,7 @@ class TaskLine:
     mean: float
     std: float | None
     num_rollouts: int
-    prompt: str = ""  # the preview (raw: shown() escapes it for the terminal)
+    prompt: str = ""  # the prompt's start on one line, PROMPT_CHARS at most (raw: shown() escapes it)
 
 
 @dataclass(frozen=True)
@@ -206,13 +208,34 @@ def easiest(tasks: Sequence[TaskStat], n: int) -> list[TaskStat]:
 _WHITESPACE = re.compile(r"[ \t\r\n]+")
 
 
-def prompt_preview(sample: Any, limit: int = PREVIEW_CHARS) -> str:
+def prompt_preview(sample: Any, limit: int = PROMPT_CHARS) -> str:
     """The last user message of a planned row's `responses_create_params.input` (a string input as it is), on one
     line, cut to `limit` characters; "" when the row has none. Control characters other than line breaks and tabs
     are kept: the terminal's `shown` escapes them."""
-    text = _prompt_text(sample)
-    text = _WHITESPACE.sub(" ", text).strip()
+    return cut(_WHITESPACE.sub(" ", _prompt_text(sample)).strip(), limit)
+
+
+def cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def shared_prefix(prompts: Sequence[str]) -> int:
+    """How much of their start the listed prompts share, to the last space in it (an instruction every task
+    repeats), when that is at least SHARED_PREFIX_CHARS long; else 0."""
+    if len(prompts) < 2:
+        return 0
+    first, last = min(prompts), max(prompts)
+    n = next((i for i, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))
+    if n < len(first) or n < len(last):  # end it where a sentence ends in it, else at a space
+        shared = first[: n + 1]
+        n = max((shared.rfind(end) + len(end) for end in (". ", "? ", "! ", ": ") if end in shared), default=0)
+        n = n or shared.rfind(" ") + 1
+    return n if n >= SHARED_PREFIX_CHARS else 0
+
+
+def terminal_preview(prompt: str, skip: int) -> str:
+    """A listed prompt on the terminal: without the start all listed prompts share ("…" instead), cut."""
+    return cut("…" + prompt[skip:] if skip else prompt, PREVIEW_CHARS)
 
 
 def _prompt_text(sample: Any) -> str:
@@ -293,7 +316,8 @@ def summary_lines(picture: Picture) -> list[str]:
     return lines
 
 
-def task_lines(title: str, lines: Sequence[TaskLine], with_label: bool) -> list[str]:
+def task_lines(title: str, lines: Sequence[TaskLine], with_label: bool, skip: int = 0) -> list[str]:
+    """One listed task per line; `skip`: the prompts' shared start (shared_prefix), left out."""
     if not lines:
         return []
     header = ("task", "agent", *(("label",) if with_label else ()), "mean", "std", "rollouts", "prompt")
@@ -305,7 +329,7 @@ def task_lines(title: str, lines: Sequence[TaskLine], with_label: bool) -> list[
             figure(t.mean),
             figure(t.std),
             f"{t.num_rollouts:,}",
-            shown(t.prompt),
+            shown(terminal_preview(t.prompt, skip)),
         )
         for t in lines
     ]
@@ -317,19 +341,23 @@ def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-TITLE = (
-    "per-task mean reward (quartiles of the tasks' means; never / sometimes / always: the tasks solved by no, some, "
-    "every rollout)"
-)
+TITLE = "per-task mean reward (never / sometimes / always: tasks solved by no / some / every rollout)"
 
 
 def render(picture: Picture) -> str:
     """`shardrun profile`: the summary per group, then the hardest and the easiest tasks."""
     out = [f"{TITLE}, per {picture.by}:", *summary_lines(picture)]
     n = len(picture.hardest)
+    skip = shared_prefix([t.prompt for t in (*picture.hardest, *picture.easiest) if t.prompt])
+    if skip:
+        out += [
+            "",
+            f"(the listed prompts all start \"{shown(cut(picture.hardest[0].prompt[:skip], PREVIEW_CHARS))}\": "
+            "shown as …)",
+        ]
     for title, lines in ((f"the {n} hardest", picture.hardest), (f"the {n} easiest", picture.easiest)):
         if lines:
-            out += ["", *task_lines(title, lines, picture.labelled)]
+            out += ["", *task_lines(title, lines, picture.labelled, skip)]
     return "\n".join(out)
 
 

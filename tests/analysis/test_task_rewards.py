@@ -154,8 +154,24 @@ def test_preview_reads_the_last_user_message_and_is_cut() -> None:
     assert preview({"responses_create_params": {"input": messages + [{"role": "user", "content": parts}]}}) == "first b"
     assert preview({"responses_create_params": {"input": messages[:1]}}) == ""
     assert preview({"question": "q"}) == "" and preview(None) == ""
-    long = preview({"responses_create_params": {"input": "x" * 100}})
-    assert len(long) == task_rewards.PREVIEW_CHARS and long.endswith("…")
+    long = preview({"responses_create_params": {"input": "x" * 300}})
+    assert len(long) == task_rewards.PROMPT_CHARS and long.endswith("…")
+
+
+def test_the_start_every_listed_prompt_shares_is_left_out_on_the_terminal() -> None:
+    lead = "Solve the following problem. Put the answer in a box.\n\n"
+    lines = [
+        task_rewards.TaskLine(
+            i, "a", None, m, 0.0, 4, task_rewards.prompt_preview({"responses_create_params": {"input": lead + q}})
+        )
+        for i, (m, q) in enumerate([(0.0, "What is 1 + 2?"), (1.0, "What is 10 - 4?"), (0.5, "x" * 90)])
+    ]
+    picture = task_rewards.Picture("agent", [], 3, lines, lines[::-1])
+    text = task_rewards.render(picture)
+    assert '(the listed prompts all start "Solve the following problem. Put the answer in a box. ": shown as …)' in text
+    assert "  …What is 1 + 2?" in text and "  …What is 10 - 4?" in text and "…" + "x" * 58 + "…" in text
+    assert task_rewards.shared_prefix(["What is 1?", "What is 2?"]) == 0  # too short to be an instruction
+    assert task_rewards.shared_prefix([lines[0].prompt]) == 0
 
 
 def test_figures_never_round_onto_an_integer_they_are_not() -> None:

@@ -363,7 +363,7 @@ def render(picture: Picture) -> str:
 
 def render_short(pictures: Sequence[Picture], run_dir: Path | str) -> str:
     """What ends `merge-and-profile` and `report`: the summary per agent (and per label of a blend), no task table."""
-    out = []
+    out: list[str] = []
     for picture in pictures:
         out += [*([""] if out else []), f"{TITLE}, per {picture.by}:", *summary_lines(picture)]
     out.append(f"the hardest and easiest tasks: shardrun profile {shown(shlex.quote(str(run_dir)))}")

@@ -202,10 +202,36 @@ def report(
 ) -> None:
     """Write merged/report.html and its figures (PNG) for a merged run."""
     from shardrun.analysis import report as report_mod
+    from shardrun.analysis import task_rewards
     from shardrun.plan import render
 
     result = run(report_mod.build_report, run_dir, embed, sacct)
     say(render.table([(terminal.shown(k), terminal.shown(v)) for k, v in report_mod.summary_rows(result)]))
+    say("")
+    say(run(task_rewards.load_short, run_dir))  # the per-task picture (`shardrun profile` has the task tables)
+
+
+@app.command("profile")
+def profile_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory with a merged reward profile."),
+    top: int = typer.Option(
+        10, "--top", min=0, help="How many of the hardest and of the easiest tasks to list (0: the summary only)."
+    ),
+    by: str = typer.Option("agent", "--by", help="Summarize per agent, or per label (a blend's; docs/blends.md)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the summary and the task lists as JSON."),
+) -> None:
+    """Print the per-task reward picture of a merged run: per agent (or label) the tasks, the mean of their mean
+    rewards, its quartiles, the mean per-task std, how many tasks are never / sometimes / always solved; then the
+    N hardest and N easiest tasks (mean, std, rollouts, the prompt's start)."""
+    import orjson
+
+    from shardrun.analysis import task_rewards
+
+    picture = run(task_rewards.gather, run_dir, by, top)
+    if json_out:
+        typer.echo(orjson.dumps(task_rewards.to_json(picture, run_dir), option=orjson.OPT_INDENT_2).decode())
+    else:
+        say(task_rewards.render(picture))
 
 
 @app.command()
@@ -458,7 +484,22 @@ def merge_and_profile_cmd(
         typer.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:
         say(outcome.render(result))
+        say("")
+        _short_picture(run_dir)
     next_step(terminal.shown(shell_words("shardrun", "report", run_dir)), json_out)
+
+
+def _short_picture(run_dir: Path) -> None:
+    """The per-task picture after a merge, read back from the profile it wrote; the merge stands if it cannot be
+    read (a warning says why)."""
+    from shardrun.analysis import task_rewards
+
+    try:
+        say(task_rewards.load_short(run_dir))
+    except (ShardrunError, OSError) as e:
+        if _state["debug"]:
+            raise
+        say(f"warning: the per-task picture could not be read back: {terminal.shown(e)}", err=True)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 import urllib.error
@@ -35,8 +36,9 @@ SHARDS = 4
 TASKS = 8
 REPEATS = 2
 # every node binds the same port (each has its own network namespace); each test its own, so a server of the test
-# before that is still going away never stands in the way
-PORTS = itertools.count(24917, 10)
+# before that is still going away never stands in the way, nor one of a test another xdist worker runs at once
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+PORTS = itertools.count(24917 + 200 * WORKER, 10)
 ROUTER = Path(sys.executable).parent / "vllm-router"
 
 

@@ -68,7 +68,10 @@ def xdist_group(item: pytest.Item) -> str | None:
     return "faults" if path.parts[0] == "faults" else path.stem
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """First of all hooks: pytest-xdist's worker reads the xdist_group markers in its own pytest_collection_modifyitems
+    (to suffix the node ids with the group); markers added after it would group nothing."""
     for item in items:
         group = xdist_group(item)
         if group is not None:

@@ -277,8 +277,11 @@ class Handler(BaseHTTPRequestHandler):
             delay = st.delay + (st.tail_delay if st.in_tail(body) else 0.0)
             if delay:
                 time.sleep(delay)
+            # t1 is stamped before the answer is sent: once it is sent the client may release its slot and open the
+            # next request, so a t1 taken after the send could overlap that request's t0 on a loaded machine
+            t1 = time.time()
             self._send(200, completion(body, st.model, st.share, st.shares))
-            st.answered({"n": n, "seed": body.get("seed"), "prompt": entry_prompt(body), "t0": t0, "t1": time.time()})
+            st.answered({"n": n, "seed": body.get("seed"), "prompt": entry_prompt(body), "t0": t0, "t1": t1})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,6 +52,7 @@ class PolicyEndpoint:
     api_key: str | None = field(default=None, repr=False)
     server: Any = None  # shardrun.shard.vllm.VllmServer when self-hosted
     notes: list[str] = field(default_factory=list)
+    what: str = "policy server"  # what messages call it (a judge's endpoint: "judge NAME")
 
     def problem(self) -> str | None:
         """Why the policy server is unusable now, or None (for the watchdog)."""
@@ -60,9 +61,9 @@ class PolicyEndpoint:
         for url in self.base_urls:
             got = processes.http_get(url + "/models", timeout=5.0, headers=auth(self.api_key))
             if got is None:
-                return f"policy server {url} does not answer (GET {url}/models)"
+                return f"{self.what} {url} does not answer (GET {url}/models)"
             if got[0] >= 500:
-                return f"policy server {url} answers HTTP {got[0]} to GET {url}/models"
+                return f"{self.what} {url} answers HTTP {got[0]} to GET {url}/models"
         return None
 
     def stop(self) -> None:
@@ -77,7 +78,7 @@ def check_prehosted(endpoint: PolicyEndpoint, timeout: float) -> float:
         def check() -> bool:
             got = processes.http_get(url + "/models", timeout=5.0, headers=auth(endpoint.api_key))
             if got is not None and got[0] in (401, 403):
-                raise ServerFailure(f"policy server {url} refused the API key (HTTP {got[0]} on GET /models)")
+                raise ServerFailure(f"{endpoint.what} {url} refused the API key (HTTP {got[0]} on GET /models)")
             if got is None or got[0] != 200:
                 return False
             ids = model_ids(got[1])
@@ -90,7 +91,7 @@ def check_prehosted(endpoint: PolicyEndpoint, timeout: float) -> float:
     waited = 0.0
     for url in endpoint.base_urls:
         waited += processes.wait_until(
-            answers(url), timeout=max(1.0, timeout - waited), interval=1.0, what=f"pre-hosted policy server {url}"
+            answers(url), timeout=max(1.0, timeout - waited), interval=1.0, what=f"pre-hosted {endpoint.what} {url}"
         )
     return waited
 

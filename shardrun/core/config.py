@@ -1171,7 +1171,7 @@ def refuse_secret_overrides(overrides: Sequence[str]) -> None:
     found = [
         f"override {i} ({redact(o.partition('=')[0].strip())}): {reason}; secrets are not allowed in configs or "
         f"overrides (they would be stored in plan.json or a job script): keep it in an environment variable and "
-        f"name that variable instead (policy.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
+        f"name that variable instead (policy.api_key_env, judges.NAME.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
         for i, o in enumerate(overrides, 1)
         for _where, reason in find_credentials(o)
     ]
@@ -1200,7 +1200,7 @@ def _unknown_key_hint(override: str) -> str | None:
         parent = _walk(parts[:depth])
         if not isinstance(parent, type):  # free-form below here
             return None
-        if parts[depth].isdigit() or parts[depth] in parent.model_fields:
+        if parts[depth].isdigit() or parts[depth] in parent.model_fields or _expects_name(parts[:depth]):
             continue
         known = list(parent.model_fields)
         hint = difflib.get_close_matches(parts[depth], known, n=1)
@@ -1211,6 +1211,17 @@ def _unknown_key_hint(override: str) -> str | None:
             else f" ({'.'.join(parts[:depth]) or 'the top level'} knows: {', '.join(known)})"
         )
     return None
+
+
+def _expects_name(parts: list[str]) -> bool:
+    """Is the key after `parts` a name of the user's: `parts` ends at a mapping of sections (judges)?"""
+    import typing
+
+    parent = _walk(parts[:-1]) if parts else None
+    if not isinstance(parent, type):
+        return False
+    field = parent.model_fields.get(parts[-1])
+    return field is not None and typing.get_origin(field.annotation) is dict and _model_in(field.annotation) is not None
 
 
 def _known_path(parts: list[str]) -> bool:
@@ -1243,7 +1254,7 @@ def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
     secrets = [
         f"{where}: {reason}; secrets are not allowed in configs or overrides (they would be stored in "
         f"plan.json or a job script): keep it in an environment variable and name that variable instead "
-        f"(policy.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
+        f"(policy.api_key_env, judges.NAME.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
         for where, reason in find_credentials(data)
     ]
     if secrets:

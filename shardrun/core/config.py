@@ -776,6 +776,12 @@ class RunConfig(StrictModel):
         "translation; each is a warning in the plan).",
     )
 
+    translation_notes: list[str] = Field(
+        default_factory=list,
+        description="What a translated NeMo Gym manifest's blocks became where the user has something to do (a "
+        "judge's key variable to export; set by the translation; each is a note in the plan).",
+    )
+
     _deprecated: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="wrap")
@@ -1055,11 +1061,14 @@ def _manifest_config(path: Path) -> dict[str, Any] | None:
 
 
 def _escape_interpolations(data: Any, escape: bool = False) -> Any:
-    """The translated manifest for Hydra: the Gym overrides are passed on as they are, so an interpolation in them
-    (`${judge_api_key}`) is Gym's to resolve, not ours."""
+    """The translated manifest for Hydra: the Gym overrides (and a judge's server options) are passed on as they
+    are, so an interpolation in them (`${judge_api_key}`) is Gym's to resolve, not ours; the notes say them."""
     if isinstance(data, dict):
         return {
-            k: _escape_interpolations(v, escape or k in ("overrides", "collect_overrides")) for k, v in data.items()
+            k: _escape_interpolations(
+                v, escape or k in ("overrides", "collect_overrides", "server_options", "translation_notes")
+            )
+            for k, v in data.items()
         }
     if isinstance(data, list):
         return [_escape_interpolations(v, escape) for v in data]

@@ -702,6 +702,7 @@ def make_plan(
         shards=shards,
         warnings=tuple(summary.warnings)
         + tuple(f"not carried out: {w}" for w in cfg.not_carried_out)
+        + tuple(f"manifest: {w}" for w in cfg.translation_notes)
         + tuple(cfg.deprecations),
         gym_version=gym_version,
         blend=blend,

@@ -51,15 +51,7 @@ class Judge:
 
 def key_for(name: str, cfg: JudgeConfig, env: Mapping[str, str]) -> str | None:
     """The value of the variable `api_key_env` names; BadInput naming the key and the variable (never a value)."""
-    if not cfg.api_key_env:
-        return None
-    value = env.get(cfg.api_key_env)
-    if not value:
-        raise BadInput(
-            f"judges.{name}.api_key_env names ${cfg.api_key_env}, which is not set in the job's environment (export "
-            f"it where you submit; it is read at stack start and written only into the stack's env.yaml)"
-        )
-    return value
+    return policy.key_from(env, cfg.api_key_env, f"judges.{name}.api_key_env", "job's")
 
 
 def split_devices(env: Mapping[str, str], judges: Mapping[str, JudgeConfig]) -> tuple[str | None, dict[str, str]]:

@@ -16,13 +16,19 @@ from shardrun.core.errors import BadInput, ServerFailure
 
 
 def api_key(policy: PolicyConfig, env: Mapping[str, str]) -> str | None:
-    if not policy.api_key_env:
+    return key_from(env, policy.api_key_env, "policy.api_key_env", "shard's")
+
+
+def key_from(env: Mapping[str, str], name: str | None, key: str, whose: str) -> str | None:
+    """The value of the variable `name` (None when no variable is named); BadInput naming the config `key` and the
+    variable, never a value, when it is not set in `whose` environment."""
+    if not name:
         return None
-    value = env.get(policy.api_key_env)
+    value = env.get(name)
     if not value:
         raise BadInput(
-            f"policy.api_key_env names ${policy.api_key_env}, which is not set in the shard's "
-            f"environment (export it where you submit; it is read at shard start, never stored)"
+            f"{key} names ${name}, which is not set in the {whose} environment (export it where you submit; it is "
+            f"read at shard start, never stored)"
         )
     return value
 

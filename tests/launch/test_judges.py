@@ -78,7 +78,13 @@ def test_a_key_pasted_in_place_of_its_name_is_refused_without_echoing_it() -> No
 def test_judges_take_hydra_overrides_of_their_keys(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"input_jsonl": "x", "run_dir": "y", "judges": {"math_judge_model": HOSTED}}))
-    cfg = config.load(path, ["judges.math_judge_model.vllm.tensor_parallel_size=4", "++judges.ext={base_url:'https://judge.example/v1',model_name:qwen-235b}"])
+    cfg = config.load(
+        path,
+        [
+            "judges.math_judge_model.vllm.tensor_parallel_size=4",
+            "++judges.ext={base_url:'https://judge.example/v1',model_name:qwen-235b}",
+        ],
+    )
     assert cfg.judges["math_judge_model"].gpus == 4 and cfg.judges["ext"].model_name == "qwen-235b"
     with pytest.raises(BadInput, match="judges.math_judge_model.vllm.tensor_paralel_size"):
         config.load(path, ["judges.math_judge_model.vllm.tensor_paralel_size=4"])

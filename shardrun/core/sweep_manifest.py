@@ -94,8 +94,7 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
         else:
             gym.setdefault("overrides", []).append(rendered)
             notes += [
-                f"gym_env_start.{key} references ${{{var}}}, which Gym resolves from the stack's env.yaml: name the "
-                f"environment variable holding it in gym.secrets ({var}: VARIABLE)"
+                f"gym_env_start.{key} references ${{{var}}}{UNMAPPED_VARIABLE} ({var}: VARIABLE)"
                 for var in dict.fromkeys(_INTERPOLATION.findall(rendered))
             ]
     run = _mapping(data.get("gym_eval_run"), "gym_eval_run", source)
@@ -168,6 +167,10 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
+UNMAPPED_VARIABLE = (
+    ", which Gym resolves from the stack's env.yaml: name the environment variable holding it in gym.secrets"
+)
+"""How a translation note about a `${var}` of a Gym override goes on (the plan drops it once gym.secrets maps var)."""
 _INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 JUDGE_BLOCK_KEYS = ("entrypoint", "openai_base_url", "openai_model", "openai_api_key", "max_concurrent_requests")
 

@@ -288,3 +288,76 @@ def test_submit_dry_run_shows_the_judge_servers(tmp_path: Path, monkeypatch: pyt
     assert shown["lc_judge_model"]["responses_api_models"]["openai_model"]["max_concurrent_requests"] == 64
     assert shown["math_judge_model"]["responses_api_models"]["vllm_model"]["base_url"] == "http://127.0.0.1:8100/v1"
     assert key not in out
+
+
+# ---------------------------------------------------------------- a manifest's judge block
+
+
+def judge_manifest(block: dict, **more) -> dict:
+    return {
+        "nickname": "j",
+        "gym_env_start": {"config_paths": ["m.yaml"], "my_judge": {"responses_api_models": {"openai_model": block}}}
+        | more,
+        "entries": [{"label": "a", "agent": "a", "data": "a.jsonl"}],
+    }
+
+
+OPENAI_BLOCK = {
+    "entrypoint": "app.py",
+    "openai_base_url": "https://judge.example/v1",
+    "openai_model": "qwen",
+    "openai_api_key": "${my_judge_key}",
+    "max_concurrent_requests": 8,
+    "extra_body": {"seed": 1},
+}
+
+
+def test_a_manifest_judge_block_becomes_an_external_judge() -> None:
+    from shardrun.core import sweep_manifest
+
+    out = sweep_manifest.translate(judge_manifest(OPENAI_BLOCK), "m.yaml")
+    assert out["judges"] == {
+        "my_judge": {
+            "base_url": "https://judge.example/v1",
+            "model_name": "qwen",
+            "api_key_env": "MY_JUDGE_KEY",
+            "max_concurrent_requests": 8,
+            "server_options": {"extra_body": {"seed": 1}},
+        }
+    }
+    assert "overrides" not in out.get("gym", {})
+    [note] = out["translation_notes"]
+    assert "its key ${my_judge_key} is read from $MY_JUDGE_KEY" in note
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"openai_base_url": "${judge_url}"},  # not a plain URL
+        {"openai_api_key": "literal-key-in-the-file"},  # a key written out: not taken (the secrets check reads it)
+        {"max_concurrent_requests": "64"},
+    ],
+)
+def test_other_judge_blocks_stay_gym_overrides(change: dict) -> None:
+    from shardrun.core import sweep_manifest
+
+    out = sweep_manifest.translate(judge_manifest(OPENAI_BLOCK | change), "m.yaml")
+    assert "judges" not in out and out["gym"]["overrides"][0].startswith("++my_judge=")
+
+
+def test_a_variable_of_a_gym_override_is_noted_until_gym_secrets_maps_it(tmp_path: Path, monkeypatch) -> None:
+    from shardrun.plan import planner
+
+    manifest = judge_manifest(OPENAI_BLOCK | {"openai_base_url": "${judge_url}"})
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    cfg = config.load(path, [])
+    notes = planner.translation_notes(cfg)
+    assert [n.split(",")[0] for n in notes] == [
+        "gym_env_start.my_judge references ${my_judge_key}",
+        "gym_env_start.my_judge references ${judge_url}",
+    ]
+    mapped = config.load(path, ["++gym.secrets.judge_url=JUDGE_URL"])
+    assert [n.split(",")[0] for n in planner.translation_notes(mapped)] == [
+        "gym_env_start.my_judge references ${my_judge_key}"
+    ]

@@ -127,3 +127,15 @@ def test_it_submits_dry_run_on_slurm_showing_the_judge(local: list[str], monkeyp
     }
     assert f': "${{{KEY_ENV}:?' in out  # the job script checks the variable arrived, never holding its value
     assert key not in out
+
+
+def test_the_super_manifests_gateway_judges_map_alike(tmp_path: Path) -> None:
+    """nemotron_3_5_super.yaml defines four judge names with one YAML anchor (the gateway judge): four external
+    judges, one key variable."""
+    path = WHEEL / "manifests" / "nemotron_3_5_super.yaml"
+    cfg = config.load(path, [f"run_dir={tmp_path / 'run'}"])
+    assert sorted(cfg.judges) == ["genrm_model", "judge_model", "math_judge_model", "nl2bash_judge_model"]
+    assert {(j.base_url, j.api_key_env, j.max_concurrent_requests) for j in cfg.judges.values()} == {
+        ("https://inference-api.nvidia.com/v1", KEY_ENV, 64)
+    }
+    assert len(cfg.translation_notes) == 4

@@ -39,6 +39,8 @@ ENV_YAML_POLICY_KEYS = ("policy_base_url", "policy_api_key", "policy_model_name"
 ENV_YAML_RESERVED = (*ENV_YAML_POLICY_KEYS, "config_paths", "head_server", "skip_venv_if_present", "uv_venv_dir")
 """Top-level keys of Gym's config a `gym.secrets` key must not take: the policy's, and those shardrun sets itself."""
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+JUDGE_KEY_PREFIX = "shardrun_judge_api_key_"
+"""env.yaml key of a judge's API key: this prefix + the judge's name (shard/gym_stack.py writes it, 0600)."""
 DEFAULT_MAX_ARRAY_SIZE = 1001
 
 
@@ -159,10 +161,10 @@ class GymConfig(StrictModel):
                     f"gym.secrets key {key!r} is not a variable Gym's configs can reference as ${{...}} "
                     f"(letters, digits, _)"
                 )
-            if key in ENV_YAML_RESERVED:
+            if key in ENV_YAML_RESERVED or key.startswith(JUDGE_KEY_PREFIX):
                 raise ValueError(
                     f"gym.secrets key {key!r} is one shardrun writes into env.yaml itself "
-                    f"({', '.join(ENV_YAML_RESERVED)}); name the variable differently"
+                    f"({', '.join(ENV_YAML_RESERVED)}, {JUDGE_KEY_PREFIX}*); name the variable differently"
                 )
             reason = name_reason(name)
             if reason:
@@ -329,6 +331,73 @@ class PolicyConfig(StrictModel):
         if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
             raise ValueError("must be the NAME of an environment variable (letters, digits, _), not a key")
         return v
+
+
+class JudgeConfig(StrictModel):
+    """A judge model the environments' configs refer to by a Gym model-server name (`judges.<name>`): self-hosted
+    (`vllm`, served inside the job like the policy) or external (`base_url` + `model_name`)."""
+
+    vllm: VllmConfig | None = Field(
+        None,
+        description="Self-hosted: a vLLM server started once per job on GPUs of its own (the same keys as "
+        "policy.vllm; one server on the job's first node: replicas and nodes_per_replica stay 1).",
+    )
+    base_url: str | None = Field(None, description="External: the judge's OpenAI-compatible endpoint, .../v1.")
+    model_name: str | None = Field(None, description="External: the model name sent to base_url.")
+    api_key_env: str | None = Field(
+        None,
+        description="NAME of the environment variable holding the judge's key (read at stack start, written only "
+        "into the stack's env.yaml; a self-hosted judge requires it from its clients, as VLLM_API_KEY).",
+    )
+    max_concurrent_requests: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="External: cap on in-flight requests to the judge (Gym's openai_model max_concurrent_requests); "
+        "at scale a rate-limited judge otherwise degrades into a retry storm.",
+    )
+    ready_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="External: seconds to wait for GET base_url/models to answer 200 before the job fails (a "
+        "self-hosted judge waits vllm.ready_timeout_s).",
+    )
+    server_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More keys of the judge's Gym model server (vllm_model when self-hosted, openai_model when "
+        "external), e.g. extra_body or uses_reasoning_parser; written as given into its config.",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "JudgeConfig":
+        if (self.base_url is None) == (self.vllm is None):
+            raise ValueError("set exactly one of vllm (self-hosted judge) or base_url (external judge)")
+        if self.base_url is not None and not self.model_name:
+            raise ValueError("model_name is required with base_url (the model the external judge serves)")
+        if self.vllm is not None and (self.vllm.replicas != 1 or (self.vllm.nodes_per_replica or 1) != 1):
+            raise ValueError(
+                "a self-hosted judge is one vLLM server on the job's first node: vllm.replicas and "
+                "vllm.nodes_per_replica must be 1"
+            )
+        if self.vllm is not None and self.model_name is not None:
+            raise ValueError("model_name is for an external judge; a self-hosted one is vllm.served_model_name")
+        return self
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME.fullmatch(v):
+            raise ValueError("must be the NAME of an environment variable (letters, digits, _), not a key")
+        return v
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the self-hosted judge takes (0 for an external one or one served on CPUs)."""
+        v = self.vllm
+        if v is None or v.device == "cpu":
+            return 0
+        return v.tensor_parallel_size * v.pipeline_parallel_size * v.data_parallel_size
 
 
 class ClusterConfig(StrictModel):
@@ -694,11 +763,23 @@ class RunConfig(StrictModel):
         description="With data_root: the directory the absolute `data` paths are rebased from (default: the "
         "deepest directory that holds every absolute entry path).",
     )
+    judges: dict[str, JudgeConfig] = Field(
+        default_factory=dict,
+        description="Judge models by the Gym model-server name the environments' configs refer to "
+        "(`judge_model_server: {type: responses_api_models, name: NAME}`): shardrun serves each (self-hosted) or "
+        "checks it (external), and defines the server NAME in the Gym stack's config (docs/judges.md).",
+    )
     nickname: str | None = Field(None, description="The blend's name (a NeMo Gym manifest's nickname), shown.")
     not_carried_out: list[str] = Field(
         default_factory=list,
         description="What a translated NeMo Gym manifest held that shardrun does not carry out (set by the "
         "translation; each is a warning in the plan).",
+    )
+
+    translation_notes: list[str] = Field(
+        default_factory=list,
+        description="What a translated NeMo Gym manifest's blocks became where the user has something to do (a "
+        "judge's key variable to export; set by the translation; each is a note in the plan).",
     )
 
     _deprecated: list[str] = PrivateAttr(default_factory=list)
@@ -763,6 +844,24 @@ class RunConfig(StrictModel):
         if self.data_root_from is not None and self.data_root is None:
             raise ValueError("data_root_from without data_root: name where the data is now (data_root=DIR)")
         return self
+
+    @field_validator("judges")
+    @classmethod
+    def _judge_names(cls, v: dict[str, JudgeConfig]) -> dict[str, JudgeConfig]:
+        """A judge's name is the Gym model-server name a config refers to: a plain name, not the policy's server
+        nor a top-level key shardrun writes itself."""
+        for name in v:
+            if not _NAME.fullmatch(name):
+                raise ValueError(
+                    f"judges key {name!r} is not a Gym server name an environment config can refer to "
+                    f"(letters, digits, _)"
+                )
+            if name in (*ENV_YAML_RESERVED, "policy_model"):
+                raise ValueError(
+                    f"judges key {name!r} is a name shardrun or Gym's policy binding uses itself; give the judge's "
+                    f"server the name the environment's judge_model_server refers to"
+                )
+        return v
 
     @field_validator("input_jsonl", "run_dir", mode="before")
     @classmethod
@@ -962,11 +1061,14 @@ def _manifest_config(path: Path) -> dict[str, Any] | None:
 
 
 def _escape_interpolations(data: Any, escape: bool = False) -> Any:
-    """The translated manifest for Hydra: the Gym overrides are passed on as they are, so an interpolation in them
-    (`${judge_api_key}`) is Gym's to resolve, not ours."""
+    """The translated manifest for Hydra: the Gym overrides (and a judge's server options) are passed on as they
+    are, so an interpolation in them (`${judge_api_key}`) is Gym's to resolve, not ours; the notes say them."""
     if isinstance(data, dict):
         return {
-            k: _escape_interpolations(v, escape or k in ("overrides", "collect_overrides")) for k, v in data.items()
+            k: _escape_interpolations(
+                v, escape or k in ("overrides", "collect_overrides", "server_options", "translation_notes")
+            )
+            for k, v in data.items()
         }
     if isinstance(data, list):
         return [_escape_interpolations(v, escape) for v in data]
@@ -1078,7 +1180,7 @@ def refuse_secret_overrides(overrides: Sequence[str]) -> None:
     found = [
         f"override {i} ({redact(o.partition('=')[0].strip())}): {reason}; secrets are not allowed in configs or "
         f"overrides (they would be stored in plan.json or a job script): keep it in an environment variable and "
-        f"name that variable instead (policy.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
+        f"name that variable instead (policy.api_key_env, judges.NAME.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
         for i, o in enumerate(overrides, 1)
         for _where, reason in find_credentials(o)
     ]
@@ -1107,7 +1209,7 @@ def _unknown_key_hint(override: str) -> str | None:
         parent = _walk(parts[:depth])
         if not isinstance(parent, type):  # free-form below here
             return None
-        if parts[depth].isdigit() or parts[depth] in parent.model_fields:
+        if parts[depth].isdigit() or parts[depth] in parent.model_fields or _expects_name(parts[:depth]):
             continue
         known = list(parent.model_fields)
         hint = difflib.get_close_matches(parts[depth], known, n=1)
@@ -1118,6 +1220,17 @@ def _unknown_key_hint(override: str) -> str | None:
             else f" ({'.'.join(parts[:depth]) or 'the top level'} knows: {', '.join(known)})"
         )
     return None
+
+
+def _expects_name(parts: list[str]) -> bool:
+    """Is the key after `parts` a name of the user's: `parts` ends at a mapping of sections (judges)?"""
+    import typing
+
+    parent = _walk(parts[:-1]) if parts else None
+    if not isinstance(parent, type):
+        return False
+    field = parent.model_fields.get(parts[-1])
+    return field is not None and typing.get_origin(field.annotation) is dict and _model_in(field.annotation) is not None
 
 
 def _known_path(parts: list[str]) -> bool:
@@ -1150,7 +1263,7 @@ def validate(data: dict[str, Any], source: str = "config") -> RunConfig:
     secrets = [
         f"{where}: {reason}; secrets are not allowed in configs or overrides (they would be stored in "
         f"plan.json or a job script): keep it in an environment variable and name that variable instead "
-        f"(policy.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
+        f"(policy.api_key_env, judges.NAME.api_key_env, gym.secrets, or a bare NAME in cluster.env_vars)"
         for where, reason in find_credentials(data)
     ]
     if secrets:
@@ -1215,9 +1328,15 @@ _FREE_FORM = "free-form"
 def _walk(parts: list[str]) -> type[BaseModel] | str | None:
     """Follow a dotted key through the config models: the model it lands on, _FREE_FORM once it enters a
     dict/list/scalar field (anything below is the user's), or None for an unknown key."""
+    import typing
+
     model: type[BaseModel] = RunConfig
+    named = False  # the part is a key of a mapping of sections (judges.NAME.vllm)
     for part in parts:
         if part.isascii() and part.isdigit():  # an item of a list of sections (entries.0.limit)
+            continue
+        if named:
+            named = False
             continue
         field = model.model_fields.get(part)
         if field is None:
@@ -1225,6 +1344,7 @@ def _walk(parts: list[str]) -> type[BaseModel] | str | None:
         sub = _model_in(field.annotation)
         if sub is None:
             return _FREE_FORM
+        named = typing.get_origin(field.annotation) is dict
         model = sub
     return model
 

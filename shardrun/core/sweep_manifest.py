@@ -2,8 +2,10 @@
 translated into a run config (docs/blends.md has the mapping table). Pure: a parsed YAML mapping in, a run-config
 mapping out.
 
-Carried out: nickname, num_shards, entries, materialize, gym_env_start (config_paths; every other key, a Gym
-config overlay, as a `++key=value` override of ng_run), gym_eval_run (num_repeats, num_samples_in_parallel; the
+Carried out: nickname, num_shards, entries, materialize, gym_env_start (config_paths; an external judge's
+openai_model block as `judges.NAME`, its `${var}` key read from $VAR; every other key, a Gym config overlay, as a
+`++key=value` override of ng_run, with a note for each `${var}` it references, which gym.secrets must name),
+gym_eval_run (num_repeats, num_samples_in_parallel; the
 rest as `++key=value` overrides of the collection), sbatch (account, partition, qos, timelimit; other keys as
 extra sbatch parameters), vllm.model. A manifest states no GPUs per node and no parallel sizes: a self-hosted
 policy on Slurm is refused at plan and submit until cluster.gpus_per_node and the sizes are given (overrides after
@@ -77,14 +79,24 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
     start = _mapping(data.get("gym_env_start"), "gym_env_start", source)
     if start.get("config_paths") is not None:
         gym["config_paths"] = start["config_paths"]
+    notes: list[str] = []
     for key, value in start.items():
         if key == "config_paths":
+            continue
+        judge = external_judge(key, value)
+        if judge is not None:
+            out.setdefault("judges", {})[key] = judge
+            notes.append(judge_note(key, value, judge))
             continue
         rendered = _override(key, value)
         if rendered is None:
             skipped.append(f"gym_env_start.{key} (cannot be written as a Gym override; put it in a Gym config file)")
         else:
             gym.setdefault("overrides", []).append(rendered)
+            notes += [
+                f"gym_env_start.{key} references ${{{var}}}{UNMAPPED_VARIABLE} ({var}: VARIABLE)"
+                for var in dict.fromkeys(_INTERPOLATION.findall(rendered))
+            ]
     run = _mapping(data.get("gym_eval_run"), "gym_eval_run", source)
     for key, value in run.items():
         if key == "num_repeats":
@@ -150,7 +162,68 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
             skipped.append(f"{block}: {', '.join(sorted(_mapping(data[block], block, source)))} ({why})")
     if skipped:
         out["not_carried_out"] = skipped
+    if notes:
+        out["translation_notes"] = notes
     return out
+
+
+UNMAPPED_VARIABLE = (
+    ", which Gym resolves from the stack's env.yaml: name the environment variable holding it in gym.secrets"
+)
+"""How a translation note about a `${var}` of a Gym override goes on (the plan drops it once gym.secrets maps var)."""
+_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+JUDGE_BLOCK_KEYS = ("entrypoint", "openai_base_url", "openai_model", "openai_api_key", "max_concurrent_requests")
+
+
+def external_judge(key: str, value: Any) -> dict[str, Any] | None:
+    """A gym_env_start block that defines an external judge as NVIDIA's example_judge manifest does
+    (`NAME: {responses_api_models: {openai_model: {openai_base_url, openai_model, openai_api_key: ${var},
+    max_concurrent_requests}}}`), as `judges.NAME` (docs/judges.md): external at that URL, its key read from the
+    environment variable named as the Gym variable in capitals ($NV_INFERENCE_API_KEY for
+    ${nv_inference_api_key}), its other settings as server_options. None for anything else (a plain URL and model
+    name are required; a key written out is not taken, and stays a Gym override, which the secrets check reads)."""
+    if not _ID.match(key) or not isinstance(value, dict) or list(value) != ["responses_api_models"]:
+        return None
+    models = value["responses_api_models"]
+    if not isinstance(models, dict) or list(models) != ["openai_model"] or not isinstance(models["openai_model"], dict):
+        return None
+    block = models["openai_model"]
+    url, model, api_key = block.get("openai_base_url"), block.get("openai_model"), block.get("openai_api_key")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or "${" in url:
+        return None
+    if not isinstance(model, str) or not model or "${" in model:
+        return None
+    found = _INTERPOLATION.fullmatch(api_key) if isinstance(api_key, str) else None
+    if api_key is not None and found is None:
+        return None
+    cap = block.get("max_concurrent_requests")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)):
+        return None
+    judge: dict[str, Any] = {"base_url": url, "model_name": model}
+    if found is not None:
+        judge["api_key_env"] = found.group(1).upper()
+    if cap is not None:
+        judge["max_concurrent_requests"] = cap
+    rest = {k: v for k, v in block.items() if k not in JUDGE_BLOCK_KEYS}
+    if rest:
+        judge["server_options"] = rest
+    return judge
+
+
+def judge_note(key: str, value: dict[str, Any], judge: dict[str, Any]) -> str:
+    """What a judge block became, said in the plan: where the key is read from above all."""
+    cap = judge.get("max_concurrent_requests")
+    where = (
+        f"gym_env_start.{key}: the external judge judges.{key} (Gym's openai_model at {judge['base_url']}, model "
+        f"{judge['model_name']}" + (f", at most {cap} requests at once" if cap else "") + ")"
+    )
+    if "api_key_env" not in judge:
+        return where + " without a key"
+    var = value["responses_api_models"]["openai_model"]["openai_api_key"]
+    return (
+        f"{where}; its key {var} is read from ${judge['api_key_env']} (export it where you plan and submit, or "
+        f"set judges.{key}.api_key_env to the variable that holds it)"
+    )
 
 
 ROUTER_KEYS = {  # the manifest's vllm_router key -> policy.router_options' (the same settings of vllm-router)

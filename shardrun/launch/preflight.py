@@ -4,10 +4,12 @@ A config that cannot work used to be found by every shard on its own (eight shar
 BadInput). Here, once, before a job exists or a launch is recorded:
 
 - every environment variable a job takes from the submitting shell is set: `policy.api_key_env`, each bare
-  NAME in `cluster.env_vars` and each variable `gym.secrets` names (`plan` checks these too: `check_secrets`);
+  NAME in `cluster.env_vars`, each variable `gym.secrets` names and each judge's `api_key_env` (`plan` checks
+  these too: `check_secrets`);
 - a self-hosted policy (`policy.vllm`) whose jobs are Slurm jobs fits the job: tensor x pipeline x data parallel
   size GPUs within `cluster.nodes` x `cluster.gpus_per_node`, and no GPU-less job unless `policy.vllm.device: cpu`
-  says so (`gpu_problems`; `plan` checks this too: `check_gpus`);
+  says so (`gpu_problems`; `plan` checks this too: `check_gpus`); self-hosted judges' GPUs fit the job's first
+  node beside the policy (`judge_gpu_problems`, also at `plan`);
 - Slurm jobs in a container image name the image's interpreter (`cluster.container_python`);
 - and when some shard to launch still has rollouts to collect (a shard whose every identity is accounted for
   seals without servers):
@@ -44,12 +46,13 @@ def check(cfg: RunConfig, run_dir: Path, plan: Plan, env: Mapping[str, str] | No
     env = os.environ if env is None else env
     cfg.require("gym", "policy")
     assert cfg.gym is not None and cfg.policy is not None
-    problems = gpu_problems(cfg) + missing_environment(cfg, env)
+    problems = gpu_problems(cfg) + judge_gpu_problems(cfg) + missing_environment(cfg, env)
     if in_container(cfg) and not cfg.cluster_or_default.container_python:
         problems.append(slurm.container_python_missing())
     if needs_servers(cfg, run_dir, plan):
         here = not in_container(cfg)
         problems += (gym_problems(cfg.gym, env) if here else []) + policy_problems(cfg.policy, env, here)
+        problems += judge_problems(cfg, env, here)
     if problems:
         raise BadInput(f"{run_dir}: nothing was launched; a shard would fail with this config", problems)
 
@@ -65,9 +68,10 @@ def in_container(cfg: RunConfig) -> bool:
 
 def check_gpus(cfg: RunConfig) -> None:
     """`plan`: BadInput when a self-hosted policy's GPUs do not fit the job the config asks for (gpu_problems)."""
-    problems = gpu_problems(cfg)
+    problems = gpu_problems(cfg) + judge_gpu_problems(cfg)
     if problems:
-        raise BadInput(f"{cfg.run_dir}: the self-hosted policy does not fit the Slurm job", problems)
+        what = "policy does" if not cfg.judges else "policy and judges do"
+        raise BadInput(f"{cfg.run_dir}: the self-hosted {what} not fit the Slurm job", problems)
 
 
 def gpu_problems(cfg: RunConfig) -> list[str]:
@@ -106,6 +110,76 @@ def gpu_problems(cfg: RunConfig) -> list[str]:
     return server_layout.shape_problems(v, router, cluster.nodes, cluster.gpus_per_node)
 
 
+def judge_gpu_problems(cfg: RunConfig) -> list[str]:
+    """Self-hosted judges in Slurm jobs take GPUs of their own on the job's first node, beside the policy: their
+    GPUs plus a self-hosted policy's must fit that node (cluster.gpus_per_node), and the policy must then be one
+    server on one node (a policy laid out over several servers or nodes does not leave room for them: not
+    supported yet). Local jobs: not checked, as for the policy."""
+    from shardrun.launch import backends
+
+    cluster = cfg.cluster_or_default
+    hosted = {name: j for name, j in cfg.judges.items() if j.vllm is not None}
+    if not hosted or not backends.for_config(cfg).runs_on_slurm(cluster):
+        return []
+    on_gpus = {name: j.gpus for name, j in hosted.items() if j.gpus}
+    asked = " + ".join(
+        f"judges.{n}.vllm tensor_parallel_size {j.vllm.tensor_parallel_size} x pipeline_parallel_size "
+        f"{j.vllm.pipeline_parallel_size}"
+        + (f" x data_parallel_size {j.vllm.data_parallel_size}" if j.vllm.data_parallel_size != 1 else "")
+        for n, j in hosted.items()
+        if j.vllm is not None and n in on_gpus
+    )
+    if on_gpus and cluster.gpus_per_node == 0:
+        return [
+            f"cluster.gpus_per_node: 0, so the Slurm job has no GPU, but {asked} needs {sum(on_gpus.values())} "
+            f"GPU(s) for the self-hosted judges; set cluster.gpus_per_node, or judges.NAME.vllm.device: cpu"
+        ]
+    v = cfg.policy.vllm if cfg.policy is not None else None
+    if v is not None and (cluster.nodes > 1 or v.replicas > 1 or (cfg.policy and cfg.policy.router)):
+        return [
+            f"judges.{next(iter(hosted))}: a self-hosted judge runs on the job's first node beside one policy "
+            f"server; a policy of several servers or nodes (policy.vllm.replicas {v.replicas}, cluster.nodes "
+            f"{cluster.nodes}{', policy.router' if cfg.policy and cfg.policy.router else ''}) with self-hosted "
+            f"judges is not supported yet: use one node, or an external judge (judges.NAME.base_url)"
+        ]
+    if not on_gpus:
+        return []
+    policy_gpus = (
+        0
+        if v is None or v.device == "cpu"
+        else v.tensor_parallel_size * v.pipeline_parallel_size * v.data_parallel_size
+    )
+    needs = policy_gpus + sum(on_gpus.values())
+    if needs > cluster.gpus_per_node:
+        mine = f"policy.vllm {policy_gpus} + " if policy_gpus else ""
+        return [
+            f"{asked} needs {sum(on_gpus.values())} GPU(s) of their own on the job's first node; {mine}the judges' "
+            f"{sum(on_gpus.values())} = {needs} GPUs, and cluster.gpus_per_node is {cluster.gpus_per_node}; raise "
+            f"cluster.gpus_per_node or lower the parallel sizes"
+        ]
+    return []
+
+
+def judge_problems(cfg: RunConfig, env: Mapping[str, str], files_here: bool = True) -> list[str]:
+    """What is missing from a judge: an http(s) URL with a host (external); with `files_here`, the vLLM
+    interpreter and a model given as a path (self-hosted)."""
+    out = []
+    for name, j in cfg.judges.items():
+        if j.base_url is not None:
+            parsed = urlparse(j.base_url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname:
+                out.append(f"judges.{name}.base_url: {j.base_url!r} is not an http(s) URL with a host")
+        v = j.vllm
+        if v is not None and files_here:
+            program = vllm.launcher(v, env)[0]
+            if not (Path(program).is_file() if os.sep in program else shutil.which(program, path=env.get("PATH"))):
+                key = f"judges.{name}.vllm.command" if v.command else f"judges.{name}.vllm.python"
+                out.append(f"{key}: {program} does not exist here; name the interpreter (or venv) that has vLLM")
+            if v.model.startswith(("/", "./", "../", "~")) and not Path(v.model).expanduser().exists():
+                out.append(f"judges.{name}.vllm.model: {v.model} does not exist")
+    return out
+
+
 def missing_environment(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:
     """Each variable a job takes from this shell that is unset, by the key that names it (never a value)."""
     cluster = cfg.cluster_or_default
@@ -115,7 +189,17 @@ def missing_environment(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:
     for name in slurm.missing_pass_through(cluster.env_vars, [key] if key else [], env):
         where = "policy.api_key_env" if name == key else "cluster.env_vars"
         out.append(f"{where}: ${name} is not set in this shell; export it where you submit (jobs take it from here)")
-    return out + missing_secrets(secrets, env)
+    return out + missing_secrets(secrets, env) + missing_judge_keys(cfg, env)
+
+
+def missing_judge_keys(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:
+    """`judges.NAME.api_key_env: $VAR is not set ...` for each judge whose key variable is unset in `env`."""
+    return [
+        f"judges.{name}.api_key_env: ${j.api_key_env} is not set in this shell; export it where you submit "
+        f"(jobs take it from here)"
+        for name, j in cfg.judges.items()
+        if j.api_key_env and not env.get(j.api_key_env)
+    ]
 
 
 def missing_secrets(secrets: Mapping[str, str], env: Mapping[str, str]) -> list[str]:
@@ -129,7 +213,8 @@ def missing_secrets(secrets: Mapping[str, str], env: Mapping[str, str]) -> list[
 
 def check_secrets(cfg: RunConfig, env: Mapping[str, str] | None = None) -> None:
     """`plan`: BadInput naming each gym.secrets key whose environment variable is not set here (as submit checks)."""
-    problems = missing_secrets(cfg.gym.secrets if cfg.gym else {}, os.environ if env is None else env)
+    here = os.environ if env is None else env
+    problems = missing_secrets(cfg.gym.secrets if cfg.gym else {}, here) + missing_judge_keys(cfg, here)
     if problems:
         raise BadInput(f"{cfg.run_dir}: a Gym stack could not write its env.yaml", problems)
 

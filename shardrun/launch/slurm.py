@@ -275,9 +275,11 @@ def merge_parameters(cluster: ClusterConfig, *, job_name: str, comment: str, aft
 
 def pass_through_env(cfg: RunConfig) -> list[str]:
     """Environment variables a shard job (or warm worker) needs from the submitting shell besides cluster.env_vars:
-    the API key, and the variables gym.secrets names (written into the Gym stack's env.yaml at its start)."""
+    the API key, the variables gym.secrets names and the judges' keys (written into the Gym stack's env.yaml at its
+    start)."""
     names = [cfg.policy.api_key_env] if cfg.policy and cfg.policy.api_key_env else []
     names += cfg.gym.secrets.values() if cfg.gym else []
+    names += [j.api_key_env for j in cfg.judges.values() if j.api_key_env]
     return list(dict.fromkeys(names))
 
 

@@ -399,4 +399,7 @@ def describe_submission(
     backend = backends.for_config(cfg)
     request = Request(cfg, run_dir, list(indices), merge_job=merge_job)
     text = backend.describe(request, fingerprint or store.load_plan(run_dir).fingerprint)
-    return f"launch mode: {backend.mode}\n{text}"
+    from shardrun.shard import judges
+
+    shown = "\n".join(judges.preview(cfg.judges))
+    return f"launch mode: {backend.mode}\n{text}" + (f"\n{shown}" if shown else "")

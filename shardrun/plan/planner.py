@@ -663,6 +663,18 @@ def public_config(cfg: RunConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json")
 
 
+def translation_notes(cfg: RunConfig) -> list[str]:
+    """A translated manifest's notes, less those about a `${var}` that gym.secrets now maps."""
+    from shardrun.core.sweep_manifest import UNMAPPED_VARIABLE
+
+    mapped = cfg.gym.secrets if cfg.gym else {}
+    return [
+        n
+        for n in cfg.translation_notes
+        if not (UNMAPPED_VARIABLE in n and any(f"${{{var}}}{UNMAPPED_VARIABLE}" in n for var in mapped))
+    ]
+
+
 def make_plan(
     cfg: RunConfig,
     info: InputInfo,
@@ -702,6 +714,7 @@ def make_plan(
         shards=shards,
         warnings=tuple(summary.warnings)
         + tuple(f"not carried out: {w}" for w in cfg.not_carried_out)
+        + tuple(f"manifest: {w}" for w in translation_notes(cfg))
         + tuple(cfg.deprecations),
         gym_version=gym_version,
         blend=blend,

@@ -4,7 +4,8 @@ The plan fingerprint covers what decides which rollouts exist (input, repeats, s
 *against* is the manifest's: the Gym release and venv, every config file (the paths as given, where they resolve and
 a digest of their content, nested `config_paths` included), the Hydra overrides of the stack and the collector,
 how the servers' venvs are made, and the policy (endpoint or self-hosted model, served name, the sampling defaults
-shardrun sends). Secrets are never in it: the policy key and `gym.secrets` are named by their variables only.
+shardrun sends), and the judges (model or endpoint). Secrets are never in it: the policy key, the judges' keys and
+`gym.secrets` are named by their variables only.
 
 The first launch writes the manifest. Every later launch (submit or resume) builds it again from its config and
 refuses a difference, naming each changed item, unless the change is allowed (`resume --allow-config-change`);
@@ -131,6 +132,24 @@ def build(cfg: RunConfig, env: Mapping[str, str] | None = None, cwd: Path | None
         else:
             policy.update(base_url=pol.base_url, model_name=pol.model_name)
         out["policy"] = policy
+    if cfg.judges:  # what scores the rollouts; recorded only when set (runs before judges compare unchanged)
+        out["judges"] = {
+            name: {
+                "api_key_env": j.api_key_env,
+                "server_options": dict(j.server_options),
+                **(
+                    {
+                        "model": j.vllm.model,
+                        "served_model_name": j.vllm.served_model_name,
+                        "max_model_len": j.vllm.max_model_len,
+                        "extra_args": list(j.vllm.extra_args),
+                    }
+                    if j.vllm is not None
+                    else {"base_url": j.base_url, "model_name": j.model_name}
+                ),
+            }
+            for name, j in cfg.judges.items()
+        }
     return out
 
 

@@ -35,7 +35,7 @@ from shardrun.shard import processes
 from shardrun.core.gym_adapter import GymAdapter, for_venv
 from shardrun.rundir import store
 from shardrun.core import gym_version
-from shardrun.core.config import ENV_YAML_POLICY_KEYS, GymConfig
+from shardrun.core.config import ENV_YAML_POLICY_KEYS, JUDGE_KEY_PREFIX, GymConfig
 from shardrun.core.errors import BadInput, ServerFailure
 
 VENV_ENV = gym_version.VENV_ENV
@@ -79,6 +79,66 @@ def secret_values(gym: GymConfig, env: Mapping[str, str]) -> dict[str, str]:
     return {key: env[name] for key, name in gym.secrets.items()}
 
 
+JUDGES_YAML = "shardrun-judges.yaml"
+"""The Gym config shardrun writes into the stack's working dir defining each judge's model server (no key in it)."""
+
+
+@dataclass(frozen=True)
+class JudgeBinding:
+    """A judge as the Gym stack binds it: the model server `name` (what environment configs refer to), where it
+    answers, and its key (into env.yaml only). Self-hosted judges are bound as Gym's vllm_model, external ones as
+    its openai_model (which has the max_concurrent_requests cap)."""
+
+    name: str
+    base_url: str
+    model_name: str
+    self_hosted: bool
+    api_key: str | None = field(default=None, repr=False)
+    max_concurrent_requests: int | None = None
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def key_variable(self) -> str:
+        return JUDGE_KEY_PREFIX + self.name
+
+
+def judges_config(judges: Sequence[JudgeBinding]) -> dict[str, object]:
+    """Gym config defining a responses_api_models server per judge; its key is `${shardrun_judge_api_key_NAME}`,
+    which env.yaml resolves (pure; the text holds no secret)."""
+    out: dict[str, object] = {}
+    for j in judges:
+        key_ref = "${" + j.key_variable + "}"
+        server: dict[str, object]
+        if j.self_hosted:
+            impl = "vllm_model"
+            server = {
+                "entrypoint": "app.py",
+                "base_url": j.base_url,
+                "api_key": key_ref,
+                "model": j.model_name,
+                "return_token_id_information": False,
+                "uses_reasoning_parser": False,
+            }
+        else:
+            impl = "openai_model"
+            server = {
+                "entrypoint": "app.py",
+                "openai_base_url": j.base_url,
+                "openai_api_key": key_ref,
+                "openai_model": j.model_name,
+            }
+            if j.max_concurrent_requests is not None:
+                server["max_concurrent_requests"] = j.max_concurrent_requests
+        server.update(j.options)
+        out[j.name] = {"responses_api_models": {impl: server}}
+    return out
+
+
+def judge_keys(judges: Sequence[JudgeBinding]) -> dict[str, str]:
+    """env.yaml's entries for the judges' keys ("EMPTY" for a judge without one, as the policy's)."""
+    return {j.key_variable: j.api_key or "EMPTY" for j in judges}
+
+
 def hydra_list(items: Sequence[str]) -> str:
     """A Hydra list literal; elements with Hydra's special characters are single-quoted."""
 
@@ -90,10 +150,12 @@ def hydra_list(items: Sequence[str]) -> str:
     return "[" + ",".join(one(s) for s in items) + "]"
 
 
-def ng_run_command(adapter: GymAdapter, venv: Path, gym: GymConfig, port: int, venvs_dir: Path) -> list[str]:
+def ng_run_command(
+    adapter: GymAdapter, venv: Path, gym: GymConfig, port: int, venvs_dir: Path, extra_configs: Sequence[str] = ()
+) -> list[str]:
     return [
         *adapter.stack_command(venv),
-        f"+config_paths={hydra_list(gym.config_paths)}",
+        f"+config_paths={hydra_list([*gym.config_paths, *extra_configs])}",
         f"+head_server.host={HEAD_HOST}",
         f"+head_server.port={port}",
         *adapter.stack_flags(),
@@ -333,9 +395,10 @@ def start(
     model_name: str,
     env: Mapping[str, str] | None = None,
     place: StackPlace | None = None,
+    judges: Sequence[JudgeBinding] = (),
 ) -> GymStack:
-    """Write env.yaml and start ng_run for shard `index`, or at `place` (a warm worker's), not waiting for
-    readiness."""
+    """Write env.yaml (and the judges' server config) and start ng_run for shard `index`, or at `place` (a warm
+    worker's), not waiting for readiness."""
     base_env = dict(os.environ if env is None else env)
     venv = gym_venv(gym, base_env)
     adapter = for_venv(venv)
@@ -351,11 +414,20 @@ def start(
         venvs_dir.mkdir(parents=True, exist_ok=True)
     env_yaml = work / store.ENV_YAML
     secrets = secret_values(gym, base_env)
-    write_env_yaml(env_yaml, env_yaml_text(base_urls, api_key, model_name, secrets))
+    keys = judge_keys(judges)
+    clash = sorted(set(keys) & set(secrets))
+    if clash:
+        raise BadInput(f"gym.secrets.{clash[0]}: shardrun writes {clash[0]} into env.yaml itself (a judge's key)")
+    write_env_yaml(env_yaml, env_yaml_text(base_urls, api_key, model_name, {**secrets, **keys}))
+    extra_configs = []
+    if judges:
+        with store.atomic_writer(work / JUDGES_YAML) as f:
+            f.write(yaml.safe_dump(judges_config(judges), sort_keys=False).encode())
+        extra_configs.append(JUDGES_YAML)
     ray_tmp = ray_tmp_dir(place.home)
     log_from = log_size(place.log)  # ng_run's log is appended to: this start's part begins here
     port = processes.free_port(HEAD_HOST)
-    cmd = ng_run_command(adapter, venv, gym, port, venvs_dir)
+    cmd = ng_run_command(adapter, venv, gym, port, venvs_dir, extra_configs)
     if not shared:
         cmd.append(f"+uv_cache_dir={venvs_dir / 'uv-cache'}")
     # with request debugging on, Gym's model adapter prints a failed request's headers (the key among them)
@@ -365,7 +437,7 @@ def start(
         name="ng_run",
         cwd=work,
         env=stack_env(base_env, venv, ray_tmp, shared),
-        redact=([api_key] if api_key else []) + list(secrets.values()),
+        redact=([api_key] if api_key else []) + list(secrets.values()) + [j.api_key for j in judges if j.api_key],
     )
     return GymStack(proc=proc, port=port, env_yaml=env_yaml, ray_tmp=ray_tmp, log_from=log_from)
 
@@ -399,13 +471,14 @@ def start_ready(
     model_name: str,
     env: Mapping[str, str] | None = None,
     place: StackPlace | None = None,
+    judges: Sequence[JudgeBinding] = (),
 ) -> tuple[GymStack, float]:
     """start + wait_ready, all within gym.ready_timeout_s; a start that failed for a TRANSIENT_START reason found
     anywhere in what it wrote to ng_run's log is started again (another head port, a fresh Ray), up to START_TRIES
     starts. Every start of every launch mode (a shard job, a Slurm array task, a warm worker) comes through here."""
     t0 = time.monotonic()
     for attempt in range(START_TRIES):
-        stack = start(run_dir, index, gym, base_urls, api_key, model_name, env, place)
+        stack = start(run_dir, index, gym, base_urls, api_key, model_name, env, place, judges)
         try:
             wait_ready(stack, max(1.0, gym.ready_timeout_s - (time.monotonic() - t0)))
             return stack, time.monotonic() - t0

@@ -16,13 +16,19 @@ from shardrun.core.errors import BadInput, ServerFailure
 
 
 def api_key(policy: PolicyConfig, env: Mapping[str, str]) -> str | None:
-    if not policy.api_key_env:
+    return key_from(env, policy.api_key_env, "policy.api_key_env", "shard's")
+
+
+def key_from(env: Mapping[str, str], name: str | None, key: str, whose: str) -> str | None:
+    """The value of the variable `name` (None when no variable is named); BadInput naming the config `key` and the
+    variable, never a value, when it is not set in `whose` environment."""
+    if not name:
         return None
-    value = env.get(policy.api_key_env)
+    value = env.get(name)
     if not value:
         raise BadInput(
-            f"policy.api_key_env names ${policy.api_key_env}, which is not set in the shard's "
-            f"environment (export it where you submit; it is read at shard start, never stored)"
+            f"{key} names ${name}, which is not set in the {whose} environment (export it where you submit; it is "
+            f"read at shard start, never stored)"
         )
     return value
 
@@ -52,6 +58,7 @@ class PolicyEndpoint:
     api_key: str | None = field(default=None, repr=False)
     server: Any = None  # shardrun.shard.vllm.VllmServer when self-hosted
     notes: list[str] = field(default_factory=list)
+    what: str = "policy server"  # what messages call it (a judge's endpoint: "judge NAME")
 
     def problem(self) -> str | None:
         """Why the policy server is unusable now, or None (for the watchdog)."""
@@ -60,9 +67,9 @@ class PolicyEndpoint:
         for url in self.base_urls:
             got = processes.http_get(url + "/models", timeout=5.0, headers=auth(self.api_key))
             if got is None:
-                return f"policy server {url} does not answer (GET {url}/models)"
+                return f"{self.what} {url} does not answer (GET {url}/models)"
             if got[0] >= 500:
-                return f"policy server {url} answers HTTP {got[0]} to GET {url}/models"
+                return f"{self.what} {url} answers HTTP {got[0]} to GET {url}/models"
         return None
 
     def stop(self) -> None:
@@ -77,7 +84,7 @@ def check_prehosted(endpoint: PolicyEndpoint, timeout: float) -> float:
         def check() -> bool:
             got = processes.http_get(url + "/models", timeout=5.0, headers=auth(endpoint.api_key))
             if got is not None and got[0] in (401, 403):
-                raise ServerFailure(f"policy server {url} refused the API key (HTTP {got[0]} on GET /models)")
+                raise ServerFailure(f"{endpoint.what} {url} refused the API key (HTTP {got[0]} on GET /models)")
             if got is None or got[0] != 200:
                 return False
             ids = model_ids(got[1])
@@ -90,7 +97,7 @@ def check_prehosted(endpoint: PolicyEndpoint, timeout: float) -> float:
     waited = 0.0
     for url in endpoint.base_urls:
         waited += processes.wait_until(
-            answers(url), timeout=max(1.0, timeout - waited), interval=1.0, what=f"pre-hosted policy server {url}"
+            answers(url), timeout=max(1.0, timeout - waited), interval=1.0, what=f"pre-hosted {endpoint.what} {url}"
         )
     return waited
 

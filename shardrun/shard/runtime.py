@@ -20,17 +20,17 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from shardrun.core import gym_adapter
-from shardrun.core.config import ClusterConfig, GymConfig, PolicyConfig, RunConfig
+from shardrun.core.config import ClusterConfig, GymConfig, JudgeConfig, PolicyConfig, RunConfig
 from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
 from shardrun.rundir import decided, ledger, records, seal, store
 from shardrun.rundir.records import Seal, SealWorker
-from shardrun.shard import collector, gym_stack, policy, watchdog
+from shardrun.shard import collector, gym_stack, judges as judge_servers, policy, watchdog
 
 Key = tuple[int, int]  # (task index, rollout index): a rollout's identity
 
@@ -220,13 +220,28 @@ class Servers:
     ready_s: float  # seconds from the start to both being ready
     up_since: float  # Unix time they became ready
     front: Front | None = None  # what the stack talks to the policy through, if not the policy itself
+    judges: list[judge_servers.Judge] = field(default_factory=list)  # the job's judges (docs/judges.md)
 
     def problem(self) -> str | None:
-        return self.endpoint.problem() or (self.front.problem() if self.front else None) or self.stack.problem()
+        return (
+            self.endpoint.problem()
+            or judge_servers.problem(self.judges)
+            or (self.front.problem() if self.front else None)
+            or self.stack.problem()
+        )
+
+    def checks(self) -> list[watchdog.Check]:
+        """The watchdog's checks while collecting: the policy, each judge, the Gym stack."""
+        return [
+            watchdog.Check("policy server", self.endpoint.problem),
+            *(watchdog.Check(f"judge {j.name}", j.endpoint.problem) for j in self.judges),
+            watchdog.Check("Gym stack", self.stack.problem),
+        ]
 
     def procs(self) -> list[Any]:
         """The server processes started here (processes.Proc)."""
-        return [self.stack.proc] + ([self.endpoint.server.proc] if self.endpoint.server is not None else [])
+        servers = [self.endpoint.server, *(j.endpoint.server for j in self.judges)]
+        return [self.stack.proc] + [s.proc for s in servers if s is not None]
 
     def stop(self) -> None:
         try:
@@ -236,7 +251,10 @@ class Servers:
                 if self.front is not None:
                     self.front.stop()
             finally:
-                self.endpoint.stop()
+                try:
+                    self.endpoint.stop()
+                finally:
+                    judge_servers.stop_all(self.judges)
 
 
 def start_servers(
@@ -247,11 +265,25 @@ def start_servers(
     log: Callable[[str], None],
     front: Callable[[list[str]], Front] | None = None,
     cluster: ClusterConfig | None = None,
+    judges: Mapping[str, JudgeConfig] | None = None,
 ) -> Servers:
-    """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running. `front`
-    (a warm worker's slot gate): made from the policy's addresses; the stack reaches the policy through it."""
+    """Start (or check) the judges, then the policy, then the Gym stack at `place`; all ready, or none left running.
+    `front` (a warm worker's slot gate): made from the policy's addresses; the stack reaches the policy through it.
+    Self-hosted judges take GPUs of their own (judges.split_devices); the policy is started with the others."""
     t0 = time.monotonic()
-    endpoint = policy.open_policy(policy_cfg, place.home, cluster=cluster, concurrency=gym.num_samples_in_parallel)
+    env = dict(os.environ)
+    started, policy_devices = judge_servers.start_all(judges or {}, place.home, env)
+    for judge in started:
+        log(judge.describe())
+    if policy_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = policy_devices
+    try:
+        endpoint = policy.open_policy(
+            policy_cfg, place.home, env, cluster=cluster, concurrency=gym.num_samples_in_parallel
+        )
+    except BaseException:
+        judge_servers.stop_all(started)
+        raise
     before: Front | None = None
     try:
         for note in endpoint.notes:
@@ -265,15 +297,25 @@ def start_servers(
             urls = list(before.urls)
             log(before.describe())
         stack, waited = gym_stack.start_ready(
-            run_dir, -1, gym, urls, endpoint.api_key, endpoint.model_name, place=place
+            run_dir,
+            -1,
+            gym,
+            urls,
+            endpoint.api_key,
+            endpoint.model_name,
+            place=place,
+            judges=[j.binding for j in started],
         )
     except BaseException:
-        if before is not None:
-            before.stop()
-        endpoint.stop()
+        try:
+            if before is not None:
+                before.stop()
+            endpoint.stop()
+        finally:
+            judge_servers.stop_all(started)
         raise
     log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
-    return Servers(endpoint, stack, time.monotonic() - t0, time.time(), before)
+    return Servers(endpoint, stack, time.monotonic() - t0, time.time(), before, started)
 
 
 class Collector(Protocol):
@@ -400,12 +442,12 @@ class Shard:
         adapter = self.gym_release()
         if self.servers is not None:  # a warm worker's servers: they run on after this shard
             store.gym_dir(self.run_dir, self.index).mkdir(parents=True, exist_ok=True)  # the collector's cwd
-            self.collect(adapter, self.servers.endpoint, self.servers.stack)
+            self.collect(adapter, self.servers)
             return self.seal()
         with contextlib.ExitStack() as teardown:
             teardown.callback(self.log_teardown, time.monotonic)
-            endpoint, stack = self.start_servers(teardown)
-            self.collect(adapter, endpoint, stack)
+            servers = self.start_servers(teardown)
+            self.collect(adapter, servers)
             # collection is over (the servers read env.yaml at start only); once sealed the shard never runs
             # again, so the key must not wait for a teardown that a kill can skip
             store.env_yaml_path(self.run_dir, self.index).unlink(missing_ok=True)
@@ -485,7 +527,7 @@ class Shard:
 
     # ------------------------------------------------------------ servers
 
-    def start_servers(self, teardown: contextlib.ExitStack) -> tuple[policy.PolicyEndpoint, gym_stack.GymStack]:
+    def start_servers(self, teardown: contextlib.ExitStack) -> Servers:
         servers = start_servers(
             self.policy,
             self.gym,
@@ -493,19 +535,18 @@ class Shard:
             gym_stack.shard_place(self.run_dir, self.index),
             self.log,
             cluster=self.cfg.cluster_or_default,
+            judges=self.cfg.judges,
         )
         teardown.callback(servers.stop)
         self.server_wait_s = servers.ready_s
-        return servers.endpoint, servers.stack
+        return servers
 
     # ------------------------------------------------------------ collection
 
-    def collect(
-        self, adapter: gym_adapter.GymAdapter, endpoint: policy.PolicyEndpoint, stack: gym_stack.GymStack
-    ) -> None:
+    def collect(self, adapter: gym_adapter.GymAdapter, servers: Servers) -> None:
+        stack = servers.stack
         rounds = self.collector or CollectorProcess(adapter, gym_stack.gym_venv(self.gym, os.environ), stack, self.gym)
-        checks = [watchdog.Check("policy server", endpoint.problem), watchdog.Check("Gym stack", stack.problem)]
-        checks += self.checks
+        checks = servers.checks() + self.checks
         max_rounds = self.gym.max_rollout_attempts * len(self.ledger().planned) + 2
         for round_no in range(1, max_rounds + 1):
             book = self.ledger()
@@ -518,10 +559,11 @@ class Shard:
             failures = store.failures_path(self.run_dir, self.index)
             mark = size(failures)
             rc, failed = self.collect_round(adapter, rounds, checks, round_no, len(book.pending))
-            down = endpoint.problem() or stack.problem()
+            down = servers.endpoint.problem() or judge_servers.problem(servers.judges) or stack.problem()
             if down:
                 # a server died under the round: its failed rollouts are the servers' failure, not attempts of
-                # theirs (a dead policy fails every request at once, and would use up every attempt in seconds)
+                # theirs (a dead policy or judge fails every request at once, and would use up every attempt in
+                # seconds)
                 cut = store.cut_back(failures, mark)
                 raise ServerFailure(
                     f"{down}; the round's failed rollouts are not counted as attempts"

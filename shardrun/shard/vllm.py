@@ -230,13 +230,15 @@ class Liveness:
     roots: list[str]
     timeout_s: float
     clock: Callable[[], float] = time.monotonic
+    what: str = "policy server"  # what the messages call the server (a judge's: "judge NAME")
+    setting: str = "policy.vllm.liveness_timeout_s"  # the config key of timeout_s
     silent_since: dict[str, float] = field(default_factory=dict)
 
     def problem(self) -> str | None:
         for root in self.roots:
             got = processes.http_get(root + HEALTH_PATH, timeout=10.0)
             if got is not None and got[0] == 503:
-                return f"policy server {root}: {HEALTH_PATH} answered 503, the engine is dead"
+                return f"{self.what} {root}: {HEALTH_PATH} answered 503, the engine is dead"
             if got is not None and got[0] == 200:
                 self.silent_since.pop(root, None)
                 continue
@@ -244,8 +246,8 @@ class Liveness:
             since = self.silent_since.setdefault(root, now)
             if now - since >= self.timeout_s:
                 return (
-                    f"policy server {root} has not answered GET {HEALTH_PATH} for {now - since:.0f} s "
-                    f"(policy.vllm.liveness_timeout_s = {self.timeout_s:g})"
+                    f"{self.what} {root} has not answered GET {HEALTH_PATH} for {now - since:.0f} s "
+                    f"({self.setting} = {self.timeout_s:g})"
                 )
         return None
 
@@ -314,17 +316,20 @@ def start_vllm(
     api_key: str | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
+    what: str = "policy server",
+    setting: str = "policy.vllm",
 ) -> VllmServer:
     """Start vLLM for the shard in `shard_dir` on `port` (default `vllm.port`) and wait until it serves.
 
     `api_key` (the value behind policy.api_key_env, if any) is required by the server for /v1 routes and passed
     only through its environment. `env` is the base environment (default: this process's). Raises ServerFailure, with the log's last lines,
     when the server exits, reports a dead engine, or is not ready within `timeout` (default `vllm.ready_timeout_s`);
-    the server is stopped before the error propagates.
+    the server is stopped before the error propagates. `what` and `setting` name the server and its config section
+    in messages (a judge's: "judge NAME", "judges.NAME.vllm").
     """
     port = port if port is not None else vcfg.port
     if port is None:
-        raise BadInput("policy.vllm: no port given (set policy.vllm.port or let the shard runtime choose one)")
+        raise BadInput(f"{setting}: no port given (set {setting}.port or let the shard runtime choose one)")
     base_env = dict(os.environ if env is None else env)
     shard_dir = Path(shard_dir)
     tmp_dir, _ = store.vllm_scratch_dirs(shard_dir)
@@ -336,7 +341,7 @@ def start_vllm(
     for d in (spec.tmp_dir, spec.cache_dir):
         d.mkdir(parents=True, exist_ok=True)
     proc = processes.start(spec.cmd, spec.log_path, name=f"vllm:{spec.model_name}:{port}", env=spec.env)
-    liveness = Liveness([spec.root_url], vcfg.liveness_timeout_s)
+    liveness = Liveness([spec.root_url], vcfg.liveness_timeout_s, what=what, setting=f"{setting}.liveness_timeout_s")
     server = VllmServer(proc=proc, spec=spec, ready_s=0.0, api_key=api_key, owned_rpc_dir=owned, liveness=liveness)
     try:
         server.ready_s = wait_ready(

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from shardrun.core import gym_adapter
-from shardrun.core.config import ClusterConfig, CollectorConfig, GymConfig, PolicyConfig
+from shardrun.core.config import ClusterConfig, CollectorConfig, GymConfig, JudgeConfig, PolicyConfig
 from shardrun.shard import gym_stack, policy, runtime
 from shardrun.workers import collector_service, slot_gate
 
@@ -60,9 +60,10 @@ def start(
     place: gym_stack.StackPlace,
     log: Callable[[str], None],
     cluster: ClusterConfig | None = None,
+    judges: Mapping[str, JudgeConfig] | None = None,
 ) -> WarmServers:
     """Start the policy, the slot gate admitting gym.num_samples_in_parallel requests at once, the Gym stack behind
-    it and (collector.service) the collector service with `collector.rollouts_per_slot` rollouts in flight per slot
+    it, with the run's judges (started first), and (collector.service) the collector service with `collector.rollouts_per_slot` rollouts in flight per slot
     of the gate; all ready, or none left running."""
     gates: list[slot_gate.Gate] = []
 
@@ -71,7 +72,8 @@ def start(
         return gates[-1]
 
     servers = WarmServers(
-        runtime.start_servers(policy_cfg, gym, run_dir, place, log, front=gate, cluster=cluster), gates[0]
+        runtime.start_servers(policy_cfg, gym, run_dir, place, log, front=gate, cluster=cluster, judges=judges),
+        gates[0],
     )
     if not collecting.service:
         return servers

@@ -8,7 +8,8 @@ It also stands in for a self-hosted vLLM (`policy.vllm.command: [python, tests/f
 takes vLLM's `--served-model-name` and `--host`, ignores the flags it does not know, reads the key from VLLM_API_KEY,
 and with `--startup-delay S` opens its port only after S seconds, as vLLM does once its model is loaded.
 
-Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions (what NeMo Gym's vllm_model calls), and
+Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions (what NeMo Gym's vllm_model calls),
+POST /v1/responses (what its openai_model calls: the same answers in the Responses API's shape), and
 POST /_fault (JSON {"faults": ["KIND:COND", ...], "delay": SECONDS, "die_code": N}) to change a running server's
 faults.
 
@@ -22,6 +23,11 @@ Faults, for requests that match every condition (seed=N, match=SUBSTRING, nth=N:
 after=N: every request after the N-th; times=N: only the first N requests that meet the fault's other conditions,
 so a fault can target "the first request for this prompt and seed" whatever order requests arrive in):  400 | 500 | garbage (200 with a non-JSON body) | hang (never answers) |
 hold (answers normally once the faults are next changed through /_fault) | die (the whole server exits at once).
+
+As a judge (`--judge`, standing in for a judge model: docs/judges.md), every answer is a verdict in the format
+NeMo Gym's math_with_judge and equivalence_llm_judge prompts ask for: "[[A=B]]" when the last user message
+contains one of the `--judge-equal SUBSTRING`s, "[[A!=B]]" otherwise, so a test decides which tasks the judge
+passes.
 """
 
 from __future__ import annotations
@@ -87,6 +93,61 @@ def answer_text(prompt: str, seed: Any, share: float, shares: dict[str, float] |
     return "\\boxed{" + str(value) + "}"
 
 
+def verdict(prompt: str, equal: list[str]) -> str:
+    """A judge's answer: equivalent when the prompt holds one of the `equal` substrings, different otherwise."""
+    if any(sub in prompt for sub in equal):
+        return "The answers agree. My final verdict is equivalent [[A=B]]"
+    return "The answers disagree. My final verdict is different [[A!=B]]"
+
+
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Responses API request's input as chat messages (a string is one user message; content parts keep their
+    text)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out = []
+    for item in items or []:
+        if isinstance(item, dict) and item.get("role"):
+            content = item.get("content")
+            if isinstance(content, list):
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            out.append({"role": item["role"], "content": content})
+    return out
+
+
+def response_object(chat: dict[str, Any], model: str) -> dict[str, Any]:
+    """A chat completion's text answer in the Responses API's shape (what openai_model validates)."""
+    text = chat["choices"][0]["message"].get("content") or ""
+    usage = chat["usage"]
+    return {
+        "id": "resp_" + chat["id"].removeprefix("chatcmpl-"),
+        "object": "response",
+        "created_at": chat["created"],
+        "model": model,
+        "status": "completed",
+        "output": [
+            {
+                "type": "message",
+                "id": "msg_" + chat["id"].removeprefix("chatcmpl-"),
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ],
+        "parallel_tool_calls": False,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": {
+            "input_tokens": usage["prompt_tokens"],
+            "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
+
+
 def tool_call(tool: dict[str, Any], seed: Any) -> dict[str, Any]:
     fn = tool.get("function", tool)
     params = fn.get("parameters") or {}
@@ -103,13 +164,21 @@ def tool_call(tool: dict[str, Any], seed: Any) -> dict[str, Any]:
 
 
 def completion(
-    body: dict[str, Any], model: str, share: float, shares: dict[str, float] | None = None
+    body: dict[str, Any],
+    model: str,
+    share: float,
+    shares: dict[str, float] | None = None,
+    judge_equal: list[str] | None = None,
 ) -> dict[str, Any]:
     messages = body.get("messages") or []
     seed = body.get("seed")
     prompt = prompt_text(messages)
     tools = body.get("tools") or []
-    if tools and not any(m.get("role") == "tool" for m in messages):
+    if judge_equal is not None:  # a judge: a verdict, whatever is asked
+        text = verdict(prompt, judge_equal)
+        message = {"role": "assistant", "content": text}
+        finish = "stop"
+    elif tools and not any(m.get("role") == "tool" for m in messages):
         message = {"role": "assistant", "content": None, "tool_calls": [tool_call(tools[0], seed)]}
         finish, text = "tool_calls", json.dumps(message["tool_calls"])
     else:
@@ -145,6 +214,7 @@ class State:
         self.die_code = args.die_code
         self.tail_share, self.tail_delay = args.tail_share, args.tail_delay
         self.answer_log = args.answer_log
+        self.judge_equal: list[str] | None = args.judge_equal if args.judge else None
         self.count = 0
         self.lock = threading.Lock()
 
@@ -235,9 +305,12 @@ class Handler(BaseHTTPRequestHandler):
             self.state.die_code = int(body.get("die_code", self.state.die_code))
             self._send(200, {"faults": body.get("faults", []), "delay": self.state.delay})
             return
-        if self.path != "/v1/chat/completions":
+        if self.path not in ("/v1/chat/completions", "/v1/responses"):
             self._send(404, {"error": {"message": f"no route {self.path}"}})
             return
+        responses = self.path == "/v1/responses"
+        if responses:  # the same answers; the conditions and the log read the input as chat messages
+            body = {**body, "messages": responses_messages(body)}
         st = self.state
         n = st.next_request()
         auth_ok = self.authorized()
@@ -252,6 +325,7 @@ class Handler(BaseHTTPRequestHandler):
                 "tools": bool(body.get("tools")),
                 "auth_ok": auth_ok,
                 "served_by": f"{socket.gethostname()}:{self.server.server_address[1]}",
+                "route": self.path,
                 "fault": fault,
                 "t": time.time(),
             }
@@ -280,7 +354,8 @@ class Handler(BaseHTTPRequestHandler):
             # t1 is stamped before the answer is sent: once it is sent the client may release its slot and open the
             # next request, so a t1 taken after the send could overlap that request's t0 on a loaded machine
             t1 = time.time()
-            self._send(200, completion(body, st.model, st.share, st.shares))
+            chat = completion(body, st.model, st.share, st.shares, st.judge_equal)
+            self._send(200, response_object(chat, st.model) if responses else chat)
             st.answered({"n": n, "seed": body.get("seed"), "prompt": entry_prompt(body), "t0": t0, "t1": t1})
 
 
@@ -300,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tail-share", type=float, default=0.0, help="share of (prompt, seed) pairs that take longer")
     p.add_argument("--tail-delay", type=float, default=0.0, help="seconds more for those (a heavy-tailed latency)")
     p.add_argument("--fault", action="append", default=[], help="KIND:COND[,COND...] (see module doc)")
+    p.add_argument("--judge", action="store_true", help="answer as a judge: every answer is a verdict")
+    p.add_argument("--judge-equal", action="append", default=[], help="with --judge: [[A=B]] for a prompt holding this")
     p.add_argument(
         "--die-code", type=int, default=17, help="the die fault's exit status (vLLM exits 0 when its engine dies)"
     )

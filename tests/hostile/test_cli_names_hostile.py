@@ -171,8 +171,9 @@ def _optional_keys(model: type = config.RunConfig, prefix: str = "") -> list[str
         if type(None) in typing.get_args(field.annotation):
             out.append(key)
         sub = config._model_in(field.annotation)
-        if sub is not None:
-            out += _optional_keys(sub, key + ".")
+        if sub is not None:  # a mapping of sections (judges) is walked through one named entry
+            named = typing.get_origin(field.annotation) is dict
+            out += _optional_keys(sub, key + (".j1." if named else "."))
     return out
 
 
@@ -210,6 +211,8 @@ VLLM = {
 @pytest.mark.parametrize("key", _optional_keys())
 def test_null_is_none_for_every_optional_key(tmp_path, key):
     data = dict(BASE, policy={"vllm": VLLM}) if key.startswith("policy.vllm") else BASE
+    if key.startswith("judges."):
+        data = dict(BASE, judges={"j1": {"vllm": VLLM}})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(data))
     composed = config.compose(tmp_path / "run.yaml", [f"{key}=null"])
     node = composed
@@ -223,7 +226,7 @@ def test_null_is_none_for_every_optional_key(tmp_path, key):
         return
     node = cfg
     for part in key.split("."):
-        node = getattr(node, part) if node is not None else None
+        node = (node[part] if isinstance(node, dict) else getattr(node, part)) if node is not None else None
     assert node is None
 
 

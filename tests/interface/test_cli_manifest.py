@@ -130,7 +130,9 @@ def test_plan_a_manifest_from_the_command_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["plan", str(path), "run_dir=runs/x", *GPUS, "--json"])
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output[: result.output.rindex("}") + 1])
+    # the JSON first, then the plan's warnings (a note names the ${judge_key} the Gym override references)
+    summary, _end = json.JSONDecoder().raw_decode(result.output[result.output.index("{") :])
+    assert "manifest: gym_env_start.judge references ${judge_key}" in result.output
     assert [(e["label"], e["tasks"], e["rollouts"]) for e in summary["entries"]] == [("one", 5, 15), ("two", 2, 6)]
     assert "warning: not carried out: vllm_router" not in result.output  # the router is carried out
     # overrides apply after the translation; on the command line limit_per_entry caps every entry

@@ -702,7 +702,8 @@ def make_plan(
         shards=shards,
         warnings=tuple(summary.warnings)
         + tuple(f"not carried out: {w}" for w in cfg.not_carried_out)
-        + tuple(cfg.deprecations),
+        + tuple(cfg.deprecations)
+        + tuple(cfg.sandbox_warnings()),
         gym_version=gym_version,
         blend=blend,
     )

@@ -25,14 +25,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from shardrun.core import gym_adapter
-from shardrun.core.config import ClusterConfig, GymConfig, PolicyConfig, RunConfig
+from shardrun.core.config import ClusterConfig, GymConfig, PolicyConfig, RunConfig, SandboxConfig
 from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
 from shardrun.rundir import decided, ledger, records, seal, store
 from shardrun.rundir.records import Seal, SealWorker
 from shardrun.shard import collector, gym_stack, policy, watchdog
+from shardrun.shard import sandbox as sandboxes
 
 Key = tuple[int, int]  # (task index, rollout index): a rollout's identity
+SANDBOX_CHECK = "sandbox"  # the watchdog check that watches the job's sandbox
 
 
 @dataclass(frozen=True)
@@ -220,13 +222,23 @@ class Servers:
     ready_s: float  # seconds from the start to both being ready
     up_since: float  # Unix time they became ready
     front: Front | None = None  # what the stack talks to the policy through, if not the policy itself
+    sandbox: sandboxes.Sandbox | None = None  # the job's code-execution sandbox (the `sandbox:` section)
 
     def problem(self) -> str | None:
-        return self.endpoint.problem() or (self.front.problem() if self.front else None) or self.stack.problem()
+        return (
+            self.endpoint.problem()
+            or (self.front.problem() if self.front else None)
+            or self.stack.problem()
+            or (self.sandbox.problem() if self.sandbox else None)
+        )
 
     def procs(self) -> list[Any]:
         """The server processes started here (processes.Proc)."""
-        return [self.stack.proc] + ([self.endpoint.server.proc] if self.endpoint.server is not None else [])
+        return (
+            [self.stack.proc]
+            + ([self.endpoint.server.proc] if self.endpoint.server is not None else [])
+            + ([self.sandbox.proc] if self.sandbox is not None else [])
+        )
 
     def stop(self) -> None:
         try:
@@ -236,7 +248,11 @@ class Servers:
                 if self.front is not None:
                     self.front.stop()
             finally:
-                self.endpoint.stop()
+                try:
+                    self.endpoint.stop()
+                finally:
+                    if self.sandbox is not None:
+                        self.sandbox.stop()
 
 
 def start_servers(
@@ -247,11 +263,21 @@ def start_servers(
     log: Callable[[str], None],
     front: Callable[[list[str]], Front] | None = None,
     cluster: ClusterConfig | None = None,
+    sandbox: SandboxConfig | None = None,
 ) -> Servers:
-    """Start (or check) the policy, then the Gym stack at `place`; both ready, or neither left running. `front`
-    (a warm worker's slot gate): made from the policy's addresses; the stack reaches the policy through it."""
+    """Start the sandbox (`sandbox`, if any), start (or check) the policy, then the Gym stack at `place` with the
+    sandbox's address in its environment; all ready, or none left running. `front` (a warm worker's slot gate):
+    made from the policy's addresses; the stack reaches the policy through it."""
     t0 = time.monotonic()
-    endpoint = policy.open_policy(policy_cfg, place.home, cluster=cluster, concurrency=gym.num_samples_in_parallel)
+    box = sandboxes.start(sandbox, place.home, cluster=cluster) if sandbox is not None else None
+    if box is not None:
+        log(f"{box.describe()} ready in {box.ready_s:.1f} s")
+    try:
+        endpoint = policy.open_policy(policy_cfg, place.home, cluster=cluster, concurrency=gym.num_samples_in_parallel)
+    except BaseException:
+        if box is not None:
+            box.stop()
+        raise
     before: Front | None = None
     try:
         for note in endpoint.notes:
@@ -265,15 +291,26 @@ def start_servers(
             urls = list(before.urls)
             log(before.describe())
         stack, waited = gym_stack.start_ready(
-            run_dir, -1, gym, urls, endpoint.api_key, endpoint.model_name, place=place
+            run_dir,
+            -1,
+            gym,
+            urls,
+            endpoint.api_key,
+            endpoint.model_name,
+            place=place,
+            extra_env=box.gym_env if box is not None else None,
         )
     except BaseException:
-        if before is not None:
-            before.stop()
-        endpoint.stop()
+        try:
+            if before is not None:
+                before.stop()
+            endpoint.stop()
+        finally:
+            if box is not None:
+                box.stop()
         raise
     log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
-    return Servers(endpoint, stack, time.monotonic() - t0, time.time(), before)
+    return Servers(endpoint, stack, time.monotonic() - t0, time.time(), before, box)
 
 
 class Collector(Protocol):
@@ -400,12 +437,12 @@ class Shard:
         adapter = self.gym_release()
         if self.servers is not None:  # a warm worker's servers: they run on after this shard
             store.gym_dir(self.run_dir, self.index).mkdir(parents=True, exist_ok=True)  # the collector's cwd
-            self.collect(adapter, self.servers.endpoint, self.servers.stack)
+            self.collect(adapter, self.servers.endpoint, self.servers.stack, self.servers.sandbox)
             return self.seal()
         with contextlib.ExitStack() as teardown:
             teardown.callback(self.log_teardown, time.monotonic)
-            endpoint, stack = self.start_servers(teardown)
-            self.collect(adapter, endpoint, stack)
+            servers = self.start_servers(teardown)
+            self.collect(adapter, servers.endpoint, servers.stack, servers.sandbox)
             # collection is over (the servers read env.yaml at start only); once sealed the shard never runs
             # again, so the key must not wait for a teardown that a kill can skip
             store.env_yaml_path(self.run_dir, self.index).unlink(missing_ok=True)
@@ -485,7 +522,7 @@ class Shard:
 
     # ------------------------------------------------------------ servers
 
-    def start_servers(self, teardown: contextlib.ExitStack) -> tuple[policy.PolicyEndpoint, gym_stack.GymStack]:
+    def start_servers(self, teardown: contextlib.ExitStack) -> Servers:
         servers = start_servers(
             self.policy,
             self.gym,
@@ -493,20 +530,32 @@ class Shard:
             gym_stack.shard_place(self.run_dir, self.index),
             self.log,
             cluster=self.cfg.cluster_or_default,
+            sandbox=self.cfg.sandbox,
         )
         teardown.callback(servers.stop)
         self.server_wait_s = servers.ready_s
-        return servers.endpoint, servers.stack
+        return servers
 
     # ------------------------------------------------------------ collection
 
     def collect(
-        self, adapter: gym_adapter.GymAdapter, endpoint: policy.PolicyEndpoint, stack: gym_stack.GymStack
+        self,
+        adapter: gym_adapter.GymAdapter,
+        endpoint: policy.PolicyEndpoint,
+        stack: gym_stack.GymStack,
+        box: sandboxes.Sandbox | None = None,
     ) -> None:
         rounds = self.collector or CollectorProcess(adapter, gym_stack.gym_venv(self.gym, os.environ), stack, self.gym)
         checks = [watchdog.Check("policy server", endpoint.problem), watchdog.Check("Gym stack", stack.problem)]
+        guard = None
+        if box is not None:
+            files = [store.rollouts_path(self.run_dir, self.index), store.failures_path(self.run_dir, self.index)]
+            guard = sandboxes.Guard(box, files)
+            checks.append(watchdog.Check(SANDBOX_CHECK, guard.problem))
         checks += self.checks
         max_rounds = self.gym.max_rollout_attempts * len(self.ledger().planned) + 2
+        if guard is not None:  # a round the sandbox died under is run again
+            max_rounds += self.cfg.cluster_or_default.max_server_restarts
         for round_no in range(1, max_rounds + 1):
             book = self.ledger()
             if not book.pending:
@@ -514,10 +563,21 @@ class Shard:
                 book = self.ledger()
             if not book.pending:
                 return
+            if guard is not None:
+                self.sandbox_ready(guard)
             before = progress_mark(book)
             failures = store.failures_path(self.run_dir, self.index)
             mark = size(failures)
-            rc, failed = self.collect_round(adapter, rounds, checks, round_no, len(book.pending))
+            try:
+                rc, failed = self.collect_round(adapter, rounds, checks, round_no, len(book.pending))
+            except watchdog.CheckFailed as e:
+                if guard is None or e.check != SANDBOX_CHECK:
+                    raise
+                self.sandbox_died(guard)  # the round was stopped; what the sandbox broke is taken back
+                continue
+            if guard is not None and guard.settle(self.gym.health_interval_s) is not None:
+                self.sandbox_died(guard)  # it died as the round ended: the round's last rows are not trusted
+                continue
             down = endpoint.problem() or stack.problem()
             if down:
                 # a server died under the round: its failed rollouts are the servers' failure, not attempts of
@@ -548,6 +608,26 @@ class Shard:
                     f"{len(book.pending)} rollouts still pending"
                 )
         raise ShardFailed(f"gave up after {max_rounds} collector rounds")
+
+    def sandbox_ready(self, guard: sandboxes.Guard) -> None:
+        """Before a round: the sandbox answers (its mark is now), or it is restarted (counted)."""
+        problem = guard.settle(self.gym.health_interval_s)
+        if problem is not None:
+            guard.box.restart(self.cfg.cluster_or_default.max_server_restarts, self.log)
+            if guard.settle(self.gym.health_interval_s) is not None:
+                raise ServerFailure(f"the sandbox did not answer after its restart: {guard.box.describe()}")
+
+    def sandbox_died(self, guard: sandboxes.Guard) -> None:
+        """The sandbox died under a round: the rows written since it last answered are taken back (to run again,
+        never scored against a dead sandbox), and it is restarted in place, at most cluster.max_server_restarts
+        times (then ServerFailure: a shard job fails and its resume runs the rest)."""
+        reason = guard.tripped
+        cut = guard.take_back()
+        self.log(
+            f"the sandbox died while collecting ({reason}); {cut} bytes of rows written since it last answered "
+            f"taken back, to run again"
+        )
+        guard.box.restart(self.cfg.cluster_or_default.max_server_restarts, self.log)
 
     def collect_round(
         self,

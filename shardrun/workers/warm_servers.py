@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Callable
 
 from shardrun.core import gym_adapter
-from shardrun.core.config import ClusterConfig, CollectorConfig, GymConfig, PolicyConfig
+from shardrun.core.config import ClusterConfig, CollectorConfig, GymConfig, PolicyConfig, SandboxConfig
 from shardrun.shard import gym_stack, policy, runtime
+from shardrun.shard import sandbox as sandboxes
 from shardrun.workers import collector_service, slot_gate
 
 
@@ -30,6 +31,10 @@ class WarmServers:
     @property
     def stack(self) -> gym_stack.GymStack:
         return self.base.stack
+
+    @property
+    def sandbox(self) -> sandboxes.Sandbox | None:
+        return self.base.sandbox
 
     @property
     def up_since(self) -> float:
@@ -60,9 +65,10 @@ def start(
     place: gym_stack.StackPlace,
     log: Callable[[str], None],
     cluster: ClusterConfig | None = None,
+    sandbox: SandboxConfig | None = None,
 ) -> WarmServers:
     """Start the policy, the slot gate admitting gym.num_samples_in_parallel requests at once, the Gym stack behind
-    it and (collector.service) the collector service with `collector.rollouts_per_slot` rollouts in flight per slot
+    it (the sandbox beside it, given `sandbox`) and (collector.service) the collector service with `collector.rollouts_per_slot` rollouts in flight per slot
     of the gate; all ready, or none left running."""
     gates: list[slot_gate.Gate] = []
 
@@ -71,7 +77,8 @@ def start(
         return gates[-1]
 
     servers = WarmServers(
-        runtime.start_servers(policy_cfg, gym, run_dir, place, log, front=gate, cluster=cluster), gates[0]
+        runtime.start_servers(policy_cfg, gym, run_dir, place, log, front=gate, cluster=cluster, sandbox=sandbox),
+        gates[0],
     )
     if not collecting.service:
         return servers

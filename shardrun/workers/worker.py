@@ -425,7 +425,14 @@ class Worker:
         self.save(state=STARTING)
         t0 = time.monotonic()
         self.servers = warm_servers.start(
-            self.policy, self.gym, self.cfg.collector, self.run_dir, self.place, self.log, cluster=self.cluster
+            self.policy,
+            self.gym,
+            self.cfg.collector,
+            self.run_dir,
+            self.place,
+            self.log,
+            cluster=self.cluster,
+            sandbox=self.cfg.sandbox,
         )
         self.gate_seen = 0.0
         self.warm = False

@@ -570,11 +570,15 @@ class Shard:
             mark = size(failures)
             try:
                 rc, failed = self.collect_round(adapter, rounds, checks, round_no, len(book.pending))
-            except watchdog.CheckFailed as e:
-                if guard is None or e.check != SANDBOX_CHECK:
+            except ServerFailure as e:
+                if guard is None or guard.box.problem() is None:
                     raise
-                self.sandbox_died(guard)  # the round was stopped; what the sandbox broke is taken back
-                continue
+                if isinstance(e, watchdog.CheckFailed) and e.check == SANDBOX_CHECK:
+                    self.sandbox_died(guard)  # the round was stopped; what the sandbox broke is taken back
+                    continue
+                cut = guard.take_back()  # another server failed too: still, nothing the sandbox broke stays
+                self.log(f"the sandbox is down as well; {cut} bytes of rows written since it last answered taken back")
+                raise
             if guard is not None and guard.settle(self.gym.health_interval_s) is not None:
                 self.sandbox_died(guard)  # it died as the round ended: the round's last rows are not trusted
                 continue

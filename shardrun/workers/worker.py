@@ -608,6 +608,7 @@ class Worker:
                     interval_s=self.gym.health_interval_s,
                     heartbeat_s=self.cluster.claim_heartbeat_s,
                     log=self.log,
+                    sandbox=self.servers.sandbox,
                 )
             except ServerFailure:
                 pass  # the next look restarts the servers (ensure_servers) or gives up

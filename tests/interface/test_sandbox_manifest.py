@@ -67,12 +67,13 @@ def write_data(tmp_path: Path) -> Path:
 def with_srun(tmp_path: Path, also_sbatch: bool = False) -> Path:
     """The example with its srun block uncommented (and its sbatch block, for a Slurm run), as a user would."""
     text = MANIFEST.read_text()
-    for key in ("srun", "  container", "  sandbox_container") + (
-        ("sbatch", "  account", "  qos", "  timelimit") if also_sbatch else ()
-    ):
-        assert f"\n# {key.lstrip()}:" in text or f"\n#   {key.strip()}:" in text, key
-        text = text.replace(f"\n#   {key.strip()}:", f"\n  {key.strip()}:").replace(f"\n# {key}:", f"\n{key}:")
-    path = tmp_path / "example_sandbox_judge.yaml"
+    lines = ["# srun:", "#   container:", "#   sandbox_container:"]
+    if also_sbatch:
+        lines += ["# sbatch:", "#   account:", "#   qos:", "#   timelimit:"]
+    for commented in lines:
+        assert f"\n{commented}" in text, commented
+        text = text.replace(f"\n{commented}", "\n" + commented.removeprefix("# "))
+    path = tmp_path / ("example_sandbox_judge_slurm.yaml" if also_sbatch else "example_sandbox_judge.yaml")
     path.write_text(text)
     return path
 

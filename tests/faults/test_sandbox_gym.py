@@ -60,8 +60,9 @@ def boxed(row: dict) -> int:
     return int(found[-1])
 
 
+@pytest.mark.parametrize("workers", [None, 1], ids=["shard-job", "warm-worker"])
 def test_code_runs_in_the_sandbox_and_a_sandbox_killed_mid_run_is_restarted_with_nothing_it_broke_scored(
-    tmp_path: Path, gym_env, gym_venv: Path, policy_key, tag: str
+    tmp_path: Path, gym_env, gym_venv: Path, policy_key, tag: str, workers: int | None
 ):
     checker = tmp_path / "lean_checker.py"
     checker.write_text(CHECKER)
@@ -87,7 +88,7 @@ def test_code_runs_in_the_sandbox_and_a_sandbox_killed_mid_run_is_restarted_with
             repeats=REPEATS,
             config_paths=CONFIG_PATHS,
             gym={"max_rollout_attempts": 1},  # a rollout broken by the sandbox must not be retried into a score
-            cluster={"max_server_restarts": 1},
+            cluster={"max_server_restarts": 1, "workers": workers},
             sandbox={"command": command, "liveness_timeout_s": 10, "ready_timeout_s": 60},
         )
         t0 = time.monotonic()

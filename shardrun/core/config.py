@@ -400,6 +400,95 @@ class JudgeConfig(StrictModel):
         return v.tensor_parallel_size * v.pipeline_parallel_size * v.data_parallel_size
 
 
+SANDBOX_CLIENTS = ("ns_tools", "math_formal_lean", "competitive_coding_challenges")
+"""NeMo Gym 0.7's resources servers that execute code in a NeMo-Skills sandbox (NEMO_SKILLS_SANDBOX_HOST/PORT)."""
+SANDBOX_PORT_PLACEHOLDER = "{port}"
+"""Where `sandbox.command` takes the port the sandbox is to listen on."""
+
+
+class SandboxConfig(StrictModel):
+    """A code-execution sandbox per job (NeMo-Skills' protocol: `POST /execute`, `GET /health`), started beside the
+    Gym servers; its address reaches them as NEMO_SKILLS_SANDBOX_HOST/NEMO_SKILLS_SANDBOX_PORT (docs/sandboxes.md)."""
+
+    command: str | None = Field(
+        None,
+        description="A shell command that serves the sandbox on `{port}` (replaced by the port); run with bash in "
+        "its own process group on the node of the Gym servers. Give this or `image`.",
+    )
+    image: str | None = Field(
+        None,
+        description="A NeMo-Skills sandbox container image: on Slurm a pyxis step of the job (srun --overlap "
+        "--container-image, with cluster.mounts) on the shard's node; on the local executor run with "
+        "`sandbox.runtime` (docker or podman, --network=host). Give this or `command`.",
+    )
+    image_command: str = Field(
+        "/start-with-nginx.sh",
+        description="With `image`: what runs in it, with NGINX_PORT and LISTEN_PORT set to the port and "
+        "NUM_WORKERS to `sandbox.workers` (the NeMo-Skills sandbox image's entry point, as NVIDIA's recipe runs it).",
+    )
+    runtime: Literal["docker", "podman"] | None = Field(
+        None,
+        description="With `image` on the local executor: the container runtime that runs it (required there; on "
+        "Slurm the image runs with pyxis).",
+    )
+    workers: int = Field(8, ge=1, le=4096, description="With `image`: the sandbox's workers (NUM_WORKERS).")
+    host: str = Field(
+        "127.0.0.1",
+        description="The address the Gym servers reach the sandbox at (NEMO_SKILLS_SANDBOX_HOST); the sandbox "
+        "runs on their node, so loopback by default.",
+    )
+    port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port the sandbox listens on (NEMO_SKILLS_SANDBOX_PORT). null: a free port chosen at start, so "
+        "that shards sharing a node never collide (NeMo-Skills' default is 6000).",
+    )
+    health_path: str = Field("/health", description="GET path that answers 200 while the sandbox serves.")
+    ready_timeout_s: float = Field(
+        600.0, gt=0, le=86400, description="Seconds to wait at start for `health_path` to answer 200."
+    )
+    liveness_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=86400,
+        description="While collecting, a sandbox whose `health_path` has not answered 200 for this long is dead "
+        "(its process exiting is at once): the rollouts it may have broken are taken back and it is restarted, "
+        "at most cluster.max_server_restarts times over the life of the servers it was started with.",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the sandbox process.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "SandboxConfig":
+        if (self.command is None) == (self.image is None):
+            raise ValueError("set exactly one of sandbox.command (a shell command) or sandbox.image (an image)")
+        if self.command is not None and SANDBOX_PORT_PLACEHOLDER not in self.command and self.port is None:
+            raise ValueError(
+                f"sandbox.command has no {SANDBOX_PORT_PLACEHOLDER} placeholder and sandbox.port is not set: the "
+                f"sandbox must listen on the port shardrun hands to the Gym servers"
+            )
+        if self.runtime is not None and self.image is None:
+            raise ValueError("sandbox.runtime runs sandbox.image; a sandbox.command runs as it is")
+        if not self.health_path.startswith("/"):
+            raise ValueError(f"sandbox.health_path must start with '/': {self.health_path!r}")
+        return self
+
+    @field_validator("command", "image", "image_command", "host")
+    @classmethod
+    def _one_line(cls, v: str | None) -> str | None:
+        if v is not None:
+            slurm_values.text(v, "sandbox setting")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not _NAME.fullmatch(k)]
+        if bad:
+            raise ValueError(f"not environment variable names: {', '.join(map(repr, bad))}")
+        return v
+
+
 class ClusterConfig(StrictModel):
     """Key names follow NeMo-Skills cluster configs where they exist."""
 
@@ -747,6 +836,9 @@ class RunConfig(StrictModel):
     policy: PolicyConfig | None = None
     cluster: ClusterConfig | None = None
     collector: CollectorConfig = Field(default_factory=CollectorConfig)
+    sandbox: SandboxConfig | None = Field(
+        None, description="A code-execution sandbox per job beside the Gym servers (docs/sandboxes.md); null: none."
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     entries: list[EntryConfig] | None = Field(
         None, description="A blend: several labelled input files run as one (docs/blends.md); instead of input_jsonl."
@@ -793,6 +885,22 @@ class RunConfig(StrictModel):
         cfg = handler(data)
         cfg._deprecated = notes
         return cfg
+
+    def sandbox_warnings(self) -> list[str]:
+        """A Gym environment that executes code in a sandbox (SANDBOX_CLIENTS) with no `sandbox:` section: its
+        rollouts would reach nothing at the address its config falls back to (the plan says so)."""
+        if self.sandbox is not None or self.gym is None:
+            return []
+        users = sorted(
+            {name for name in SANDBOX_CLIENTS for path in self.gym.config_paths if f"resources_servers/{name}/" in path}
+        )
+        if not users:
+            return []
+        return [
+            f"gym.config_paths: {', '.join(users)} execute(s) code in a NeMo-Skills sandbox, but there is no sandbox "
+            f"section: give sandbox.image (NVIDIA's srun.sandbox_container) or sandbox.command (docs/sandboxes.md), "
+            f"or those rollouts meet nothing at NEMO_SKILLS_SANDBOX_HOST/PORT"
+        ]
 
     @property
     def deprecations(self) -> list[str]:

@@ -7,12 +7,15 @@ openai_model block as `judges.NAME`, its `${var}` key read from $VAR; every othe
 `++key=value` override of ng_run, with a note for each `${var}` it references, which gym.secrets must name),
 gym_eval_run (num_repeats, num_samples_in_parallel; the
 rest as `++key=value` overrides of the collection), sbatch (account, partition, qos, timelimit; other keys as
-extra sbatch parameters), vllm.model. A manifest states no GPUs per node and no parallel sizes: a self-hosted
-policy on Slurm is refused at plan and submit until cluster.gpus_per_node and the sizes are given (overrides after
-the manifest; launch/preflight.py's gpu_problems names them). vllm.prefill_nodes + decode_nodes become the job's
-nodes with a replica on each behind vllm-router, its settings from vllm_router (the P/D split itself is not carried
-out). Named and skipped (a warning in the plan): vllm's P/D and launcher settings, srun, gym_eval_profile. Refused: agent_ref_override (it would rewrite rows; shardrun sends every row
-as it is in its file) and any other key (a typo would otherwise be dropped).
+extra sbatch parameters), vllm.model, srun.sandbox_container (sandbox.image, with sandbox_workers and sandbox_port:
+one sandbox per job beside the Gym servers, docs/sandboxes.md). A manifest states no GPUs per node and no parallel
+sizes: a self-hosted policy on Slurm is refused at plan and submit until cluster.gpus_per_node and the sizes are
+given (overrides after the manifest; launch/preflight.py's gpu_problems names them). vllm.prefill_nodes +
+decode_nodes become the job's nodes with a replica on each behind vllm-router, its settings from vllm_router (the P/D
+split itself is not carried out). Named and skipped (a warning in the plan): vllm's P/D and launcher settings,
+srun's other keys (container, mounts, sandbox_nodes, sandbox_lb_port), gym_eval_profile. Refused:
+agent_ref_override (it would rewrite rows; shardrun sends every row as it is in its file) and any other key (a typo
+would otherwise be dropped).
 """
 
 from __future__ import annotations
@@ -39,7 +42,22 @@ KNOWN = (
     "vllm",
     "vllm_router",
 )
-RUN_CONFIG_ONLY = ("run_dir", "input_jsonl", "sharding", "gym", "policy", "cluster", "sampling", "num_repeats")
+RUN_CONFIG_ONLY = (
+    "run_dir",
+    "input_jsonl",
+    "sharding",
+    "gym",
+    "policy",
+    "cluster",
+    "sampling",
+    "num_repeats",
+    "sandbox",
+)
+SRUN_SANDBOX_KEYS = {  # the manifest's srun key -> the sandbox section's (one sandbox per job: sandbox_nodes is not)
+    "sandbox_container": "image",
+    "sandbox_workers": "workers",
+    "sandbox_port": "port",
+}
 SBATCH_KEYS = {"account": "account", "partition": "partition", "qos": "qos", "timelimit": "time_limit"}
 ENTRY_KEYS = ("label", "data", "agent", "configs", "num_repeats", "limit", "owner", "notes")
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -154,12 +172,22 @@ def translate(data: dict[str, Any], source: str) -> dict[str, Any]:
             f"vllm_router: {', '.join(sorted(router))} (no router: the manifest's vllm block has no prefill or "
             f"decode nodes to put it in front of; set policy.router and policy.vllm.replicas)"
         )
-    for block, why in (
-        ("srun", "containers and the sandbox tier; set cluster.containers / cluster.mounts, start a sandbox yourself"),
-        ("gym_eval_profile", "the profiler's settings; merge-and-profile profiles what was collected"),
-    ):
-        if data.get(block):
-            skipped.append(f"{block}: {', '.join(sorted(_mapping(data[block], block, source)))} ({why})")
+    srun = _mapping(data.get("srun"), "srun", source)
+    sandbox = {SRUN_SANDBOX_KEYS[k]: v for k, v in srun.items() if k in SRUN_SANDBOX_KEYS and v is not None}
+    if "image" in sandbox:
+        out["sandbox"] = sandbox
+    srun_left = sorted(k for k in srun if "image" not in sandbox or k not in SRUN_SANDBOX_KEYS)
+    if srun_left:
+        skipped.append(
+            f"srun: {', '.join(srun_left)} (the recipe's containers, mounts and multi-node sandbox tier; shardrun runs "
+            f"its jobs in cluster.containers with cluster.mounts, and one sandbox per job beside the Gym servers "
+            f"from srun.sandbox_container: sandbox.image, docs/sandboxes.md)"
+        )
+    if data.get("gym_eval_profile"):
+        skipped.append(
+            f"gym_eval_profile: {', '.join(sorted(_mapping(data['gym_eval_profile'], 'gym_eval_profile', source)))} "
+            f"(the profiler's settings; merge-and-profile profiles what was collected)"
+        )
     if skipped:
         out["not_carried_out"] = skipped
     if notes:

@@ -11,6 +11,7 @@ BadInput). Here, once, before a job exists or a launch is recorded:
   says so (`gpu_problems`; `plan` checks this too: `check_gpus`); self-hosted judges' GPUs fit the job's first
   node beside the policy (`judge_gpu_problems`, also at `plan`);
 - Slurm jobs in a container image name the image's interpreter (`cluster.container_python`);
+- a `sandbox.image` on the local executor names a container runtime that is on PATH (`sandbox.runtime`);
 - and when some shard to launch still has rollouts to collect (a shard whose every identity is accounted for
   seals without servers):
   - the Gym venv (`gym.venv`, else $SHARDRUN_GYM_VENV, else the venv `scripts/setup.sh gym` builds) holds a
@@ -46,7 +47,7 @@ def check(cfg: RunConfig, run_dir: Path, plan: Plan, env: Mapping[str, str] | No
     env = os.environ if env is None else env
     cfg.require("gym", "policy")
     assert cfg.gym is not None and cfg.policy is not None
-    problems = gpu_problems(cfg) + judge_gpu_problems(cfg) + missing_environment(cfg, env)
+    problems = gpu_problems(cfg) + judge_gpu_problems(cfg) + missing_environment(cfg, env) + sandbox_problems(cfg, env)
     if in_container(cfg) and not cfg.cluster_or_default.container_python:
         problems.append(slurm.container_python_missing())
     if needs_servers(cfg, run_dir, plan):
@@ -55,6 +56,21 @@ def check(cfg: RunConfig, run_dir: Path, plan: Plan, env: Mapping[str, str] | No
         problems += judge_problems(cfg, env, here)
     if problems:
         raise BadInput(f"{run_dir}: nothing was launched; a shard would fail with this config", problems)
+
+
+def sandbox_problems(cfg: RunConfig, env: Mapping[str, str]) -> list[str]:
+    """`sandbox.image` runs as a pyxis step in a Slurm job, or with `sandbox.runtime` (found on PATH) locally."""
+    from shardrun.launch import backends
+    from shardrun.shard import sandbox
+
+    box = cfg.sandbox
+    if box is None or box.image is None or backends.for_config(cfg).runs_on_slurm(cfg.cluster_or_default):
+        return []
+    if box.runtime is None:
+        return [sandbox.image_needs_runtime()]
+    if shutil.which(box.runtime, path=env.get("PATH")) is None:
+        return [f"sandbox.runtime: {box.runtime} is not on PATH here (the local executor runs the image with it)"]
+    return []
 
 
 def in_container(cfg: RunConfig) -> bool:

@@ -399,6 +399,13 @@ def describe_submission(
     backend = backends.for_config(cfg)
     request = Request(cfg, run_dir, list(indices), merge_job=merge_job)
     text = backend.describe(request, fingerprint or store.load_plan(run_dir).fingerprint)
+    box = cfg.sandbox
+    if box is not None:  # started by each job beside its Gym servers (shard/sandbox.py)
+        how = f"image {box.image}" + (f" ({box.runtime})" if box.runtime else "") if box.image else box.command
+        text += (
+            f"\nsandbox per job: {how}, port {box.port or 'free'}, GET {box.health_path}; the Gym servers get "
+            f"NEMO_SKILLS_SANDBOX_HOST/NEMO_SKILLS_SANDBOX_PORT"
+        )
     from shardrun.shard import judges
 
     shown = "\n".join(judges.preview(cfg.judges))

@@ -715,7 +715,8 @@ def make_plan(
         warnings=tuple(summary.warnings)
         + tuple(f"not carried out: {w}" for w in cfg.not_carried_out)
         + tuple(f"manifest: {w}" for w in translation_notes(cfg))
-        + tuple(cfg.deprecations),
+        + tuple(cfg.deprecations)
+        + tuple(cfg.sandbox_warnings()),
         gym_version=gym_version,
         blend=blend,
     )

@@ -45,6 +45,7 @@ __all__ = [
     "LOGS",
     "MERGED_ROLLOUTS_STEM",
     "REPORT_FILE",
+    "SANDBOX_LOG",
     "VLLM_LOG",
     "VLLM_SCRATCH",
     "JOBS_DIR",
@@ -84,6 +85,7 @@ __all__ = [
     "merge_scratch",
     "report_path",
     "report_figure_path",
+    "sandbox_log_path",
     "vllm_log_path",
     "vllm_scratch_dirs",
     "jobs_dir",
@@ -208,6 +210,17 @@ def report_path(run_dir: Path) -> Path:
 def report_figure_path(run_dir: Path, name: str) -> Path:
     """A report figure, beside report.html: merged/report_<name>.png."""
     return merged_dir(run_dir) / f"report_{name}.png"
+
+
+# the job's code-execution sandbox (shard/sandbox.py): its log
+
+SANDBOX_LOG = "sandbox.log"
+
+
+def sandbox_log_path(home: Path) -> Path:
+    """The sandbox's log in the logs/ of the servers' home (a shard's directory or a warm worker's; appended by
+    every start)."""
+    return Path(home) / LOGS / SANDBOX_LOG
 
 
 # the shard's self-hosted policy server (vLLM): its log and per-server scratch (IPC sockets, compile caches)

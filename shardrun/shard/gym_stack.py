@@ -396,10 +396,12 @@ def start(
     env: Mapping[str, str] | None = None,
     place: StackPlace | None = None,
     judges: Sequence[JudgeBinding] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> GymStack:
     """Write env.yaml (and the judges' server config) and start ng_run for shard `index`, or at `place` (a warm
-    worker's), not waiting for readiness."""
-    base_env = dict(os.environ if env is None else env)
+    worker's), not waiting for readiness. `extra_env` joins ng_run's environment (the sandbox's address:
+    shard/sandbox.py gym_env)."""
+    base_env = dict(os.environ if env is None else env) | dict(extra_env or {})
     venv = gym_venv(gym, base_env)
     adapter = for_venv(venv)
     place = place or shard_place(run_dir, index)
@@ -472,13 +474,14 @@ def start_ready(
     env: Mapping[str, str] | None = None,
     place: StackPlace | None = None,
     judges: Sequence[JudgeBinding] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> tuple[GymStack, float]:
     """start + wait_ready, all within gym.ready_timeout_s; a start that failed for a TRANSIENT_START reason found
     anywhere in what it wrote to ng_run's log is started again (another head port, a fresh Ray), up to START_TRIES
     starts. Every start of every launch mode (a shard job, a Slurm array task, a warm worker) comes through here."""
     t0 = time.monotonic()
     for attempt in range(START_TRIES):
-        stack = start(run_dir, index, gym, base_urls, api_key, model_name, env, place, judges)
+        stack = start(run_dir, index, gym, base_urls, api_key, model_name, env, place, judges, extra_env)
         try:
             wait_ready(stack, max(1.0, gym.ready_timeout_s - (time.monotonic() - t0)))
             return stack, time.monotonic() - t0

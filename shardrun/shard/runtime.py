@@ -25,14 +25,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from shardrun.core import gym_adapter
-from shardrun.core.config import ClusterConfig, GymConfig, JudgeConfig, PolicyConfig, RunConfig
+from shardrun.core.config import ClusterConfig, GymConfig, JudgeConfig, PolicyConfig, RunConfig, SandboxConfig
 from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunError
 from shardrun.plan.planner import Plan
 from shardrun.rundir import decided, ledger, records, seal, store
 from shardrun.rundir.records import Seal, SealWorker
 from shardrun.shard import collector, gym_stack, judges as judge_servers, policy, watchdog
+from shardrun.shard import sandbox as sandboxes
 
 Key = tuple[int, int]  # (task index, rollout index): a rollout's identity
+SANDBOX_CHECK = "sandbox"  # the watchdog check that watches the job's sandbox
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,7 @@ class Servers:
     up_since: float  # Unix time they became ready
     front: Front | None = None  # what the stack talks to the policy through, if not the policy itself
     judges: list[judge_servers.Judge] = field(default_factory=list)  # the job's judges (docs/judges.md)
+    sandbox: sandboxes.Sandbox | None = None  # the job's code-execution sandbox (the `sandbox:` section)
 
     def problem(self) -> str | None:
         return (
@@ -228,10 +231,12 @@ class Servers:
             or judge_servers.problem(self.judges)
             or (self.front.problem() if self.front else None)
             or self.stack.problem()
+            or (self.sandbox.problem() if self.sandbox else None)
         )
 
     def checks(self) -> list[watchdog.Check]:
-        """The watchdog's checks while collecting: the policy, each judge, the Gym stack."""
+        """The watchdog's checks while collecting: the policy, each judge, the Gym stack (the sandbox's check is
+        added by Shard.collect, which guards the rows it may break)."""
         return [
             watchdog.Check("policy server", self.endpoint.problem),
             *(watchdog.Check(f"judge {j.name}", j.endpoint.problem) for j in self.judges),
@@ -241,7 +246,11 @@ class Servers:
     def procs(self) -> list[Any]:
         """The server processes started here (processes.Proc)."""
         servers = [self.endpoint.server, *(j.endpoint.server for j in self.judges)]
-        return [self.stack.proc] + [s.proc for s in servers if s is not None]
+        return (
+            [self.stack.proc]
+            + [s.proc for s in servers if s is not None]
+            + ([self.sandbox.proc] if self.sandbox is not None else [])
+        )
 
     def stop(self) -> None:
         try:
@@ -254,7 +263,11 @@ class Servers:
                 try:
                     self.endpoint.stop()
                 finally:
-                    judge_servers.stop_all(self.judges)
+                    try:
+                        judge_servers.stop_all(self.judges)
+                    finally:
+                        if self.sandbox is not None:
+                            self.sandbox.stop()
 
 
 def start_servers(
@@ -266,23 +279,37 @@ def start_servers(
     front: Callable[[list[str]], Front] | None = None,
     cluster: ClusterConfig | None = None,
     judges: Mapping[str, JudgeConfig] | None = None,
+    sandbox: SandboxConfig | None = None,
 ) -> Servers:
-    """Start (or check) the judges, then the policy, then the Gym stack at `place`; all ready, or none left running.
-    `front` (a warm worker's slot gate): made from the policy's addresses; the stack reaches the policy through it.
-    Self-hosted judges take GPUs of their own (judges.split_devices); the policy is started with the others."""
+    """Start the sandbox (`sandbox`, if any), start (or check) the judges, then the policy, then the Gym stack at
+    `place` with the sandbox's address in its environment; all ready, or none left running. `front` (a warm worker's
+    slot gate): made from the policy's addresses; the stack reaches the policy through it. Self-hosted judges take
+    GPUs of their own (judges.split_devices); the policy is started with the others."""
     t0 = time.monotonic()
-    env = dict(os.environ)
-    started, policy_devices = judge_servers.start_all(judges or {}, place.home, env)
-    for judge in started:
-        log(judge.describe())
-    if policy_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = policy_devices
+    box = sandboxes.start(sandbox, place.home, cluster=cluster) if sandbox is not None else None
+    if box is not None:
+        log(f"{box.describe()} ready in {box.ready_s:.1f} s")
+    started: list[judge_servers.Judge] = []
+
+    def stop_first() -> None:
+        try:
+            judge_servers.stop_all(started)
+        finally:
+            if box is not None:
+                box.stop()
+
     try:
+        env = dict(os.environ)
+        started, policy_devices = judge_servers.start_all(judges or {}, place.home, env)
+        for judge in started:
+            log(judge.describe())
+        if policy_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = policy_devices
         endpoint = policy.open_policy(
             policy_cfg, place.home, env, cluster=cluster, concurrency=gym.num_samples_in_parallel
         )
     except BaseException:
-        judge_servers.stop_all(started)
+        stop_first()
         raise
     before: Front | None = None
     try:
@@ -305,6 +332,7 @@ def start_servers(
             endpoint.model_name,
             place=place,
             judges=[j.binding for j in started],
+            extra_env=box.gym_env if box is not None else None,
         )
     except BaseException:
         try:
@@ -312,10 +340,10 @@ def start_servers(
                 before.stop()
             endpoint.stop()
         finally:
-            judge_servers.stop_all(started)
+            stop_first()
         raise
     log(f"Gym servers ready in {waited:.1f} s (head server port {stack.port}, {len(stack.instances)} servers)")
-    return Servers(endpoint, stack, time.monotonic() - t0, time.time(), before, started)
+    return Servers(endpoint, stack, time.monotonic() - t0, time.time(), before, started, box)
 
 
 class Collector(Protocol):
@@ -536,6 +564,7 @@ class Shard:
             self.log,
             cluster=self.cfg.cluster_or_default,
             judges=self.cfg.judges,
+            sandbox=self.cfg.sandbox,
         )
         teardown.callback(servers.stop)
         self.server_wait_s = servers.ready_s
@@ -546,8 +575,16 @@ class Shard:
     def collect(self, adapter: gym_adapter.GymAdapter, servers: Servers) -> None:
         stack = servers.stack
         rounds = self.collector or CollectorProcess(adapter, gym_stack.gym_venv(self.gym, os.environ), stack, self.gym)
-        checks = servers.checks() + self.checks
+        checks = servers.checks()
+        guard = None
+        if servers.sandbox is not None:
+            files = [store.rollouts_path(self.run_dir, self.index), store.failures_path(self.run_dir, self.index)]
+            guard = sandboxes.Guard(servers.sandbox, files)
+            checks.append(watchdog.Check(SANDBOX_CHECK, guard.problem))
+        checks += self.checks
         max_rounds = self.gym.max_rollout_attempts * len(self.ledger().planned) + 2
+        if guard is not None:  # a round the sandbox died under is run again
+            max_rounds += self.cfg.cluster_or_default.max_server_restarts
         for round_no in range(1, max_rounds + 1):
             book = self.ledger()
             if not book.pending:
@@ -555,10 +592,25 @@ class Shard:
                 book = self.ledger()
             if not book.pending:
                 return
+            if guard is not None:
+                self.sandbox_ready(guard)
             before = progress_mark(book)
             failures = store.failures_path(self.run_dir, self.index)
             mark = size(failures)
-            rc, failed = self.collect_round(adapter, rounds, checks, round_no, len(book.pending))
+            try:
+                rc, failed = self.collect_round(adapter, rounds, checks, round_no, len(book.pending))
+            except ServerFailure as e:
+                if guard is None or guard.box.problem() is None:
+                    raise
+                if isinstance(e, watchdog.CheckFailed) and e.check == SANDBOX_CHECK:
+                    self.sandbox_died(guard)  # the round was stopped; what the sandbox broke is taken back
+                    continue
+                cut = guard.take_back()  # another server failed too: still, nothing the sandbox broke stays
+                self.log(f"the sandbox is down as well; {cut} bytes of rows written since it last answered taken back")
+                raise
+            if guard is not None and guard.settle(self.gym.health_interval_s) is not None:
+                self.sandbox_died(guard)  # it died as the round ended: the round's last rows are not trusted
+                continue
             down = servers.endpoint.problem() or judge_servers.problem(servers.judges) or stack.problem()
             if down:
                 # a server died under the round: its failed rollouts are the servers' failure, not attempts of
@@ -590,6 +642,26 @@ class Shard:
                     f"{len(book.pending)} rollouts still pending"
                 )
         raise ShardFailed(f"gave up after {max_rounds} collector rounds")
+
+    def sandbox_ready(self, guard: sandboxes.Guard) -> None:
+        """Before a round: the sandbox answers (its mark is now), or it is restarted (counted)."""
+        problem = guard.settle(self.gym.health_interval_s)
+        if problem is not None:
+            guard.box.restart(self.cfg.cluster_or_default.max_server_restarts, self.log)
+            if guard.settle(self.gym.health_interval_s) is not None:
+                raise ServerFailure(f"the sandbox did not answer after its restart: {guard.box.describe()}")
+
+    def sandbox_died(self, guard: sandboxes.Guard) -> None:
+        """The sandbox died under a round: the rows written since it last answered are taken back (to run again,
+        never scored against a dead sandbox), and it is restarted in place, at most cluster.max_server_restarts
+        times (then ServerFailure: a shard job fails and its resume runs the rest)."""
+        reason = guard.tripped
+        cut = guard.take_back()
+        self.log(
+            f"the sandbox died while collecting ({reason}); {cut} bytes of rows written since it last answered "
+            f"taken back, to run again"
+        )
+        guard.box.restart(self.cfg.cluster_or_default.max_server_restarts, self.log)
 
     def collect_round(
         self,

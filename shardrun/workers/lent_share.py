@@ -20,8 +20,9 @@ from shardrun.core.errors import ServerFailure, ShardFailed
 from shardrun.core.gym_names import FAILURES, ROLLOUTS
 from shardrun.plan.planner import Plan
 from shardrun.rundir import seal, store
+from shardrun.shard import sandbox as sandboxes
 from shardrun.shard import watchdog
-from shardrun.shard.runtime import size
+from shardrun.shard.runtime import SANDBOX_CHECK, size
 from shardrun.workers import collector_service, tail_help
 
 ASK_POLL_S = 0.25
@@ -62,13 +63,20 @@ def collect_share(
     interval_s: float,
     heartbeat_s: float,
     log: Callable[[str], None],
+    sandbox: sandboxes.Sandbox | None = None,
 ) -> int:
     """Collect the share; returns how many of its rollouts landed. Raises what the checks raise (a released or
     draining worker); a stall or a server failure ends the share (the holder runs the rest) and is re-raised as
-    ServerFailure only when the servers died."""
+    ServerFailure only when the servers died. With the worker's `sandbox`: a sandbox found dead takes back the
+    share's rows written since it last answered (the holder runs them again; shard/sandbox.py Guard)."""
     share = tail_help.share_dir(run_dir, index, g.token)
     for name in (ROLLOUTS, FAILURES):
         (share / name).touch()
+    guard = sandboxes.Guard(sandbox, [share / ROLLOUTS, share / FAILURES]) if sandbox is not None else None
+    extra = [watchdog.Check(SANDBOX_CHECK, guard.problem)] if guard is not None else []
+    if guard is not None and guard.settle(interval_s) is not None:
+        tail_help.finish(run_dir, index, g.token, 1)
+        raise ServerFailure(f"shard {index}: the sandbox does not answer: {guard.tripped}")
     stop = threading.Event()
 
     def beat() -> None:
@@ -90,7 +98,7 @@ def collect_share(
         round_ = service.submit(run_dir, index, share, tail_help.share_log_path(run_dir, index, g.token))
         rc = watchdog.watch(
             round_,
-            checks=[*checks, watchdog.Check("the share", revoked)],
+            checks=[*checks, *extra, watchdog.Check("the share", revoked)],
             progress=lambda: tuple(size(share / n) for n in (ROLLOUTS, FAILURES)),
             stall_timeout_s=stall_timeout_s,
             interval_s=interval_s,
@@ -100,11 +108,18 @@ def collect_share(
         log(f"shard {index}: help stopped: {e}")
     except ServerFailure as e:
         log(f"shard {index}: help stopped: {e}")
+        if guard is not None and guard.box.problem() is not None:
+            log(
+                f"shard {index}: {guard.take_back()} bytes of the share written since the sandbox last answered taken back"
+            )
         raise
     finally:
         stop.set()
         beating.join()
         tail_help.finish(run_dir, index, g.token, rc)
+    if guard is not None and guard.settle(interval_s) is not None:  # it died as the round ended
+        log(f"shard {index}: {guard.take_back()} bytes of the share written since the sandbox last answered taken back")
+        raise ServerFailure(f"shard {index}: the sandbox died while helping")
     landed = store.count_complete_lines(share / ROLLOUTS)
     log(f"shard {index}: helped with {landed} of {len(g.rows)} rollouts (round exited {rc})")
     return landed

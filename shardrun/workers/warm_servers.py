@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from shardrun.core import gym_adapter
-from shardrun.core.config import ClusterConfig, CollectorConfig, GymConfig, JudgeConfig, PolicyConfig
+from shardrun.core.config import ClusterConfig, CollectorConfig, GymConfig, JudgeConfig, PolicyConfig, SandboxConfig
 from shardrun.shard import gym_stack, policy, runtime
+from shardrun.shard import sandbox as sandboxes
 from shardrun.workers import collector_service, slot_gate
 
 
@@ -30,6 +31,10 @@ class WarmServers:
     @property
     def stack(self) -> gym_stack.GymStack:
         return self.base.stack
+
+    @property
+    def sandbox(self) -> sandboxes.Sandbox | None:
+        return self.base.sandbox
 
     @property
     def up_since(self) -> float:
@@ -61,9 +66,11 @@ def start(
     log: Callable[[str], None],
     cluster: ClusterConfig | None = None,
     judges: Mapping[str, JudgeConfig] | None = None,
+    sandbox: SandboxConfig | None = None,
 ) -> WarmServers:
     """Start the policy, the slot gate admitting gym.num_samples_in_parallel requests at once, the Gym stack behind
-    it, with the run's judges (started first), and (collector.service) the collector service with `collector.rollouts_per_slot` rollouts in flight per slot
+    it, with the run's judges (started first) and the sandbox beside it (given `sandbox`), and (collector.service)
+    the collector service with `collector.rollouts_per_slot` rollouts in flight per slot
     of the gate; all ready, or none left running."""
     gates: list[slot_gate.Gate] = []
 
@@ -72,7 +79,9 @@ def start(
         return gates[-1]
 
     servers = WarmServers(
-        runtime.start_servers(policy_cfg, gym, run_dir, place, log, front=gate, cluster=cluster, judges=judges),
+        runtime.start_servers(
+            policy_cfg, gym, run_dir, place, log, front=gate, cluster=cluster, judges=judges, sandbox=sandbox
+        ),
         gates[0],
     )
     if not collecting.service:

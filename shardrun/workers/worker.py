@@ -433,6 +433,7 @@ class Worker:
             self.log,
             cluster=self.cluster,
             judges=self.cfg.judges,
+            sandbox=self.cfg.sandbox,
         )
         self.gate_seen = 0.0
         self.warm = False
@@ -608,6 +609,7 @@ class Worker:
                     interval_s=self.gym.health_interval_s,
                     heartbeat_s=self.cluster.claim_heartbeat_s,
                     log=self.log,
+                    sandbox=self.servers.sandbox,
                 )
             except ServerFailure:
                 pass  # the next look restarts the servers (ensure_servers) or gives up

@@ -13,9 +13,12 @@ from typer.testing import CliRunner
 
 from shardrun.cli import app
 from shardrun.core.errors import BadRecord
+from shardrun.analysis import report
 from shardrun.launch import status
+from shardrun.profile.merge_and_profile import merge_and_profile
 from shardrun.rundir import records, store
 from tests.blendkit import LABELS, REPEATS, make_blend_run, write_lane_shards
+from tests.builders import input_rows, make_run, write_shard
 
 
 def judge_failed_blend(tmp_path: Path):
@@ -78,3 +81,32 @@ def test_a_tally_of_unknown_classes_is_refused(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes().replace(b'"judge"', b'"jury"'))
     with pytest.raises(BadRecord, match="failures_by_class.json: invalid a failure tally: 'by_class' is an object"):
         records.read_failure_tally(run.run_dir)
+
+
+def test_the_report_gives_failure_rates_per_label_and_names_the_unreliable_ones(tmp_path: Path) -> None:
+    run, _ = judge_failed_blend(tmp_path)
+    CliRunner().invoke(app, ["merge-and-profile", str(run.run_dir)])
+    data = report.gather(run.run_dir, use_sacct=False)
+    page = report.render_html(data, [], "now")
+    assert "<h2>Failures per label and class</h2>" in page
+    assert "Unreliable, not hard: gamma (failed rollouts above report.unreliable_failure_rate 5% of planned)" in page
+    assert report.failure_rows(data.tally) == [
+        ["alpha", "12", "0", "0.0%", "—", "ok"],
+        ["beta", "9", "0", "0.0%", "—", "ok"],
+        ["gamma", "4", "4", "100.0%", "judge 4", "unreliable"],
+    ]
+    assert "failed for good: judge 4 (failures, never scores)" in dict(report.headline_rows(data))["failures"]
+
+
+def test_a_run_without_a_blend_is_one_group_under_its_own_threshold(tmp_path: Path) -> None:
+    run = make_run(tmp_path, input_rows(4), num_repeats=2, num_shards=1)
+    write_shard(run, 0, failed=2)  # two rollouts failed (an http_500 class Gym does not name: other)
+    cfg = {"run_dir": str(run.run_dir), "input_jsonl": run.plan.input.path, "report": {"unreliable_failure_rate": 0.5}}
+    settings = {"config": cfg}
+    store.launch_settings_path(run.run_dir).write_bytes(orjson.dumps(settings))
+    merge_and_profile(run.run_dir)
+    tally = records.read_failure_tally(run.run_dir)
+    assert tally is not None and tally.group == "run" and tally.unreliable_failure_rate == 0.5
+    (group,) = tally.groups
+    assert (group.name, group.planned, group.failed, group.rate, group.unreliable) == ("run", 8, 2, 0.25, False)
+    assert group.by_class == {"other": 2}

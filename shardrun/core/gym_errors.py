@@ -15,7 +15,7 @@ from typing import Any, Mapping
 MESSAGE = re.compile(r"[\"']message[\"']\s*:\s*[\"']([^\"']{1,200})")
 WHERE = re.compile(r"Hit an exception in (\S+?) calling")
 EXCEPTION = re.compile(r"\b([A-Za-z_]\w*(?:Error|Exception))\(['\"]([^'\"]{1,200})")  # e.g. a body that is no JSON
-REASON_WHERE = re.compile(r"^/run failed with HTTP \S+ \((\w+___[^\s:]+): ")  # reason_text's own shape
+REASON_WHERE = re.compile(r"^/run failed with HTTP \S+ \((\w+___[^\s:)]+)(?:: |\)$)")  # reason_text's own shape
 SIDECAR_STATUS = "_ng_failure_http_status"  # Gym 0.7's failure row fields
 SIDECAR_BODY = "_ng_failure_response_body"
 SIDECAR_MESSAGE = "_ng_failure_message"

@@ -227,4 +227,8 @@ def server_roles(run_dir: Path) -> failure_classes.ServerRoles:
         except (OSError, yaml.YAMLError):
             continue
     overrides = [o for o in (gym.get("overrides") or []) + (gym.get("collect_overrides") or []) if isinstance(o, str)]
-    return failure_classes.ServerRoles.from_gym_configs(configs, overrides)
+    roles = failure_classes.ServerRoles.from_gym_configs(configs, overrides)
+    judges = manifest.get("judges") if isinstance(manifest, dict) else None  # the model servers shardrun serves
+    if isinstance(judges, dict):  # as judges (a `judges` section, recorded by name) are judges too
+        roles = roles.union(failure_classes.ServerRoles(policies=frozenset(), judges=frozenset(map(str, judges))))
+    return roles

@@ -94,6 +94,9 @@ def test_old_records_are_classed_from_their_reason() -> None:
     assert classed(old | {"reason": "/run failed with HTTP 500 (VLLMModel___policy_model: injected 400)"}) == fc.POLICY
     assert classed(old | {"reason": "/run failed with HTTP 500 (VLLMModel___math_judge_model: boom)"}) == fc.JUDGE
     assert classed(old | {"reason": "/run failed with HTTP 500 (ValueError: bad)"}) == fc.OTHER
+    # Gym 0.4's math_with_judge when its judge fails: the agent's inner call failed, no message (seen in a real run)
+    agent = "/run failed with HTTP 500 (SimpleAgent___math_with_judge_simple_agent)"
+    assert classed(old | {"reason": agent}) == fc.ENVIRONMENT
     assert classed(old | {"reason": "/run failed with HTTP 504"}) == fc.TIMEOUT
     # and a new quarantine row records its class
     row = ledger.quarantine_row((1, 2), None, "/run failed with HTTP 500 (VLLMModel___policy_model: x)", 3, ROLES)
@@ -131,3 +134,29 @@ def test_under_zero_failures_are_not_taken_as_zeros_early() -> None:
     not: the failed rollout is taken as open."""
     rules = TaskRules(drop_solved=True)
     assert stopping.decide(rules, "a", stopping.Partial.of([1.0], failed=1, open=2), policy="zero") is None
+
+
+def test_the_runs_roles_come_from_its_manifests_config_files_overrides_and_judges(tmp_path) -> None:
+    import orjson
+    import yaml
+
+    from shardrun.rundir import env_manifest
+
+    assert env_manifest.server_roles(tmp_path) == fc.DEFAULT_ROLES  # no manifest: policy_model is the policy
+    judge_yaml = tmp_path / "judge.yaml"
+    judge_yaml.write_text(yaml.safe_dump(JUDGE_CFG))
+    manifest = {
+        "gym": {
+            "config_files": [
+                {"path": "judge.yaml", "resolved": str(judge_yaml)},
+                {"path": "gone.yaml", "resolved": None},
+            ],
+            "overrides": ["+extra_judge.responses_api_models.openai_model.model=x"],
+            "collect_overrides": [],
+        },
+        "judges": {"served_judge": {"api_key_env": None}},
+    }
+    env_manifest.manifest_path(tmp_path).write_bytes(orjson.dumps(manifest))
+    roles = env_manifest.server_roles(tmp_path)
+    assert roles.policies == {"policy_model"}
+    assert roles.judges == {"math_judge_model", "extra_judge", "served_judge"}

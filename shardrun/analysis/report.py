@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from shardrun.analysis import selection
 from shardrun.launch import backends, scheduler
 from shardrun.rundir import cost
-from shardrun.rundir import records, seal
+from shardrun.rundir import ledger, records, seal
 from shardrun.rundir import store
 from shardrun.profile import intervals, taskstats
 from shardrun.core import task_rules
@@ -56,6 +56,7 @@ class ReportData:
     skipped_decided: int = 0  # rollouts the seals record as skipped because their task was decided (adaptive)
     stopped: frozenset[int] = frozenset()  # tasks adaptive sampling stopped early (selection.stopped_tasks)
     run_dir: str = "RUN_DIR"  # as the commands the report suggests name it
+    tally: records.FailureTally | None = None  # failures per label and class (merged/failures_by_class.json)
 
 
 # ---------------------------------------------------------------- reading (edge)
@@ -132,7 +133,14 @@ def gather(run_dir: Path, use_sacct: bool = True) -> ReportData:
         sum(m.num_skipped_decided for m in markers),
         frozenset(selection.stopped_tasks(run_dir, plan)),
         str(run_dir),
+        _current_tally(records.read_failure_tally(run_dir), plan),
     )
+
+
+def _current_tally(tally: records.FailureTally | None, plan: Plan) -> records.FailureTally | None:
+    """The merge's failure tally when it is this plan's (None: merged before failures had classes, or another
+    plan's file left behind)."""
+    return tally if tally is not None and tally.fingerprint == plan.fingerprint else None
 
 
 # ---------------------------------------------------------------- headline (pure)
@@ -155,7 +163,12 @@ def headline_rows(data: ReportData) -> list[tuple[str, str]]:
         (
             "failures",
             f"{data.failures:,} rows in the failures file; "
-            f"{data.plan.num_rollouts - completed - data.skipped_decided:,} planned rollouts without a result",
+            f"{data.plan.num_rollouts - completed - data.skipped_decided:,} planned rollouts without a result"
+            + (
+                f"; failed for good: {ledger.class_text(data.tally.by_class)} (failures, never scores)"
+                if data.tally is not None and data.tally.by_class
+                else ""
+            ),
         ),
         *([("skipped (decided)", skipped_text(data.skipped_decided, run, data.plan))] if data.skipped_decided else []),
         ("shards", f"{run.shards:,} sealed of {len(data.plan.shards):,}"),
@@ -593,6 +606,49 @@ def _labels_html(data: ReportData) -> str:
     )
 
 
+FAILURE_HEADER = ["", "planned", "failed", "failure rate", "by class", "verdict"]
+
+
+def failure_rows(tally: records.FailureTally) -> list[list[str]]:
+    """One row per label (or one for the run): planned and failed rollouts, the failed share, the failures by
+    class, and whether the share is above the threshold (unreliable, not hard)."""
+    return [
+        [
+            g.name,
+            f"{g.planned:,}",
+            f"{g.failed:,}",
+            _pct(None if g.rate is None else 100 * g.rate),
+            ledger.class_text(g.by_class) or "—",
+            "unreliable" if g.unreliable else "ok",
+        ]
+        for g in tally.groups
+    ]
+
+
+def _failures_html(data: ReportData) -> str:
+    """Failures per label (or for the run) and class, and the labels named unreliable (none without a tally)."""
+    tally = data.tally
+    if tally is None:
+        return ""
+    unreliable = [g.name for g in tally.unreliable]
+    warn = (
+        "<p class='warn'>Unreliable, not hard: "
+        + html.escape(", ".join(unreliable) if tally.group == "label" else "the run")
+        + f" (failed rollouts above report.unreliable_failure_rate {100 * tally.unreliable_failure_rate:g}% of "
+        "planned): their rewards cover only the rollouts that did not fail.</p>"
+        if unreliable
+        else ""
+    )
+    return (
+        "<h2>Failures per label and class</h2><p class='note'>A rollout that failed because the policy, a judge, a "
+        "sandbox or the environment failed is a failure, never a reward (docs/failures.md); it is left out of "
+        "the rewards above. A label whose failed share of its planned rollouts is above "
+        f"{100 * tally.unreliable_failure_rate:g}% (report.unreliable_failure_rate) is unreliable.</p>"
+        + warn
+        + _table([tally.group, *FAILURE_HEADER[1:]], failure_rows(tally))
+    )
+
+
 def _select_html(data: ReportData) -> str:
     agents = taskstats.agents(data.tasks)
     if not agents:
@@ -660,6 +716,7 @@ def render_html(data: ReportData, figure_srcs: Sequence[tuple[str, str, str | No
             f"95% intervals (CI): {html.escape(intervals.METHOD)}. Never / sometimes / always solved: no rollout, "
             "some rollouts, every rollout of the task has reward &ge; 1; shares of the agent's tasks.</p>",
             _labels_html(data),
+            _failures_html(data),
             _key_metrics_html(data.key_metrics),
             _select_html(data),
             "<h2>Figures</h2>",

@@ -821,6 +821,22 @@ class MaterializeConfig(StrictModel):
         return entry.limit if entry.limit is not None else self.limit_per_entry
 
 
+DEFAULT_UNRELIABLE_FAILURE_RATE = 0.05
+
+
+class ReportConfig(StrictModel):
+    """How the merge summary, `status` and the report judge a label's failures (docs/failures.md)."""
+
+    unreliable_failure_rate: float = Field(
+        DEFAULT_UNRELIABLE_FAILURE_RATE,
+        ge=0.0,
+        le=1.0,
+        description="A label whose failed rollouts (failed for good: a judge, sandbox, policy or environment "
+        "failure, never a score) exceed this share of its planned rollouts is named unreliable, not hard: its "
+        "mean reward can be off by up to this much if the failures hit the tasks it would solve (or fail).",
+    )
+
+
 class RunConfig(StrictModel):
     input_jsonl: Path | None = Field(
         None, description="Input tasks, one JSON object per line (NeMo Gym format); or give `entries`."
@@ -840,6 +856,7 @@ class RunConfig(StrictModel):
         None, description="A code-execution sandbox per job beside the Gym servers (docs/sandboxes.md); null: none."
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
     entries: list[EntryConfig] | None = Field(
         None, description="A blend: several labelled input files run as one (docs/blends.md); instead of input_jsonl."
     )

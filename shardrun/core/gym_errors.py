@@ -15,9 +15,11 @@ from typing import Any, Mapping
 MESSAGE = re.compile(r"[\"']message[\"']\s*:\s*[\"']([^\"']{1,200})")
 WHERE = re.compile(r"Hit an exception in (\S+?) calling")
 EXCEPTION = re.compile(r"\b([A-Za-z_]\w*(?:Error|Exception))\(['\"]([^'\"]{1,200})")  # e.g. a body that is no JSON
+REASON_WHERE = re.compile(r"^/run failed with HTTP \S+ \((\w+___[^\s:)]+)(?:: |\)$)")  # reason_text's own shape
 SIDECAR_STATUS = "_ng_failure_http_status"  # Gym 0.7's failure row fields
 SIDECAR_BODY = "_ng_failure_response_body"
 SIDECAR_MESSAGE = "_ng_failure_message"
+SIDECAR_JUDGE_ERROR = "_ng_failure_judge_error"  # Gym 0.7's judge_failsafe: the judge call's error
 
 
 def reason_text(status: str, content: str) -> str:
@@ -29,9 +31,22 @@ def reason_text(status: str, content: str) -> str:
     return f"/run failed with HTTP {status}" + (f" ({detail})" if detail else "")
 
 
+def innermost_server(text: str) -> str | None:
+    """The innermost Gym server ("<Class>___<name>") a nested error body names, or the server a reason written by
+    `reason_text` names; None when there is none."""
+    where = WHERE.findall(re.sub(r"\\+", "", text))
+    if where:
+        return str(where[-1])
+    found = REASON_WHERE.match(text)
+    return found.group(1) if found else None
+
+
 def sidecar_reason(row: Mapping[str, Any]) -> str | None:
     """The reason of a Gym 0.7 failure row (None for rows without its fields)."""
     status, body = row.get(SIDECAR_STATUS), row.get(SIDECAR_BODY)
+    judge_error = row.get(SIDECAR_JUDGE_ERROR)
+    if judge_error:
+        return f"judge call failed ({str(judge_error)[:200]})"
     if status is None and body is None:
         message = row.get(SIDECAR_MESSAGE)
         return str(message) if message else None

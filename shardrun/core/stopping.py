@@ -26,6 +26,12 @@ at a bound are exact when the values are integers (sums of small integers are ex
 profile's mean and the bound are the same rounded quotient); otherwise a margin of a few parts in 10^9 keeps
 rounding on the safe side.
 
+A failed rollout is an infrastructure failure (a judge, a sandbox, the policy: core/failure_classes.py), never a
+score, so no early decision rests on one: while the task has open rollouts, each failed one is taken as still open
+(its final value anywhere an open rollout's can be: left out, or under `zero` a 0 inside [c, d]), which only
+widens the outcomes, and `min_repeats` counts completed rollouts only. A task whose every rollout so far failed
+is therefore never settled early by what failed.
+
 The decision is monotone: more rollouts only narrow the interval and only remove outcomes, so a decided task stays
 decided, the same way.
 """
@@ -89,15 +95,16 @@ def decide(
     decided (or fewer than `min_repeats` rollouts completed or failed)."""
     if policy not in MISSING_POLICIES:
         raise ValueError(f"unknown missing-rollout policy {policy!r} (known: {', '.join(MISSING_POLICIES)})")
-    counted = _Counted.of(task, policy)
     if task.open == 0:  # nothing left to stop: the statistics are final
-        return _keeps(rules, agent, counted)
-    if task.count + task.failed < min_repeats:
+        return _keeps(rules, agent, _Counted.of(task, policy))
+    if task.count < min_repeats:  # failed rollouts are no evidence
         return None
+    counted = _Counted.of(task, "omit")  # failed ones are taken as open below, never counted
+    open_ = task.open + task.failed
     if not rules.allows_agent(agent):
         return DROP
-    drop_possible = _drop_possible(rules, counted, task.open, metric_range, policy)
-    keep_possible = _keep_possible(rules, counted, task.open, metric_range, policy)
+    drop_possible = _drop_possible(rules, counted, open_, metric_range, policy)
+    keep_possible = _keep_possible(rules, counted, open_, metric_range, policy)
     if not drop_possible:
         return KEEP
     if not keep_possible:

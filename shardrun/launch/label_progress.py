@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import orjson
 
+from shardrun.core.failure_classes import CLASSES
 from shardrun.core.gym_names import TASK_KEY
 from shardrun.plan.planner import Plan
 from shardrun.rundir import store
@@ -50,11 +51,11 @@ def task_indices(path: Path) -> np.ndarray:
 
 
 def label_rows(
-    run_dir: Path, plan: Plan, failed_tasks: Iterable[int], sealed: Mapping[int, Seal] | None = None
+    run_dir: Path, plan: Plan, failed: Sequence[tuple[int, str]], sealed: Mapping[int, Seal] | None = None
 ) -> list[dict[str, Any]]:
-    """Per label (config order): agent, planned, collected, failed, and whether it is silent (nothing collected
-    while another label has). `sealed`: the seals of the shards found sealed, by shard index. Empty for a plan
-    without a blend."""
+    """Per label (config order): agent, planned, collected, failed (and by failure class: `failed` holds each
+    failed rollout's task and class), and whether it is silent (nothing collected while another label has).
+    `sealed`: the seals of the shards found sealed, by shard index. Empty for a plan without a blend."""
     if not plan.blend:
         return []
     n = len(plan.blend)
@@ -65,7 +66,10 @@ def label_rows(
             collected += np.array(marker.label_rollouts, np.int64)
         else:
             collected += plan.label_counts(task_indices(store.rollouts_path(run_dir, spec.index)))
-    failed = np.array(plan.label_counts(np.fromiter(failed_tasks, np.int64)), np.int64)
+    codes = plan.label_codes(np.fromiter((t for t, _ in failed), np.int64, len(failed)))
+    by_class: list[dict[str, int]] = [{} for _ in plan.blend]
+    for (_, klass), code in zip(failed, codes.tolist()):
+        by_class[code][klass] = by_class[code].get(klass, 0) + 1
     anyone = bool(collected.sum())
     return [
         {
@@ -73,7 +77,8 @@ def label_rows(
             "agent": e.agent,
             "planned": e.num_rollouts,
             "collected": int(collected[i]),
-            "failed": int(failed[i]),
+            "failed": sum(by_class[i].values()),
+            "failed_by_class": {k: by_class[i][k] for k in CLASSES if k in by_class[i]},
             "silent": anyone and not collected[i],
         }
         for i, e in enumerate(plan.blend)
@@ -90,8 +95,11 @@ def render_rows(rows: Sequence[dict[str, Any]], bar: Any) -> list[str]:
     out = ["", f"{'label':<{width}}  {'collected':>15}  {'failed':>7}"]
     for r in rows:
         done = f"{r['collected']:,}/{r['planned']:,}"
+        classes = ", ".join(f"{k} {n:,}" for k, n in r.get("failed_by_class", {}).items())
         out.append(
             f"{shown(r['label']):<{width}}  {done:>15}  {r['failed']:>7,}  "
-            f"{bar(r['collected'] + r['failed'], r['planned'])}" + (f"  {SILENT}" if r["silent"] else "")
+            f"{bar(r['collected'] + r['failed'], r['planned'])}"
+            + (f"  failed: {classes}" if classes else "")
+            + (f"  {SILENT}" if r["silent"] else "")
         )
     return out

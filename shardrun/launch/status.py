@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Mapping, TypeVar
 
 import orjson
 
-from shardrun.rundir import cost, ledger, records
+from shardrun.rundir import cost, env_manifest, ledger, records
 from shardrun.rundir import seal
 from shardrun.rundir.shard_status import (  # noqa: F401  (status.SEALED and the rest: the names its readers use)
     DAMAGED,
@@ -73,6 +73,7 @@ class RunStatus:
     skipped_decided: int = 0  # rollouts never run because their task was decided (adaptive sampling)
     saved_gpu_hours: float | None = None  # what they would have cost at the sealed shards' GPU-hours per rollout
     labels: list[dict] = field(default_factory=list)  # a blend: progress per label (launch/label_progress.py)
+    failures: dict = field(default_factory=dict)  # records.FailureTally's JSON: failed rollouts per label and class
     launched: bool = True  # a launch saved its settings here (resume has something to resume); False: planned only
 
     @property
@@ -213,6 +214,7 @@ def failed_rollouts(run_dir: Path, plan: Plan) -> list[ledger.FailedRollout]:
     definition): a terminal row (shardrun's, after gym.max_rollout_attempts) or as many rows as attempts (Gym's own;
     its resume skips them). Rollouts are not read here, so the gate alone decides (see ledger.failed_for_good)."""
     max_attempts = ledger.launched_max_attempts(run_dir)
+    roles = env_manifest.server_roles(run_dir)
     out = []
     for spec in plan.shards:
         path = store.failures_path(run_dir, spec.index)
@@ -225,7 +227,7 @@ def failed_rollouts(run_dir: Path, plan: Plan) -> list[ledger.FailedRollout]:
         for row in store.iter_jsonl_objects(path):
             if isinstance(row, dict) and isinstance(row.get(TASK_KEY), int) and isinstance(row.get(ROLLOUT_KEY), int):
                 rows.setdefault((row[TASK_KEY], row[ROLLOUT_KEY]), []).append(row)
-        out += ledger.failed_rollouts(spec.index, rows, max_attempts)
+        out += ledger.failed_rollouts(spec.index, rows, max_attempts, roles=roles)
     return out
 
 
@@ -303,7 +305,8 @@ def collect(
         sealed_cost=cost.run_row(cost.run_costs(cost.shard_costs(sealed.values()))),
         skipped_decided=sum(s.skipped_decided for s in shards),
         saved_gpu_hours=saved_gpu_hours(shards),
-        labels=label_progress.label_rows(run_dir, plan, (f.task for f in failed), sealed),
+        labels=label_progress.label_rows(run_dir, plan, [(f.task, f.failure_class) for f in failed], sealed),
+        failures=ledger.failure_tally(failed, plan, ledger.launched_unreliable_rate(run_dir)).to_json(),
     )
 
 
@@ -501,6 +504,7 @@ def render(st: RunStatus, *, show_all: bool = False) -> str:
     out += state_lines(st)
     out += unsealed_lines(st, show_all=show_all)
     out += failed_rollout_lines(st)
+    out += failure_class_lines(st)
     out += advice_lines(st)
     out += label_lines(st)
     out += render_workers(st)
@@ -577,13 +581,25 @@ def failed_rollout_lines(st: RunStatus) -> list[str]:
     """The rollouts recorded as failed (the first MAX_LISTED)."""
     if not st.failed:
         return []
-    out = ["", "rollouts recorded as failed (task:rollout, shard, attempts, reason):"]
+    out = ["", "rollouts recorded as failed (task:rollout, shard, attempts, class, reason):"]
     out += [
-        f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {shown(f.reason)}" for f in st.failed[:MAX_LISTED]
+        f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.attempts}  {f.failure_class}  {shown(f.reason)}"
+        for f in st.failed[:MAX_LISTED]
     ]
     if st.failed_listed_of > MAX_LISTED:
         out.append(f"  ... and {st.failed_listed_of - MAX_LISTED:,} more (--json, or the shards' {store.FAILURES})")
     return out
+
+
+def failure_class_lines(st: RunStatus) -> list[str]:
+    """The failed rollouts by class (all of them, not only those listed) and the labels (or the run) whose failures
+    are above report.unreliable_failure_rate: unreliable, not hard."""
+    if not st.failed_listed_of or not st.failures:
+        return []
+    tally = records.FailureTally.model_validate(st.failures)
+    return ["", f"failed rollouts by class: {ledger.class_text(tally.by_class)} (failures, never scores)"] + [
+        line.removeprefix("warning: ") for line in ledger.unreliable_lines(tally)
+    ]
 
 
 def advice_lines(st: RunStatus) -> list[str]:

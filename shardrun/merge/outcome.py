@@ -13,8 +13,8 @@ from typing import Any
 from shardrun.core.terminal import shown
 from shardrun.plan.render import table
 from shardrun.rundir import cost
-from shardrun.rundir.ledger import FailedRollout
-from shardrun.rundir.records import LabelResult, Seal
+from shardrun.rundir.ledger import FailedRollout, class_text, unreliable_lines
+from shardrun.rundir.records import FailureTally, LabelResult, Seal
 
 MAX_LISTED_FAILED = 1000
 SHOWN_FAILED = 10
@@ -86,6 +86,12 @@ class MergeSummary:
     labels: list[LabelResult] = field(default_factory=list)  # a blend's labels (labels.json's, records.BlendLabels)
     failed_lanes: list[str] = field(default_factory=list)  # a blend's labels that collected nothing
     failed_ids: list[tuple[int, int]] = field(default_factory=list, repr=False)  # every failed identity
+    tally: FailureTally | None = None  # failures by class, per label (merged/failures_by_class.json)
+
+    @property
+    def unreliable_labels(self) -> list[str]:
+        """The labels (or the run) whose failed share is above report.unreliable_failure_rate."""
+        return [g.name for g in self.tally.unreliable] if self.tally is not None else []
 
     @property
     def duplicates(self) -> int:
@@ -119,6 +125,13 @@ class MergeSummary:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         del d["failed_ids"]  # `failed` lists them (the first MAX_LISTED_FAILED)
+        d["tally"] = self.tally.to_json() if self.tally is not None else None
+        if self.tally is not None:
+            d.update(
+                failures_by_class=self.tally.by_class,
+                unreliable_failure_rate=self.tally.unreliable_failure_rate,
+                unreliable_labels=self.unreliable_labels,
+            )
         if not self.labels:  # a run without a blend: merge_summary.json as before blends existed
             del d["labels"], d["failed_lanes"]
         else:
@@ -191,7 +204,12 @@ def render(s: MergeSummary) -> str:
             f"{sum(s.rejected.values()):,}" + "".join(f"; {n:,} {why}" for why, n in s.rejected.items() if n),
         ),
         ("torn last lines", f"{s.torn_lines:,} (ignored)"),
-        ("failed rollouts", f"{s.failed_total:,} ({s.failure_rows:,} failure rows in the sidecars)"),
+        (
+            "failed rollouts",
+            f"{s.failed_total:,}"
+            + (f": {class_text(s.tally.by_class)}" if s.tally is not None and s.failed_total else "")
+            + f" ({s.failure_rows:,} failure rows in the sidecars; failures, never scores)",
+        ),
         ("GPU-hours (markers)", f"{s.gpu_hours:,.2f}"),
     ]
     rows += [r for r in cost.cost_rows(s.run_cost) if r[0] not in ("sealed shards", "GPU-hours (markers)")]
@@ -208,9 +226,12 @@ def render(s: MergeSummary) -> str:
         out.append(pass_table(a))
     if s.failed:
         out.append("")
-        out.append("failed rollouts (task:rollout, shard, reason):")
+        out.append("failed rollouts (task:rollout, shard, class, reason):")
         for f in s.failed[:SHOWN_FAILED]:
-            out.append(f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {shown(f.reason)} ({f.attempts} attempt(s))")
+            out.append(
+                f"  {f.task}:{f.rollout}  shard {f.shard:05d}  {f.failure_class}  {shown(f.reason)} "
+                f"({f.attempts} attempt(s))"
+            )
         if s.failed_total > SHOWN_FAILED:
             out.append(f"  ... and {s.failed_total - SHOWN_FAILED:,} more (merged/rollouts_failures.jsonl)")
     unsealed = [x for x in s.shards if not x.sealed]
@@ -223,6 +244,7 @@ def render(s: MergeSummary) -> str:
             out.append(f"  ... and {len(unsealed) - SHOWN_FAILED:,} more")
     if s.labels:
         out += ["", *label_lines(s)]
+    out += unreliable_lines(s.tally)
     for w in s.warnings:
         out.append(f"warning: {shown(w)}")
     out.append("")
@@ -243,7 +265,9 @@ def label_lines(s: MergeSummary) -> list[str]:
                 shown(r.label),
                 shown(r.agent),
                 f"{r.collected:,}/{r.rollouts_planned:,}",
-                f"{r.failed:,}",
+                f"{r.failed:,}"
+                + (f" ({class_text(r.failures)})" if r.failures else "")
+                + (" !" if r.unreliable else ""),
                 f"{r.skipped:,}",
                 f"{r.tasks_complete:,}/{r.tasks_partial:,}/{r.tasks_missing:,}",
                 "—" if mean is None else f"{mean:.4f}",

@@ -22,12 +22,14 @@ from typing import IO, Iterator
 import numpy as np
 
 from shardrun.core.errors import IncompleteRun
+from shardrun.core.failure_classes import DEFAULT_ROLES, ServerRoles
 from shardrun.merge import row_copier, shard_reader
 from shardrun.merge.merged_table import MergedTable, TableBuilder
 from shardrun.merge.outcome import MAX_LISTED_FAILED, MergeSummary, MergedShard
 from shardrun.merge.shard_reader import FailureRow, ShardReadJob, ShardRead
 from shardrun.plan.planner import Plan
-from shardrun.rundir import ledger, seal, store
+from shardrun.rundir import env_manifest, ledger, seal, store
+from shardrun.rundir.ledger import FailedRollout
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,15 @@ def merge_shards(
     copy_planned(files.materialized, table, [store.materialized_path(run_dir, s.index) for s in plan.shards])
     copy_rollouts(files.rollouts, table, sources)
     summary.timings["copy_s"] = time.monotonic() - tick
-    write_failures(files.failures, table, failures, summary, ledger.launched_max_attempts(run_dir))
+    failed = write_failures(
+        files.failures,
+        table,
+        failures,
+        summary,
+        ledger.launched_max_attempts(run_dir),
+        env_manifest.server_roles(run_dir),
+    )
+    summary.tally = ledger.failure_tally(failed, plan, ledger.launched_unreliable_rate(run_dir))
     return table, summary
 
 
@@ -155,10 +165,11 @@ def write_failures(
     failures: list[tuple[int, FailureRow]],
     summary: MergeSummary,
     max_attempts: int,
-) -> None:
+    roles: ServerRoles = DEFAULT_ROLES,
+) -> list[FailedRollout]:
     """Sidecar rows sorted by identity (attempts keep their order); the identities without a rollout that
-    failed for good (ledger.failed_rollouts; a shard counts as sealed as it was read) are the summary's failed
-    rollouts."""
+    failed for good (ledger.failed_rollouts; a shard counts as sealed as it was read, classed with `roles`) are
+    the summary's failed rollouts (returned, all of them)."""
     failures.sort(key=lambda sf: (sf[1].task, sf[1].rollout, sf[0]))
     for _, f in failures:
         out.write(f.line)
@@ -168,7 +179,7 @@ def write_failures(
         by_shard.setdefault(shard, {}).setdefault((f.task, f.rollout), []).append(f.row)
     ids = sorted({(f.task, f.rollout) for _, f in failures})
     if not ids:
-        return
+        return []
     keys = np.searchsorted(table.tasks, [t for t, _ in ids]) * table.stride + np.array([r for _, r in ids])
     sealed = {s.index: s.sealed for s in summary.shards}
     done = {ident for ident, d in zip(ids, table.has_rollout(keys).tolist()) if d}
@@ -176,10 +187,13 @@ def write_failures(
         (
             f
             for shard, rows in by_shard.items()
-            for f in ledger.failed_rollouts(shard, rows, max_attempts, sealed=sealed[shard], done=done.__contains__)
+            for f in ledger.failed_rollouts(
+                shard, rows, max_attempts, sealed=sealed[shard], done=done.__contains__, roles=roles
+            )
         ),
         key=lambda f: (f.task, f.rollout),
     )
     summary.failed_total = len(failed)
     summary.failed = failed[:MAX_LISTED_FAILED]
     summary.failed_ids = [(f.task, f.rollout) for f in failed]
+    return failed

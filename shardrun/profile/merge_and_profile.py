@@ -8,6 +8,7 @@
     merged/rollouts_aggregate_metrics.json       Gym's aggregate-metrics list (pass@k, majority@k per agent)
     merged/rollouts_repeat_level_metrics.json    Gym 0.7's per-agent, per-repeat rows (a 0.7 run only)
     merged/merge_summary.json                    what the merge saw and did (the only file with timings)
+    merged/failures_by_class.json                the failed rollouts by class, per label; the unreliable labels
 
 The merge stage (merge.shard_merge) reads the shards and writes the three row files; this module then profiles
 the merged table (writers). Every output is written through a temp file, all renamed into place together at
@@ -103,6 +104,11 @@ def merge_and_profile(
                 _profile_part(run_dir, plan, table, states, summary, out, release, policy)
                 summary.timings["profile_s"] = time.monotonic() - tick
                 summary.timings["total_s"] = time.monotonic() - started
+                if summary.tally is not None:
+                    tally_out = stack.enter_context(
+                        store.atomic_writer(store.failure_tally_path(run_dir), prefix=store.MERGE_TMP_PREFIX)
+                    )
+                    tally_out.write(summary.tally.to_bytes())
                 out["summary"].write(orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
         finally:
             store.remove_stale_temps(store.merged_dir(run_dir), store.MERGE_TMP_PREFIX)
@@ -189,6 +195,7 @@ def _profile_labels(
         in_label = np.isin(plan.label_codes(failed), [plan.labels.index(entry.label)])
         n_failed = int(in_label.sum())
         n_skipped = int((plan.label_codes(skipped) == plan.labels.index(entry.label)).sum())
+        group = summary.tally.groups[plan.labels.index(entry.label)] if summary.tally is not None else None
         results.append(
             LabelResult(
                 label=entry.label,
@@ -208,6 +215,8 @@ def _profile_labels(
                 pass_at_1=None if pass1 is None else pass1 / 100.0,
                 rate=blend_labels.label_rate(mine, whole, markers),
                 profile=str(paths["reward_profiling"].parent.relative_to(store.merged_dir(run_dir))),
+                failures=group.by_class if group is not None else {},
+                unreliable=group.unreliable if group is not None else False,
             )
         )
     summary.labels = results

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 import orjson
 import yaml
 
-from shardrun.core import gym_version
+from shardrun.core import failure_classes, gym_version
 from shardrun.core.config import RunConfig
 from shardrun.core.errors import PlanMismatch
 from shardrun.rundir import store
@@ -226,3 +226,28 @@ def check_and_record(
         changes = list(old.get("changes") or []) + [record]
         store.atomic_write_json(manifest_path(run_dir), new | {"written_at": old.get("written_at"), "changes": changes})
     return diffs
+
+
+def server_roles(run_dir: Path) -> failure_classes.ServerRoles:
+    """The run's policy and judge model servers (failure_classes.ServerRoles.from_gym_configs) from the Gym config
+    files its manifest records (where they resolved when it was launched) and its Hydra overrides; the default
+    roles (`policy_model` is the policy) where the run has no manifest or a file no longer reads."""
+    manifest = read(run_dir)
+    gym = manifest.get("gym") if isinstance(manifest, dict) else None
+    if not isinstance(gym, dict):
+        return failure_classes.DEFAULT_ROLES
+    configs = []
+    for entry in gym.get("config_files") or []:
+        resolved = entry.get("resolved") if isinstance(entry, dict) else None
+        if not isinstance(resolved, str):
+            continue
+        try:
+            configs.append(yaml.safe_load(Path(resolved).read_text(errors="replace")))
+        except (OSError, yaml.YAMLError):
+            continue
+    overrides = [o for o in (gym.get("overrides") or []) + (gym.get("collect_overrides") or []) if isinstance(o, str)]
+    roles = failure_classes.ServerRoles.from_gym_configs(configs, overrides)
+    judges = manifest.get("judges") if isinstance(manifest, dict) else None  # the model servers shardrun serves
+    if isinstance(judges, dict):  # as judges (a `judges` section, recorded by name) are judges too
+        roles = roles.union(failure_classes.ServerRoles(policies=frozenset(), judges=frozenset(map(str, judges))))
+    return roles

@@ -24,10 +24,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import orjson
 
-from shardrun.core import gym_errors
-from shardrun.rundir import store
-from shardrun.core.config import GymConfig
-from shardrun.core.errors import ShardFailed, ShardrunError
+from shardrun.core import failure_classes, gym_errors
+from shardrun.core.terminal import shown
+import numpy as np
+
+from shardrun.plan.planner import Plan
+from shardrun.rundir import env_manifest, records, store
+from shardrun.core.config import DEFAULT_UNRELIABLE_FAILURE_RATE, GymConfig
+from shardrun.core.errors import BadRecord, ShardFailed, ShardrunError
 from shardrun.core.gym_names import AGENT_KEY, ROLLOUT_KEY, TASK_KEY
 
 Key = tuple[int, int]
@@ -35,8 +39,9 @@ FAILURE_CLASS_KEY = "_ng_failure_class"
 TERMINAL_KEY = "_ng_failure_terminal"
 QUARANTINE_CLASS = "shardrun_max_attempts"
 USAGE_KEYS = ("input_tokens", "output_tokens", "total_tokens")
-# where a failure row says why, first found wins: shardrun's own reason (its terminal rows also carry the class
-# QUARANTINE_CLASS, which says only that the attempts ran out), then Gym's failure class, then the error text
+# where a failure row says why, first found wins: shardrun's own reason (its terminal rows also carry the Gym-side
+# class QUARANTINE_CLASS, which says only that the attempts ran out; what failed is failure_classes'), then Gym's
+# failure class, then the error text
 REASON_KEYS = ("reason", FAILURE_CLASS_KEY, "error", "failure")
 NO_REASON = "unknown"
 
@@ -164,8 +169,15 @@ def attempt_row(key: Key, reason: str, attempt_of_shard: int) -> dict[str, Any]:
     }
 
 
-def quarantine_row(key: Key, agent_ref: Any, reason: str, attempts: int) -> dict[str, Any]:
-    """The sidecar row that records an identity as failed for good (Gym's resume skips terminal rows)."""
+def quarantine_row(
+    key: Key,
+    agent_ref: Any,
+    reason: str,
+    attempts: int,
+    roles: failure_classes.ServerRoles = failure_classes.DEFAULT_ROLES,
+) -> dict[str, Any]:
+    """The sidecar row that records an identity as failed for good (Gym's resume skips terminal rows), with what
+    failed (`failure_class`, from its reason and the run's server roles)."""
     row = {
         TASK_KEY: key[0],
         ROLLOUT_KEY: key[1],
@@ -173,6 +185,7 @@ def quarantine_row(key: Key, agent_ref: Any, reason: str, attempts: int) -> dict
         TERMINAL_KEY: True,
         "reason": reason,
         "attempts": attempts,
+        failure_classes.CLASS_KEY: failure_classes.classify_reason(reason, roles),
     }
     if agent_ref is not None:
         row[AGENT_KEY] = agent_ref
@@ -189,7 +202,10 @@ def record_attempts(run_dir: Path, index: int, failures: dict[Key, str], shard_a
 def quarantine(run_dir: Path, index: int, ledger: Ledger, max_attempts: int, last_reasons: dict[Key, str]) -> list[Key]:
     """Write every identity that used up its attempts to the failures sidecar as terminal; returns them."""
     due = ledger.due_for_quarantine(max_attempts)
-    rows = [quarantine_row(k, ledger.planned.get(k), last_reasons.get(k, "failed"), ledger.attempts[k]) for k in due]
+    roles = env_manifest.server_roles(run_dir) if due else failure_classes.DEFAULT_ROLES
+    rows = [
+        quarantine_row(k, ledger.planned.get(k), last_reasons.get(k, "failed"), ledger.attempts[k], roles) for k in due
+    ]
     store.append_jsonl(store.failures_path(run_dir, index), rows)
     return due
 
@@ -207,13 +223,15 @@ def last_reasons(run_dir: Path, index: int) -> dict[Key, str]:
 
 @dataclass(frozen=True)
 class FailedRollout:
-    """A planned identity recorded as failed for good, with its shard, reason and number of attempts."""
+    """A planned identity recorded as failed for good, with its shard, reason, number of attempts and failure class
+    (core/failure_classes.py: what failed, from the row's structured fields, else its reason)."""
 
     task: int
     rollout: int
     shard: int
     reason: str
     attempts: int
+    failure_class: str = failure_classes.OTHER
 
 
 def launched_max_attempts(run_dir: Path) -> int:
@@ -256,14 +274,28 @@ def failed_for_good(rows: Sequence[Mapping[str, Any]], max_attempts: int, *, sea
     return sealed or gave_up(any(r.get(TERMINAL_KEY) for r in rows), len(rows), max_attempts)
 
 
-def failed_rollout(task: int, rollout: int, shard: int, rows: Sequence[Mapping[str, Any]]) -> FailedRollout:
-    """The failed rollout an identity's failure rows (file order) describe: the reason of its last terminal row
-    (else of its last row), and the attempts a terminal row counts (else one per row)."""
+def failed_rollout(
+    task: int,
+    rollout: int,
+    shard: int,
+    rows: Sequence[Mapping[str, Any]],
+    roles: failure_classes.ServerRoles = failure_classes.DEFAULT_ROLES,
+) -> FailedRollout:
+    """The failed rollout an identity's failure rows (file order) describe: the reason and class of its last
+    terminal row (else of its last row), and the attempts a terminal row counts (else one per row). BadRecord for
+    a row whose recorded class is not one (the sidecar was edited or damaged)."""
     terminal = [r for r in rows if r.get(TERMINAL_KEY)]
     last = (terminal or rows)[-1]
     counted = terminal[-1].get("attempts") if terminal else None
     attempts = counted if type(counted) is int and counted > 0 else len(rows)
-    return FailedRollout(task, rollout, shard, failure_reason(last), attempts)
+    reason = failure_reason(last)
+    try:
+        klass = failure_classes.classify(last, reason, roles)
+    except ValueError as e:
+        raise BadRecord(
+            f"shard {shard:05d}: the failure row of rollout {task}:{rollout}: {e}; the sidecar was edited or damaged"
+        ) from None
+    return FailedRollout(task, rollout, shard, reason, attempts, klass)
 
 
 def failed_rollouts(
@@ -273,11 +305,83 @@ def failed_rollouts(
     *,
     sealed: bool = False,
     done: Callable[[Key], bool] | None = None,
+    roles: failure_classes.ServerRoles = failure_classes.DEFAULT_ROLES,
 ) -> list[FailedRollout]:
     """The failed rollouts of one shard, by identity, from its failure rows grouped by identity (file order
-    within each). `done` says which identities have a rollout (None: not known, see failed_for_good)."""
+    within each). `done` says which identities have a rollout (None: not known, see failed_for_good); `roles`
+    names the run's policy and judges (failure_classes.ServerRoles; rundir.env_manifest.server_roles)."""
     return [
-        failed_rollout(t, r, shard, got)
+        failed_rollout(t, r, shard, got, roles)
         for (t, r), got in sorted(rows.items())
         if (done is None or not done((t, r))) and failed_for_good(got, max_attempts, sealed=sealed and done is not None)
+    ]
+
+
+# ---------------------------------------------------------------- failures per label and class
+
+
+def launched_unreliable_rate(run_dir: Path) -> float:
+    """report.unreliable_failure_rate of the run's latest launch (the config's default when none is readable)."""
+    try:
+        settings = store.read_launch_settings(run_dir)
+    except ShardrunError:
+        settings = None
+    return settings.report.unreliable_failure_rate if settings is not None else DEFAULT_UNRELIABLE_FAILURE_RATE
+
+
+def is_unreliable(failed: int, planned: int, threshold: float) -> bool:
+    """A group whose failed share of its planned rollouts is above `threshold` (report.unreliable_failure_rate)."""
+    return planned > 0 and failed / planned > threshold
+
+
+def failure_tally(failed: Sequence[FailedRollout], plan: Plan, threshold: float) -> records.FailureTally:
+    """The failed rollouts by class, per label of a blend (the plan's task ranges) or for the whole run (one group,
+    "run"), each group named unreliable when its failed share is above `threshold`."""
+    classes = Counter(f.failure_class for f in failed)
+    if plan.blend:
+        codes = plan.label_codes(np.fromiter((f.task for f in failed), np.int64, len(failed)))
+        per: list[Counter[str]] = [Counter() for _ in plan.blend]
+        for f, code in zip(failed, codes.tolist()):
+            per[code][f.failure_class] += 1
+        named = [(e.label, e.num_rollouts, c) for e, c in zip(plan.blend, per)]
+    else:
+        named = [("run", plan.num_rollouts, classes)]
+    groups = [
+        records.GroupFailures(
+            name=name,
+            planned=planned,
+            failed=sum(c.values()),
+            by_class=_in_order(c),
+            rate=sum(c.values()) / planned if planned else None,
+            unreliable=is_unreliable(sum(c.values()), planned, threshold),
+        )
+        for name, planned, c in named
+    ]
+    return records.FailureTally(
+        fingerprint=plan.fingerprint,
+        group="label" if plan.blend else "run",
+        unreliable_failure_rate=threshold,
+        by_class=_in_order(classes),
+        groups=groups,
+    )
+
+
+def _in_order(counts: Mapping[str, int]) -> dict[str, int]:
+    return {k: counts[k] for k in failure_classes.CLASSES if counts.get(k)}
+
+
+def class_text(by_class: Mapping[str, int]) -> str:
+    """ "judge 3, policy 1" (the classes in CLASSES order; "" when none)."""
+    return ", ".join(f"{k} {by_class[k]:,}" for k in failure_classes.CLASSES if by_class.get(k))
+
+
+def unreliable_lines(tally: records.FailureTally | None) -> list[str]:
+    """Each label (or the run) whose failures are above the threshold, named unreliable rather than hard."""
+    if tally is None:
+        return []
+    return [
+        f"warning: {'label ' + shown(g.name) if tally.group == 'label' else 'the run'} is unreliable, not hard: "
+        f"{g.failed:,} of its {g.planned:,} planned rollouts failed ({100 * (g.rate or 0):.1f}%: "
+        f"{class_text(g.by_class)}), above report.unreliable_failure_rate {100 * tally.unreliable_failure_rate:g}%"
+        for g in tally.unreliable
     ]

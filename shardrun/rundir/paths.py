@@ -30,6 +30,7 @@ __all__ = [
     "LABELS_FILE",
     "by_label_dir",
     "labels_path",
+    "failure_tally_path",
     "FAILURES",
     "MATERIALIZED",
     "ROLLOUTS",
@@ -186,6 +187,10 @@ LABELS_FILE = "labels.json"
 def by_label_dir(run_dir: Path, label: str) -> Path:
     """A blend's label's own profile files after the merge: merged/by_label/<label>/."""
     return merged_dir(run_dir) / BY_LABEL_DIR / label
+
+
+def failure_tally_path(run_dir: Path) -> Path:
+    return merged_dir(run_dir) / "failures_by_class.json"
 
 
 def labels_path(run_dir: Path) -> Path:

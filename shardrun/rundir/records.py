@@ -9,6 +9,7 @@
 | `fill.json` | `FillRequest` | `resume --fill` | the runtime, workers |
 | `shards/NNNNN/.failed` | `ShardFailure` | the shard runtime | status, resume, workers |
 | `merged/labels.json` | `BlendLabels` (a `LabelResult` per label) | merge-and-profile (a blend) | compare, the merge's summary |
+| `merged/failures_by_class.json` | `FailureTally` (a `GroupFailures` per label, or one for the run) | merge-and-profile | report |
 
 plan.json's shape is the plan's own (planner.Plan, the one definition, read by store.load_plan). Every field has its
 type; a record of another shape is shardrun's own file edited or damaged, and reading it raises
@@ -36,7 +37,7 @@ from pydantic import (
     model_validator,
 )
 
-from shardrun.core import slurm_values
+from shardrun.core import failure_classes, slurm_values
 from shardrun.core.errors import BadRecord
 from shardrun.rundir import fileio, paths
 
@@ -699,6 +700,8 @@ class LabelResult(Record):
     pass_at_1: Finite | None
     rate: LabelRate
     profile: str
+    failures: "ClassCounts" = Field(default_factory=dict)  # failed rollouts by failure class (none before classes)
+    unreliable: bool = False  # failed share above report.unreliable_failure_rate
 
     @property
     def failed_lane(self) -> bool:
@@ -717,6 +720,59 @@ class BlendLabels(Record):
 
     def to_bytes(self) -> bytes:
         return orjson.dumps(self.to_json(), option=orjson.OPT_INDENT_2) + b"\n"
+
+
+def _known_classes(counts: dict[str, int]) -> dict[str, int]:
+    for name in counts:
+        failure_classes.check_class(name)
+    return counts
+
+
+ClassCounts = Annotated[dict[str, Count], AfterValidator(_known_classes)]
+"""Failed rollouts by failure class (core/failure_classes.py): each key one of its CLASSES."""
+LabelResult.model_rebuild()
+
+
+class GroupFailures(Record):
+    """One label's (a blend) or the run's failed rollouts: planned rollouts, failed ones by class, their share of the
+    planned, and whether that share is above the threshold (unreliable)."""
+
+    name: str
+    planned: Count
+    failed: Count
+    by_class: ClassCounts
+    rate: Finite | None  # failed / planned (None when nothing was planned)
+    unreliable: bool
+
+    @model_validator(mode="after")
+    def _classes_add_up(self) -> "GroupFailures":
+        if sum(self.by_class.values()) != self.failed:
+            raise ValueError(f"'by_class' adds up to {sum(self.by_class.values())}, not 'failed' ({self.failed})")
+        return self
+
+
+class FailureTally(Record):
+    """`merged/failures_by_class.json`: the run's failed rollouts by class, per label (a blend: `group` "label") or
+    for the whole run (`group` "run", one group), and the threshold above which a group's failures make it unreliable."""
+
+    fingerprint: str
+    group: Literal["label", "run"]
+    unreliable_failure_rate: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+    by_class: ClassCounts
+    groups: list[GroupFailures]
+
+    @property
+    def unreliable(self) -> list[GroupFailures]:
+        return [g for g in self.groups if g.unreliable]
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.to_json(), option=orjson.OPT_INDENT_2) + b"\n"
+
+
+def read_failure_tally(run_dir: Path) -> FailureTally | None:
+    """merged/failures_by_class.json (None for a run merged before failures had classes, or not merged yet);
+    BadRecord naming the file and the field for one of another shape."""
+    return read_json(paths.failure_tally_path(run_dir), FailureTally, "a failure tally")
 
 
 def read_labels(run_dir: Path) -> BlendLabels | None:

@@ -108,10 +108,12 @@ def test_500_and_garbage_answers_are_retried_then_recorded_failed_and_listed(
     assert {(f["task"], f["rollout"]) for f in st_json["failed"]} == {(3, 1), (2, 3)}
     merged = faultkit.cli("merge-and-profile", run_dir)
     assert merged.returncode == 0, merged.stderr
-    assert "failed rollouts (task:rollout, shard, reason):" in merged.stdout
+    assert "failed rollouts (task:rollout, shard, class, reason):" in merged.stdout
     assert "3:1" in merged.stdout and "2:3" in merged.stdout
     summary = orjson.loads(store.merged_summary_path(run_dir).read_bytes())
     assert summary["failed_total"] == 2
+    classes = {(f["task"], f["rollout"]): f["failure_class"] for f in summary["failed"]}
+    assert classes[(3, 1)] == "policy", summary["failed"]  # the policy's 500: a policy failure, never a score
     profile = {r["_ng_task_index"]: r for r in store.iter_jsonl_objects(store.merged_reward_profiling_path(run_dir))}
     assert profile[3]["num_rollouts"] == 3 and profile[3]["missing_num_rollouts"] == 1
     assert {i["_ng_rollout_index"] for i in profile[3]["rollout_infos"]} == {0, 2, 3}

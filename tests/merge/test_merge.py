@@ -428,7 +428,7 @@ def test_rerun_gives_identical_bytes(tmp_path: Path) -> None:
     first = merged_bytes(run.run_dir)
     (store.merged_dir(run.run_dir) / f"{store.MERGE_TMP_PREFIX}rollouts.jsonl.killed").write_bytes(b"half a file")
     merge_and_profile(run.run_dir, answer_field="extracted_answer")
-    assert merged_bytes(run.run_dir) == first and len(first) == 6
+    assert merged_bytes(run.run_dir) == first and len(first) == 7  # failures_by_class.json too
 
 
 def test_a_failing_merge_leaves_the_previous_outputs(tmp_path: Path, monkeypatch) -> None:
@@ -541,7 +541,7 @@ def test_cli_prints_the_summary_and_json(tmp_path: Path) -> None:
         r"agent math \(4 repeats\): mean reward 0\.\d{4}",
         r"agent tool \(2 repeats\)",
         r"k +pass@k +pass@1\[avg-of-k\] +majority@k",
-        r"failed rollouts \(task:rollout, shard, reason\):",
+        r"failed rollouts \(task:rollout, shard, class, reason\):",
         "http_500",
         "rollouts_reward_profiling.jsonl",
     ):

@@ -70,6 +70,7 @@ def test_quarantine_row_is_terminal_with_reason_and_no_reward() -> None:
         "_ng_failure_terminal": True,
         "reason": "/run failed with HTTP 500",
         "attempts": 3,
+        "failure_class": "other",  # what failed: the reason names no server (docs/failures.md)
         "agent_ref": {"name": "agent"},
     }
     assert ledger.tally([row(4, 2)], [], [r], [], max_attempts=9).failed == {(4, 2)}

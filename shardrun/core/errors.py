@@ -43,9 +43,14 @@ class BadRecord(RunDirError):
 
 
 class ServerFailure(ShardrunError):
-    """A policy or Gym server did not start, died, or stopped answering."""
+    """A policy or Gym server did not start, died, or stopped answering. `check`: the name of the watchdog check
+    that found it down (shard/watchdog.py), when one did."""
 
     exit_code = 3
+
+    def __init__(self, message: str, check: str | None = None):
+        super().__init__(message)
+        self.check = check
 
 
 class ShardFailed(ShardrunError):

@@ -602,7 +602,7 @@ class Shard:
             except ServerFailure as e:
                 if guard is None or guard.box.problem() is None:
                     raise
-                if isinstance(e, watchdog.CheckFailed) and e.check == SANDBOX_CHECK:
+                if e.check == SANDBOX_CHECK:
                     self.sandbox_died(guard)  # the round was stopped; what the sandbox broke is taken back
                     continue
                 cut = guard.take_back()  # another server failed too: still, nothing the sandbox broke stays

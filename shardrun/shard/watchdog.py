@@ -31,14 +31,6 @@ class Watched(Protocol):
     def stop(self, grace: float = 10.0) -> int | None: ...
 
 
-class CheckFailed(ServerFailure):
-    """A watchdog check found its server down (two checks in a row); `check` is the check's name."""
-
-    def __init__(self, message: str, check: str):
-        super().__init__(message)
-        self.check = check
-
-
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -73,8 +65,8 @@ def watch(
                 problem = c.problem()
                 strikes[c.name] = strikes[c.name] + 1 if problem else 0
                 if problem and strikes[c.name] >= STRIKES:
-                    raise CheckFailed(
-                        f"{c.name}: {problem}; stopped the collector (Gym would wait for it forever)", c.name
+                    raise ServerFailure(
+                        f"{c.name}: {problem}; stopped the collector (Gym would wait for it forever)", check=c.name
                     )
             idle = clock() - last_change
             if idle >= stall_timeout_s:

@@ -24,6 +24,9 @@ WHEEL = (
 MANIFEST = WHEEL / "manifests" / "example_sandbox_judge.yaml"
 MODEL = ["policy.base_url=http://127.0.0.1:9/v1", "policy.model_name=the-model"]
 
+JUDGE_KEY_ENV = "NV_INFERENCE_API_KEY"  # its math_judge_model block reads ${nv_inference_api_key}
+JUDGE_KEY = "sk-sandbox-manifest-judge-key"
+
 
 def test_the_srun_block_maps_its_sandbox_and_names_the_rest():
     out = sweep_manifest.translate(
@@ -83,6 +86,7 @@ def with_srun(tmp_path: Path, also_sbatch: bool = False) -> Path:
 def test_the_example_plans_and_dry_run_submits_as_it_is(tmp_path, monkeypatch, gym_venv):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
+    monkeypatch.setenv(JUDGE_KEY_ENV, JUDGE_KEY)  # its judge's key, by the name its block maps to (docs/judges.md)
     data = write_data(tmp_path)
     given = [f"data_root={data}", f"run_dir={tmp_path / 'run'}", *MODEL]
     planned = runner.invoke(app, ["plan", str(MANIFEST), *given, "--json"])
@@ -100,6 +104,7 @@ def test_the_example_plans_and_dry_run_submits_as_it_is(tmp_path, monkeypatch, g
     assert dry.exit_code == 0, dry.output
     assert "sandbox per job: python -m my_sandbox --port {port}, port free, GET /health" in dry.output
     assert "there is no sandbox section" not in dry.output
+    assert "judges.math_judge_model" in planned.output and JUDGE_KEY not in planned.output + dry.output
     assert not (tmp_path / "run").exists()  # a rehearsal writes nothing
 
 
@@ -108,6 +113,7 @@ def test_the_example_plans_and_dry_run_submits_as_it_is(tmp_path, monkeypatch, g
 def test_its_sandbox_container_becomes_the_jobs_sandbox_image(tmp_path, monkeypatch, gym_venv):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
+    monkeypatch.setenv(JUDGE_KEY_ENV, JUDGE_KEY)  # its judge's key, by the name its block maps to (docs/judges.md)
     data = write_data(tmp_path)
     given = [f"data_root={data}", f"run_dir={tmp_path / 'run'}", *MODEL]
     path = with_srun(tmp_path)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import yaml
 
@@ -90,9 +90,13 @@ def hydra_list(items: Sequence[str]) -> str:
     return "[" + ",".join(one(s) for s in items) + "]"
 
 
-def ng_run_command(adapter: GymAdapter, venv: Path, gym: GymConfig, port: int, venvs_dir: Path) -> list[str]:
+def ng_run_command(
+    adapter: GymAdapter, venv: Path, gym: GymConfig, port: int, venvs_dir: Path, head: Sequence[str] | None = None
+) -> list[str]:
+    """The stack's command: the release's stack command, or `head` (a command that starts the same servers itself,
+    such as the release's re-verification), with shardrun's common overrides and gym.overrides."""
     return [
-        *adapter.stack_command(venv),
+        *(adapter.stack_command(venv) if head is None else head),
         f"+config_paths={hydra_list(gym.config_paths)}",
         f"+head_server.host={HEAD_HOST}",
         f"+head_server.port={port}",
@@ -333,9 +337,12 @@ def start(
     model_name: str,
     env: Mapping[str, str] | None = None,
     place: StackPlace | None = None,
+    command: Callable[[GymAdapter, Path], list[str]] | None = None,
+    extra: Sequence[str] = (),
 ) -> GymStack:
     """Write env.yaml and start ng_run for shard `index`, or at `place` (a warm worker's), not waiting for
-    readiness."""
+    readiness. `command(adapter, venv)`: another command of the release that starts the servers itself (the
+    re-verification of `shardrun rescore`), with `extra` overrides after gym.overrides."""
     base_env = dict(os.environ if env is None else env)
     venv = gym_venv(gym, base_env)
     adapter = for_venv(venv)
@@ -355,7 +362,8 @@ def start(
     ray_tmp = ray_tmp_dir(place.home)
     log_from = log_size(place.log)  # ng_run's log is appended to: this start's part begins here
     port = processes.free_port(HEAD_HOST)
-    cmd = ng_run_command(adapter, venv, gym, port, venvs_dir)
+    cmd = ng_run_command(adapter, venv, gym, port, venvs_dir, command(adapter, venv) if command else None)
+    cmd += list(extra)
     if not shared:
         cmd.append(f"+uv_cache_dir={venvs_dir / 'uv-cache'}")
     # with request debugging on, Gym's model adapter prints a failed request's headers (the key among them)

@@ -30,7 +30,7 @@ from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunE
 from shardrun.plan.planner import Plan
 from shardrun.rundir import decided, ledger, records, seal, store
 from shardrun.rundir.records import Seal, SealWorker
-from shardrun.shard import collector, gym_stack, policy, watchdog
+from shardrun.shard import collector, gym_stack, policy, rescoring, watchdog
 
 Key = tuple[int, int]  # (task index, rollout index): a rollout's identity
 
@@ -137,7 +137,12 @@ def run_locked(
     try:
         with interruptible():
             log(f"start: attempt {attempt}, job {job_id or '-'}, host {socket.gethostname()}, pid {os.getpid()}")
-            marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt, **warm).run()
+            if cfg.rescore is not None:  # a re-score: the shard's stored rollouts verified again (rescoring.py)
+                if warm:
+                    raise ShardFailed("a re-score runs as shard jobs; warm workers do not run it (cluster.workers)")
+                marker = rescoring.Rescore(run_dir, index, plan, cfg, log, job_id, attempt).run()
+            else:
+                marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt, **warm).run()
     except Exception as exc:
         e = store.os_error(exc, f"running shard {index}") if isinstance(exc, OSError) else exc
         error = describe(e)

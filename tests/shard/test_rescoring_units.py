@@ -11,13 +11,14 @@ from shardrun.rundir import ledger
 from shardrun.shard import rescoring
 
 # what nemo-gym 0.7.0's `gym eval reverify` printed (wrapped by its console) when refusing, from a real run
-GYM_REFUSAL = """INFO:     127.0.0.1:39630 - "GET /global_config_dict_yaml HTTP/1.1" 200 OK
-Error: Resource server(s) ['example_single_tool_call', 'math_with_judge'] have 
-reverify_mode=UNSUPPORTED or UNKNOWN. Rewards computed by reverification may be 
-incorrect. Pass ++force=true to override (output will be prefixed with 
-'unsafe_').
-Shutting down Ray cluster spun up by NeMo Gym...
-"""
+GYM_REFUSAL = (
+    'INFO:     127.0.0.1:39630 - "GET /global_config_dict_yaml HTTP/1.1" 200 OK\n'
+    "Error: Resource server(s) ['example_single_tool_call', 'math_with_judge'] have \n"
+    "reverify_mode=UNSUPPORTED or UNKNOWN. Rewards computed by reverification may be \n"
+    "incorrect. Pass ++force=true to override (output will be prefixed with \n"
+    "'unsafe_').\n"
+    "Shutting down Ray cluster spun up by NeMo Gym...\n"
+)
 
 
 def test_gyms_refusal_of_servers_that_are_not_stateless_is_read_from_its_wrapped_log() -> None:

@@ -130,7 +130,8 @@ class Rescore:
             parallel=self.gym.num_samples_in_parallel,
         )
         policy = self.cfg.policy
-        base_url = (policy.base_url if isinstance(policy.base_url, str) else policy.base_url[0]) if policy else None
+        urls = policy.base_url if policy else None
+        base_url = urls if isinstance(urls, str) or urls is None else (urls[0] if urls else None)
         t0 = time.monotonic()
         stack = gym_stack.start(
             self.run_dir,

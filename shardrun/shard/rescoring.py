@@ -187,14 +187,11 @@ class Rescore:
         if book.pending:
             shown = ", ".join(f"{t}:{r}" for t, r in book.pending[:5])
             raise ShardFailed(f"{len(book.pending)} planned rollouts were neither verified nor failed ({shown})")
-        rollouts = store.rollouts_path(self.run_dir, self.index)
-        marker = seal.make_marker(
+        marker = seal.counted_marker(
             self.plan,
             self.index,
-            num_rollouts=len(book.done),
-            num_failed=book.num_failed,
-            rollouts_sha256=store.sha256_file(rollouts),
-            rollouts_bytes=rollouts.stat().st_size,
+            book,
+            store.rollouts_path(self.run_dir, self.index),
             started_at=started,
             finished_at=time.time(),
             host=socket.gethostname(),
@@ -203,10 +200,7 @@ class Rescore:
             server_wait_s=0.0,
             collect_s=round(verify_s, 3),
             gpus=0,
-            extra=dict(book.usage) or None,
             gym_version=self.plan.gym_version,
-            num_duplicate_lines=book.duplicates,
-            label_rollouts=self.plan.label_counts([task for task, _ in book.done]) if self.plan.blend else None,
         )
         seal.write_marker(self.run_dir, self.index, marker)
         return marker

@@ -599,13 +599,11 @@ class Shard:
             self.log(f"warning: {book.duplicates} duplicate rollout line(s) in rollouts.jsonl (merge dedupes)")
         rollouts = store.rollouts_path(self.run_dir, self.index)
         finished = time.time()
-        marker = seal.make_marker(
+        marker = seal.counted_marker(
             self.plan,
             self.index,
-            num_rollouts=len(book.done),
-            num_failed=book.num_failed,
-            rollouts_sha256=store.sha256_file(rollouts),
-            rollouts_bytes=rollouts.stat().st_size,
+            book,
+            rollouts,
             started_at=self.started_at,
             finished_at=finished,
             host=socket.gethostname(),
@@ -614,13 +612,10 @@ class Shard:
             server_wait_s=round(self.server_wait_s, 3),
             collect_s=round(self.collect_s, 3),
             gpus=gpus_visible(),
-            extra=dict(book.usage) or None,
             gym_version=self.gym_version,
             worker=self.worker,
             skipped_decided_tasks=sorted({t for t, _ in self.skipped}),
             num_skipped_decided=len(self.skipped),
-            num_duplicate_lines=book.duplicates,
-            label_rollouts=self.plan.label_counts([task for task, _ in book.done]) if self.plan.blend else None,
         )
         seal.write_marker(self.run_dir, self.index, marker)
         self.lending.sealed()

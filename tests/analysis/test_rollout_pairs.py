@@ -53,3 +53,36 @@ def test_merged_rows_are_checked_before_they_are_trusted(tmp_path: Path) -> None
             rollout_pairs.read_rewards(tmp_path)
     with pytest.raises(BadInput, match="no merged rollouts"):
         rollout_pairs.read_rewards(tmp_path / "elsewhere")
+
+
+def test_compare_pairs_rollouts_only_when_the_runs_hold_the_same_rollouts(tmp_path: Path) -> None:
+    from reportkit import input_row, merge_run, planned_run, seal_shards
+
+    from shardrun.analysis import comparison
+
+    rows = [input_row(i, ("agent_a", "agent_b")[i % 2]) for i in range(6)]
+    for name in ("base", "cand", "other"):
+        (tmp_path / name).mkdir()
+    base, _ = planned_run(tmp_path / "base", rows, num_repeats=3)
+    cand, _ = planned_run(tmp_path / "cand", rows, num_repeats=3)
+    other, _ = planned_run(tmp_path / "other", rows, num_repeats=2)
+
+    def old(t: int, r: int) -> float:
+        return float((t + r) % 2)
+
+    def new(t: int, r: int) -> float:  # task 0's and task 3's rollouts 1 flip
+        return 1.0 - old(t, r) if (t, r) in {(0, 1), (3, 1)} else old(t, r)
+
+    for run, reward in ((base, old), (cand, new), (other, old)):
+        seal_shards(run, reward)
+        merge_run(run)
+    summary = comparison.compare(base, [cand, other], resamples=10).summary
+    got = summary["candidates"][0]["rollouts"]
+    assert (got["paired"], got["changed"], got["up"], got["down"]) == (18, 2, 1, 1)
+    agents = {g["group"]: g["changed"] for g in got["groups"] if g["kind"] == "agent"}
+    assert agents == {"agent_a": 1, "agent_b": 1}
+    assert [(e["task_index"], e["rollout_index"], e["reward_base"], e["reward_cand"]) for e in got["examples"]] == [
+        (0, 1, 1.0, 0.0),
+        (3, 1, 0.0, 1.0),
+    ]
+    assert "rollouts" not in summary["candidates"][1]  # other repeats: task by task only

@@ -323,6 +323,13 @@ def submit(
     if result.dry_run is not None:
         say(result.dry_run)
         return
+    _said_submission(result)
+
+
+def _said_submission(result) -> None:
+    """What `submit` and `rescore` say of a launch, and the next step; a failed shard exits non-zero."""
+    from shardrun.launch import submission
+
     if result.merge_job_id:
         say(f"merge job: {result.merge_job_id} (shardrun merge-and-profile, after the shard jobs end)")
     if result.live:
@@ -349,6 +356,41 @@ def submit(
         next_step(
             f"shardrun status {run_dir} --watch; when every shard is sealed: shardrun merge-and-profile {run_dir}"
         )
+
+
+@app.command()
+def rescore(
+    run_dir: Path = typer.Argument(..., help="The run whose stored rollouts are re-scored (its shards sealed)."),
+    overrides: Optional[list[str]] = typer.Argument(
+        None, help="Hydra overrides of the source run's config, e.g. gym.overrides=[...] (the new scoring)."
+    ),
+    output: Path = typer.Option(..., "-o", "--output", help="The new run directory."),
+    failed_only: bool = typer.Option(
+        False, "--failed-only", help="Re-verify only the rollouts whose scoring failed (Gym's --judge-failed-only)."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Re-verify also with resources servers that are not stateless (Gym's --force)."
+    ),
+    no_wait: bool = typer.Option(False, "--no-wait", help="Return after submitting (local executor waits by default)."),
+) -> None:
+    """Re-verify a run's stored rollouts with a changed Gym config, without the policy, into a new run directory
+    (sharded and sealed like collection; run it again, or `shardrun resume NEW_RUN`, to finish an interrupted one);
+    then `merge-and-profile` it and `compare` the two runs (docs/rescore.md)."""
+    from shardrun.launch import submission
+    from shardrun.rundir import rescore_source
+
+    setup = run(rescore_source.rescore_config, run_dir, overrides or [], output, failed_only=failed_only, force=force)
+    for note in setup.notes:
+        say(f"note: {note}", err=True)
+    say(f"re-scoring {terminal.shown(str(setup.cfg.rescore.source_run))} (plan {setup.source_plan.fingerprint[:12]}…)")
+    result = run(
+        submission.submit,
+        setup.cfg,
+        wait_for_jobs=False if no_wait else None,
+        echo=say,
+        warn=lambda w: say(f"warning: {terminal.shown(w)}", err=True),
+    )
+    _said_submission(result)
 
 
 @app.command()

@@ -41,7 +41,7 @@ import numpy as np
 import orjson
 from filelock import FileLock, Timeout
 
-from shardrun.analysis import report, selection
+from shardrun.analysis import report, rollout_pairs, selection
 from shardrun.core import task_rules
 from shardrun.core.errors import BadInput, ShardrunError
 from shardrun.core.gym_names import RCP_KEY, TASK_KEY
@@ -610,14 +610,27 @@ def compare(
     if resamples < 1:
         raise BadInput(f"--resamples must be at least 1, got {resamples}")
     b, cands, pairings = read_and_pair(base, candidates, key, solved_threshold)
+    base_rewards = (
+        rollout_pairs.read_rewards(b.run_dir) if any(rollout_pairs.same_rollouts(b.plan, c.plan) for c in cands) else {}
+    )
     summary = {
         "base": b.name,
         "solved_threshold": solved_threshold,
         "buckets": list(task_rules.BUCKETS),
         "bootstrap": {"resamples": resamples, "seed": seed, "confidence": CONFIDENCE},
-        "candidates": [summarize(b, c, pg, resamples, seed) for c, pg in zip(cands, pairings)],
+        "candidates": [
+            summarize(b, c, pg, resamples, seed) | rollouts_entry(b, c, base_rewards) for c, pg in zip(cands, pairings)
+        ],
     }
     return Comparison(b, cands, pairings, summary)
+
+
+def rollouts_entry(base: Side, cand: Side, base_rewards: Mapping[tuple[int, int], tuple[str, float]]) -> dict:
+    """{"rollouts": the rollout-by-rollout pairing} when the two runs hold the same rollouts (a run and its
+    re-score: rollout_pairs.py), else {}."""
+    if not rollout_pairs.same_rollouts(base.plan, cand.plan):
+        return {}
+    return {"rollouts": rollout_pairs.pair(base_rewards, rollout_pairs.read_rewards(cand.run_dir), base.labels)}
 
 
 @dataclass(frozen=True)
@@ -801,6 +814,8 @@ def render_table(summary: Mapping[str, Any]) -> str:
     for n, c in enumerate(summary["candidates"], 1):
         lines.append(f"candidate {n}: {c['run_dir']} (paired by {c['pairing']})")
         lines += [f"  note: {note}" for note in c["notes"]]
+        if "rollouts" in c:
+            lines += rollout_pairs.text(c["rollouts"])
     return "\n".join(lines)
 
 

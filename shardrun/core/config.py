@@ -837,6 +837,21 @@ class ReportConfig(StrictModel):
     )
 
 
+class RescoreConfig(StrictModel):
+    """Set by `shardrun rescore` (docs/rescore.md), never by hand: this run re-verifies another run's stored
+    rollouts with its own `gym` section, without the policy. It is in plan.json, so the fingerprint covers it."""
+
+    source_run: Path = Field(..., description="The run whose sealed rollouts are re-verified.")
+    source_fingerprint: str = Field(..., description="That run's plan fingerprint when the re-score was planned.")
+    failed_only: bool = Field(
+        False, description="Re-verify only the rollouts whose scoring failed (Gym's --judge-failed-only)."
+    )
+    force: bool = Field(
+        False,
+        description="Re-verify also against resources servers whose reverify_mode is not stateless (Gym's --force).",
+    )
+
+
 class RunConfig(StrictModel):
     input_jsonl: Path | None = Field(
         None, description="Input tasks, one JSON object per line (NeMo Gym format); or give `entries`."
@@ -879,6 +894,9 @@ class RunConfig(StrictModel):
         "checks it (external), and defines the server NAME in the Gym stack's config (docs/judges.md).",
     )
     nickname: str | None = Field(None, description="The blend's name (a NeMo Gym manifest's nickname), shown.")
+    rescore: RescoreConfig | None = Field(
+        None, description="A re-score of another run's rollouts (set by `shardrun rescore`; docs/rescore.md)."
+    )
     not_carried_out: list[str] = Field(
         default_factory=list,
         description="What a translated NeMo Gym manifest held that shardrun does not carry out (set by the "

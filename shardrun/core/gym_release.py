@@ -8,6 +8,7 @@ from __future__ import annotations
 import abc
 from pathlib import Path
 from typing import ClassVar
+from shardrun.core.errors import BadInput
 
 Key = tuple[int, int]
 
@@ -48,6 +49,11 @@ class GymAdapter(abc.ABC):
     def collect_flags(self) -> list[str]:
         """Hydra overrides this release needs on the collector besides shardrun's common ones."""
         return []
+
+    def reverify_command(self, venv: Path) -> list[str]:
+        """The command (before Hydra overrides) that starts the Gym servers and re-verifies stored rollouts against
+        them (`shardrun rescore`); BadInput for a release that has none."""
+        raise BadInput(f"nemo-gym {self.version} cannot re-verify stored rollouts; rescore needs nemo-gym 0.7 or later")
 
     @abc.abstractmethod
     def profile_command(self, venv: Path, materialized: Path, rollouts: Path, partial: bool) -> list[str]:

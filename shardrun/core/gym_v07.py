@@ -50,6 +50,9 @@ class GymV07(GymAdapter):
     def collect_flags(self) -> list[str]:
         return ["+route_failures_to_sidecar=true"]
 
+    def reverify_command(self, venv: Path) -> list[str]:
+        return [str(venv / "bin" / "gym"), "eval", "reverify"]
+
     def profile_command(self, venv: Path, materialized: Path, rollouts: Path, partial: bool) -> list[str]:
         return [
             str(venv / "bin" / "gym"),

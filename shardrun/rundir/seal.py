@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from shardrun.core.errors import ShardrunError
-from shardrun.rundir import records, store
+from shardrun.rundir import ledger, records, store
 from shardrun.plan.planner import Plan
 from shardrun.rundir.records import MARKER_VERSION, Seal
 
@@ -81,6 +81,23 @@ def make_marker(
         worker=worker,
         extra=extra or None,
         label_rollouts=label_rollouts,
+    )
+
+
+def counted_marker(plan: Plan, shard_index: int, book: "ledger.Ledger", rollouts: Path, **fields: Any) -> Seal:
+    """The marker of a shard whose identities the ledger `book` counted in its `rollouts` file: the counts, the
+    file's size and sha256, the tokens and a blend's rollouts per label from it; `fields` the rest of make_marker's."""
+    return make_marker(
+        plan,
+        shard_index,
+        num_rollouts=len(book.done),
+        num_failed=book.num_failed,
+        rollouts_sha256=store.sha256_file(rollouts),
+        rollouts_bytes=rollouts.stat().st_size,
+        extra=dict(book.usage) or None,
+        num_duplicate_lines=book.duplicates,
+        label_rollouts=plan.label_counts([task for task, _ in book.done]) if plan.blend else None,
+        **fields,
     )
 
 

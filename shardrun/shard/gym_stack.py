@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import yaml
 
@@ -151,10 +151,19 @@ def hydra_list(items: Sequence[str]) -> str:
 
 
 def ng_run_command(
-    adapter: GymAdapter, venv: Path, gym: GymConfig, port: int, venvs_dir: Path, extra_configs: Sequence[str] = ()
+    adapter: GymAdapter,
+    venv: Path,
+    gym: GymConfig,
+    port: int,
+    venvs_dir: Path,
+    extra_configs: Sequence[str] = (),
+    head: Sequence[str] | None = None,
 ) -> list[str]:
+    """The stack's command: the release's stack command, or `head` (a command that starts the same servers itself,
+    such as the release's re-verification), with shardrun's common overrides and gym.overrides; `extra_configs`
+    (the judges' server config) join gym.config_paths."""
     return [
-        *adapter.stack_command(venv),
+        *(adapter.stack_command(venv) if head is None else head),
         f"+config_paths={hydra_list([*gym.config_paths, *extra_configs])}",
         f"+head_server.host={HEAD_HOST}",
         f"+head_server.port={port}",
@@ -397,10 +406,13 @@ def start(
     place: StackPlace | None = None,
     judges: Sequence[JudgeBinding] = (),
     extra_env: Mapping[str, str] | None = None,
+    command: Callable[[GymAdapter, Path], list[str]] | None = None,
+    extra: Sequence[str] = (),
 ) -> GymStack:
     """Write env.yaml (and the judges' server config) and start ng_run for shard `index`, or at `place` (a warm
     worker's), not waiting for readiness. `extra_env` joins ng_run's environment (the sandbox's address:
-    shard/sandbox.py gym_env)."""
+    shard/sandbox.py gym_env). `command(adapter, venv)`: another command of the release that starts the servers
+    itself (the re-verification of `shardrun rescore`), with `extra` overrides after gym.overrides."""
     base_env = dict(os.environ if env is None else env) | dict(extra_env or {})
     venv = gym_venv(gym, base_env)
     adapter = for_venv(venv)
@@ -429,7 +441,10 @@ def start(
     ray_tmp = ray_tmp_dir(place.home)
     log_from = log_size(place.log)  # ng_run's log is appended to: this start's part begins here
     port = processes.free_port(HEAD_HOST)
-    cmd = ng_run_command(adapter, venv, gym, port, venvs_dir, extra_configs)
+    cmd = ng_run_command(
+        adapter, venv, gym, port, venvs_dir, extra_configs, command(adapter, venv) if command else None
+    )
+    cmd += list(extra)
     if not shared:
         cmd.append(f"+uv_cache_dir={venvs_dir / 'uv-cache'}")
     # with request debugging on, Gym's model adapter prints a failed request's headers (the key among them)

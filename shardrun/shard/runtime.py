@@ -30,7 +30,7 @@ from shardrun.core.errors import BadInput, ServerFailure, ShardFailed, ShardrunE
 from shardrun.plan.planner import Plan
 from shardrun.rundir import decided, ledger, records, seal, store
 from shardrun.rundir.records import Seal, SealWorker
-from shardrun.shard import collector, gym_stack, judges as judge_servers, policy, watchdog
+from shardrun.shard import collector, gym_stack, judges as judge_servers, policy, rescoring, watchdog
 from shardrun.shard import sandbox as sandboxes
 
 Key = tuple[int, int]  # (task index, rollout index): a rollout's identity
@@ -139,7 +139,12 @@ def run_locked(
     try:
         with interruptible():
             log(f"start: attempt {attempt}, job {job_id or '-'}, host {socket.gethostname()}, pid {os.getpid()}")
-            marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt, **warm).run()
+            if cfg.rescore is not None:  # a re-score: the shard's stored rollouts verified again (rescoring.py)
+                if warm:
+                    raise ShardFailed("a re-score runs as shard jobs; warm workers do not run it (cluster.workers)")
+                marker = rescoring.Rescore(run_dir, index, plan, cfg, log, job_id, attempt).run()
+            else:
+                marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt, **warm).run()
     except Exception as exc:
         e = store.os_error(exc, f"running shard {index}") if isinstance(exc, OSError) else exc
         error = describe(e)
@@ -708,13 +713,11 @@ class Shard:
             self.log(f"warning: {book.duplicates} duplicate rollout line(s) in rollouts.jsonl (merge dedupes)")
         rollouts = store.rollouts_path(self.run_dir, self.index)
         finished = time.time()
-        marker = seal.make_marker(
+        marker = seal.counted_marker(
             self.plan,
             self.index,
-            num_rollouts=len(book.done),
-            num_failed=book.num_failed,
-            rollouts_sha256=store.sha256_file(rollouts),
-            rollouts_bytes=rollouts.stat().st_size,
+            book,
+            rollouts,
             started_at=self.started_at,
             finished_at=finished,
             host=socket.gethostname(),
@@ -723,13 +726,10 @@ class Shard:
             server_wait_s=round(self.server_wait_s, 3),
             collect_s=round(self.collect_s, 3),
             gpus=gpus_visible(),
-            extra=dict(book.usage) or None,
             gym_version=self.gym_version,
             worker=self.worker,
             skipped_decided_tasks=sorted({t for t, _ in self.skipped}),
             num_skipped_decided=len(self.skipped),
-            num_duplicate_lines=book.duplicates,
-            label_rollouts=self.plan.label_counts([task for task, _ in book.done]) if self.plan.blend else None,
         )
         seal.write_marker(self.run_dir, self.index, marker)
         self.lending.sealed()

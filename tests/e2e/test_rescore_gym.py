@@ -1,0 +1,173 @@
+"""`shardrun rescore` and `compare` with the real NeMo Gym stack (0.7; `gym eval reverify` is 0.7's) and the stand-in
+policy (tests/fakes/policy_server.py) for the collection only: the re-score runs with the policy gone.
+
+- A collected 2-shard run re-scored with the same config (forced: math_with_judge does not declare itself
+  stateless) gives every rollout exactly its reward, and `compare` pairs them rollout by rollout: zero changed.
+- Without --force the re-score is refused, naming the servers Gym refused.
+- Re-scored with a changed verifier setting (math_with_judge's library_verifier_timeout_seconds so small that
+  math-verify never answers in time) and SIGKILLed (the command's whole process group and the Gym servers of the
+  shard it was running) once shard 0 is sealed, then resumed by running the same command again: shard 0 is not
+  verified again (its seal and its Gym log as they were), and the merged rewards equal those Gym's own
+  re-verification gives for the source's merged rollouts with the same setting (one unsharded `gym eval reverify`);
+  `compare` counts exactly the rollouts whose reward differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shardrun.core import gym_adapter
+from shardrun.rundir import store
+from shardrun.shard import gym_stack
+from tests.fakes import harness
+
+pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1500)]
+TIMEOUT_SETTING = "++math_with_judge.resources_servers.math_with_judge.library_verifier_timeout_seconds=0.000001"
+CHANGED = f"gym.overrides=['{TIMEOUT_SETTING}']"
+
+
+def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardrun.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+
+
+def rewards(path: Path) -> dict[tuple[int, int], float]:
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            out[(r["_ng_task_index"], r["_ng_rollout_index"])] = r["reward"]
+    return out
+
+
+def compared(tmp: Path, base: Path, cand: Path, name: str) -> dict:
+    done = cli("compare", str(base), str(cand), "-o", str(tmp / name), "--json", cwd=tmp)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)["candidates"][0]["rollouts"]
+
+
+def gym_reverify(tmp: Path, source: Path, gym_venv: Path) -> dict[tuple[int, int], float]:
+    """Gym's own re-verification of the source's merged rollouts, unsharded, with the changed setting."""
+    cfg = store.load_plan(source).config
+    from shardrun.core.config import GymConfig
+
+    gym = GymConfig.model_validate(cfg["gym"]).model_copy(update={"overrides": [TIMEOUT_SETTING]})
+    out = tmp / "reference" / "reverified.jsonl"
+    extra = [
+        f"+materialized_inputs_jsonl_fpath={store.merged_materialized_path(source)}",
+        f"+rollouts_jsonl_fpath={store.merged_rollouts_path(source)}",
+        f"+output_jsonl_fpath={out}",
+        "+disable_aggregation=true",
+        "+model_endpoint_readiness_timeout_seconds=0",
+        "+force=true",
+    ]
+    stack = gym_stack.start(
+        tmp / "reference",
+        0,
+        gym,
+        ["http://127.0.0.1:9/v1"],
+        None,
+        "none",
+        command=lambda adapter, venv: adapter.reverify_command(venv),
+        extra=extra,
+    )
+    try:
+        assert stack.proc.wait(timeout=600) == 0, stack.proc.tail()
+    finally:
+        stack.stop()
+    return rewards(out.with_name("unsafe_" + out.name))
+
+
+def wait_for(what: str, check, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_rescore_same_and_changed_setting_killed_and_resumed(tmp_path: Path, gym_venv: Path, monkeypatch) -> None:
+    if gym_adapter.for_venv(gym_venv).version.startswith("0.4"):
+        pytest.skip("gym eval reverify is nemo-gym 0.7's")
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(harness.TAG_ENV, tag)
+    monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
+    monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
+    input_jsonl = harness.example_input(tmp_path / "input.jsonl", gym_venv, math_rows=6, weather_rows=0)
+    source = tmp_path / "run"
+    with harness.fake_policy(tmp_path, "--correct-share", "0.5") as fake:
+        cfg_path = harness.write_config(tmp_path / "run.yaml", input_jsonl, source, fake.base_url, repeats=2, shards=2)
+        done = cli("submit", str(cfg_path), cwd=tmp_path, timeout=900)
+        assert done.returncode == 0, done.stdout + done.stderr
+    done = cli("merge-and-profile", str(source), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    before = rewards(store.merged_rollouts_path(source))
+    assert len(before) == 12 and 0 < sum(before.values()) < 12
+
+    # not stateless: refused without --force, naming the servers
+    refused = cli("rescore", str(source), "-o", str(tmp_path / "refused"), cwd=tmp_path)
+    assert refused.returncode != 0
+    assert "['math_with_judge'] are not safe to re-verify statelessly" in refused.stdout + refused.stderr
+    assert "--force" in refused.stdout + refused.stderr
+
+    # the same config: every reward as it was, compare says zero changed
+    same = tmp_path / "same"
+    done = cli("rescore", str(source), "-o", str(same), "--force", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert cli("merge-and-profile", str(same), cwd=tmp_path).returncode == 0
+    assert rewards(store.merged_rollouts_path(same)) == before
+    plan = store.load_plan(same)
+    assert plan.config["rescore"]["source_run"] == str(source.resolve())
+    assert plan.config["rescore"]["source_fingerprint"] == store.load_plan(source).fingerprint
+    got = compared(tmp_path, source, same, "cmp-same")
+    assert (got["paired"], got["changed"], got["examples"]) == (12, 0, [])
+
+    # a changed verifier setting, killed once shard 0 is sealed, resumed by the same command
+    changed = tmp_path / "changed"
+    args = [sys.executable, "-m", "shardrun.cli", "rescore", str(source), CHANGED, "-o", str(changed), "--force"]
+    killed = subprocess.Popen(args, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        wait_for("shard 0's seal", lambda: store.done_path(changed, 0).exists() or killed.poll() is not None)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+        kill_tagged(tag)  # the Gym servers of the shard it was running (their own process groups)
+    assert store.done_path(changed, 0).exists() and not store.done_path(changed, 1).exists()
+    seal0 = store.done_path(changed, 0).read_bytes()
+    log0 = store.gym_log_path(changed, 0).read_text()
+    done = cli("rescore", str(source), CHANGED, "-o", str(changed), "--force", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "already sealed: 1 shard(s)" in done.stdout
+    assert store.done_path(changed, 0).read_bytes() == seal0
+    assert store.gym_log_path(changed, 0).read_text() == log0  # shard 0 was not verified again
+    assert cli("merge-and-profile", str(changed), cwd=tmp_path).returncode == 0
+    after = rewards(store.merged_rollouts_path(changed))
+    assert after == gym_reverify(tmp_path, source, gym_venv)
+    differ = sorted(k for k in before if before[k] != after[k])
+    assert differ, "the changed setting changed no reward: the test shows nothing"
+    got = compared(tmp_path, source, changed, "cmp-changed")
+    assert (got["paired"], got["changed"]) == (12, len(differ))
+    assert [(e["task_index"], e["rollout_index"]) for e in got["examples"]] == differ[:10]
+    assert all(e["reward_base"] == before[(e["task_index"], e["rollout_index"])] for e in got["examples"])
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process the killed command started (they carry the test's tag), until none is left."""
+
+    def gone() -> bool:
+        for pid in harness.tagged_processes(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return not harness.tagged_processes(tag)
+
+    wait_for("the killed re-score's processes to end", gone, timeout=60)

@@ -4,12 +4,14 @@ policy (tests/fakes/policy_server.py) for the collection only: the re-score runs
 - A collected 2-shard run re-scored with the same config (forced: math_with_judge does not declare itself
   stateless) gives every rollout exactly its reward, and `compare` pairs them rollout by rollout: zero changed.
 - Without --force the re-score is refused, naming the servers Gym refused.
-- Re-scored with a changed verifier setting (math_with_judge's library_verifier_timeout_seconds so small that
-  math-verify never answers in time) and SIGKILLed (the command's whole process group and the Gym servers of the
+- Re-scored with another scoring, another judge swapped in (math_with_judge's `should_use_judge` on, its judge
+  `judges.math_judge`: an external stand-in in judge mode that says "equal" for one chosen question only, so the
+  rollouts math-verify failed on that question turn 1 and no other reward moves: the change is decided by the
+  judge's verdicts, never by timing), and SIGKILLed (the command's whole process group and the Gym servers of the
   shard it was running) once shard 0 is sealed, then resumed by running the same command again: shard 0 is not
   verified again (its seal and its Gym log as they were), and the merged rewards equal those Gym's own
-  re-verification gives for the source's merged rollouts with the same setting (one unsharded `gym eval reverify`);
-  `compare` counts exactly the rollouts whose reward differs.
+  re-verification gives for the source's merged rollouts with the same scoring (one unsharded `gym eval reverify`
+  against the same judge); `compare` counts exactly the rollouts whose reward differs.
 """
 
 from __future__ import annotations
@@ -28,12 +30,29 @@ import pytest
 
 from shardrun.core import gym_adapter
 from shardrun.rundir import store
+from shardrun.core.config import GymConfig, JudgeConfig
 from shardrun.shard import gym_stack
+from shardrun.shard import judges as judge_servers
 from tests.fakes import harness
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1500)]
-TIMEOUT_SETTING = "++math_with_judge.resources_servers.math_with_judge.library_verifier_timeout_seconds=0.000001"
-CHANGED = f"gym.overrides=['{TIMEOUT_SETTING}']"
+JUDGE = "math_judge"
+JUDGE_KEY_ENV = "SHARDRUN_TEST_RESCORE_JUDGE_KEY"
+JUDGE_KEY = "rescore-judge-key"
+MATH = "math_with_judge.resources_servers.math_with_judge"
+JUDGE_SETTINGS = [f"++{MATH}.should_use_judge=true", f"++{MATH}.judge_model_server.name={JUDGE}"]
+
+
+def judge_config(base_url: str) -> JudgeConfig:
+    return JudgeConfig(base_url=base_url, model_name="judge-ext", api_key_env=JUDGE_KEY_ENV)
+
+
+def changed_scoring(base_url: str) -> list[str]:
+    """The overrides of the other scoring: the judge on, bound to judges.math_judge (Hydra's grammar)."""
+    return [
+        "gym.overrides=[" + ",".join(f"'{o}'" for o in JUDGE_SETTINGS) + "]",
+        f"+judges.{JUDGE}={{base_url:'{base_url}',model_name:judge-ext,api_key_env:{JUDGE_KEY_ENV}}}",
+    ]
 
 
 def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -57,12 +76,10 @@ def compared(tmp: Path, base: Path, cand: Path, name: str) -> dict:
     return json.loads(done.stdout)["candidates"][0]["rollouts"]
 
 
-def gym_reverify(tmp: Path, source: Path, gym_venv: Path) -> dict[tuple[int, int], float]:
-    """Gym's own re-verification of the source's merged rollouts, unsharded, with the changed setting."""
+def gym_reverify(tmp: Path, source: Path, gym_venv: Path, judge_url: str) -> dict[tuple[int, int], float]:
+    """Gym's own re-verification of the source's merged rollouts, unsharded, with the changed scoring."""
     cfg = store.load_plan(source).config
-    from shardrun.core.config import GymConfig
-
-    gym = GymConfig.model_validate(cfg["gym"]).model_copy(update={"overrides": [TIMEOUT_SETTING]})
+    gym = GymConfig.model_validate(cfg["gym"]).model_copy(update={"overrides": JUDGE_SETTINGS})
     out = tmp / "reference" / "reverified.jsonl"
     extra = [
         f"+materialized_inputs_jsonl_fpath={store.merged_materialized_path(source)}",
@@ -72,6 +89,7 @@ def gym_reverify(tmp: Path, source: Path, gym_venv: Path) -> dict[tuple[int, int
         "+model_endpoint_readiness_timeout_seconds=0",
         "+force=true",
     ]
+    started, _ = judge_servers.start_all({JUDGE: judge_config(judge_url)}, tmp / "reference")
     stack = gym_stack.start(
         tmp / "reference",
         0,
@@ -79,6 +97,7 @@ def gym_reverify(tmp: Path, source: Path, gym_venv: Path) -> dict[tuple[int, int
         ["http://127.0.0.1:9/v1"],
         None,
         "none",
+        judges=[j.binding for j in started],
         command=lambda adapter, venv: adapter.reverify_command(venv),
         extra=extra,
     )
@@ -86,6 +105,7 @@ def gym_reverify(tmp: Path, source: Path, gym_venv: Path) -> dict[tuple[int, int
         assert stack.proc.wait(timeout=600) == 0, stack.proc.tail()
     finally:
         stack.stop()
+        judge_servers.stop_all(started)
     return rewards(out.with_name("unsafe_" + out.name))
 
 
@@ -132,33 +152,46 @@ def test_rescore_same_and_changed_setting_killed_and_resumed(tmp_path: Path, gym
     got = compared(tmp_path, source, same, "cmp-same")
     assert (got["paired"], got["changed"], got["examples"]) == (12, 0, [])
 
-    # a changed verifier setting, killed once shard 0 is sealed, resumed by the same command
+    # another judge swapped in: equal for one chosen question that math-verify failed on at least once
+    qs = [json.loads(line)["question"] for line in input_jsonl.read_text().splitlines() if line.strip()]
+    chosen = next(
+        t
+        for t, q in enumerate(qs)
+        if any(before[(t, r)] == 0 for r in range(2)) and not any(q in other for o, other in enumerate(qs) if o != t)
+    )
+    expected = {k: 1.0 if v == 1 or k[0] == chosen else 0.0 for k, v in before.items()}
+    monkeypatch.setenv(JUDGE_KEY_ENV, JUDGE_KEY)
     changed = tmp_path / "changed"
-    args = [sys.executable, "-m", "shardrun.cli", "rescore", str(source), CHANGED, "-o", str(changed), "--force"]
-    killed = subprocess.Popen(args, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL)
-    try:
-        wait_for("shard 0's seal", lambda: store.done_path(changed, 0).exists() or killed.poll() is not None)
-    finally:
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait()
-        kill_tagged(tag)  # the Gym servers of the shard it was running (their own process groups)
-    assert store.done_path(changed, 0).exists() and not store.done_path(changed, 1).exists()
-    seal0 = store.done_path(changed, 0).read_bytes()
-    log0 = store.gym_log_path(changed, 0).read_text()
-    done = cli("rescore", str(source), CHANGED, "-o", str(changed), "--force", cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "already sealed: 1 shard(s)" in done.stdout
-    assert store.done_path(changed, 0).read_bytes() == seal0
-    assert store.gym_log_path(changed, 0).read_text() == log0  # shard 0 was not verified again
-    assert cli("merge-and-profile", str(changed), cwd=tmp_path).returncode == 0
-    after = rewards(store.merged_rollouts_path(changed))
-    assert after == gym_reverify(tmp_path, source, gym_venv)
+    with harness.fake_policy(tmp_path, "--judge", "--judge-equal", qs[chosen], key=JUDGE_KEY, tagged=False) as judge:
+        scoring = changed_scoring(judge.base_url)
+        args = [sys.executable, "-m", "shardrun.cli", "rescore", str(source), *scoring, "-o", str(changed), "--force"]
+        killed = subprocess.Popen(args, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL)
+        try:
+            wait_for("shard 0's seal", lambda: store.done_path(changed, 0).exists() or killed.poll() is not None)
+        finally:
+            os.killpg(killed.pid, signal.SIGKILL)
+            killed.wait()
+            kill_tagged(tag)  # the Gym servers of the shard it was running (their own process groups)
+        assert store.done_path(changed, 0).exists() and not store.done_path(changed, 1).exists()
+        seal0 = store.done_path(changed, 0).read_bytes()
+        log0 = store.gym_log_path(changed, 0).read_text()
+        done = cli("rescore", str(source), *scoring, "-o", str(changed), "--force", cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "already sealed: 1 shard(s)" in done.stdout
+        assert store.done_path(changed, 0).read_bytes() == seal0
+        assert store.gym_log_path(changed, 0).read_text() == log0  # shard 0 was not verified again
+        assert cli("merge-and-profile", str(changed), cwd=tmp_path).returncode == 0
+        after = rewards(store.merged_rollouts_path(changed))
+        judged = [r for r in judge.requests() if r.get("route")]
+        assert after == gym_reverify(tmp_path, source, gym_venv, judge.base_url)
+    assert judged and all(r["auth_ok"] for r in judged)  # the judge was asked, with its key by name
+    assert after == expected
     differ = sorted(k for k in before if before[k] != after[k])
-    assert differ, "the changed setting changed no reward: the test shows nothing"
+    assert differ, "the other judge changed no reward: the test shows nothing"
     got = compared(tmp_path, source, changed, "cmp-changed")
     assert (got["paired"], got["changed"]) == (12, len(differ))
     assert [(e["task_index"], e["rollout_index"]) for e in got["examples"]] == differ[:10]
-    assert all(e["reward_base"] == before[(e["task_index"], e["rollout_index"])] for e in got["examples"])
+    assert JUDGE_KEY not in store.plan_path(changed).read_text()
 
 
 def kill_tagged(tag: str) -> None:

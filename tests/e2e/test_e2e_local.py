@@ -67,26 +67,38 @@ def unsharded_reference(tmp: Path, cfg_path: Path, input_jsonl: Path, gym_venv: 
     cfg = harness.load_config(cfg_path)
     out = tmp / "reference" / "out"
     out.mkdir(parents=True)
-    stack, _ = gym_stack.start_ready(
-        tmp / "reference", 0, cfg.gym, [cfg.policy.base_url], harness.API_KEY, cfg.policy.model_name
-    )
-    try:
-        env = gym_stack.stack_env(dict(os.environ), gym_venv, stack.ray_tmp, True)
-        run_cmd(
-            *release.collect_command(gym_venv),
-            f"+head_server.host={gym_stack.HEAD_HOST}",
-            f"+head_server.port={stack.port}",
-            f"+input_jsonl_fpath={input_jsonl}",
-            f"+output_jsonl_fpath={out / 'rollouts.jsonl'}",
-            f"+num_repeats={repeats}",
-            "+num_repeats_add_seed=true",
-            "+num_samples_in_parallel=4",
-            "+disable_aggregation=true",
-            cwd=out,
-            env=env,
+    for attempt in (1, 2):
+        stack, _ = gym_stack.start_ready(
+            tmp / "reference", 0, cfg.gym, [cfg.policy.base_url], harness.API_KEY, cfg.policy.model_name
         )
-    finally:
-        stack.stop()
+        try:
+            env = gym_stack.stack_env(dict(os.environ), gym_venv, stack.ray_tmp, True)
+            proc = subprocess.run(
+                [
+                    *release.collect_command(gym_venv),
+                    f"+head_server.host={gym_stack.HEAD_HOST}",
+                    f"+head_server.port={stack.port}",
+                    f"+input_jsonl_fpath={input_jsonl}",
+                    f"+output_jsonl_fpath={out / 'rollouts.jsonl'}",
+                    f"+num_repeats={repeats}",
+                    "+num_repeats_add_seed=true",
+                    "+num_samples_in_parallel=4",
+                    "+disable_aggregation=true",
+                ],
+                cwd=out,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            # the reference's own stack can lose a server's port to a test running beside it (Gym picks its
+            # servers' ports at random; another stack answered on it, then ng_run exited): started once more
+            lost = not stack.proc.alive() and stack.transient_failure() is not None
+        finally:
+            stack.stop()
+        if proc.returncode == 0 or not lost or attempt == 2:
+            break
+    assert proc.returncode == 0, f"the reference collection failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     run_cmd(
         *release.profile_command(gym_venv, out / "rollouts_materialized_inputs.jsonl", out / "rollouts.jsonl", False),
         cwd=out,

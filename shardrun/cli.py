@@ -127,22 +127,46 @@ def plan(
         next_step(terminal.shown(shell_words("shardrun", "submit", config, *(overrides or []))), json_out)
 
 
+# select's rules (shardrun/analysis/selection.py), the same flags wherever a command chooses tasks (select, export)
+_AGENT = typer.Option(None, "--agent", help="Keep tasks of this agent (repeatable).")
+_LABEL = typer.Option(None, "--label", help="A blend: keep tasks of this label (repeatable; docs/blends.md).")
+_MIN_MEAN = typer.Option(None, "--min-mean", help="Keep tasks with mean metric >= this.")
+_MAX_MEAN = typer.Option(None, "--max-mean", help="Keep tasks with mean metric <= this.")
+_MIN_STD = typer.Option(None, "--min-std", help="Keep tasks with std of the metric >= this.")
+_MIN_MEAN_LENGTH = typer.Option(
+    None,
+    "--min-mean-length",
+    help="Keep tasks whose mean output length (the profile's mean/output_tokens) >= this many tokens.",
+)
+_MAX_MEAN_LENGTH = typer.Option(
+    None,
+    "--max-mean-length",
+    help="Keep tasks whose mean output length (mean/output_tokens) <= this many tokens; a task whose rollouts "
+    "recorded no output tokens meets no length bound.",
+)
+_DROP_UNSOLVED = typer.Option(False, "--drop-unsolved", help="Drop tasks no rollout solved.")
+_DROP_SOLVED = typer.Option(False, "--drop-solved", help="Drop tasks every rollout solved.")
+_SOLVED_THRESHOLD = typer.Option(1.0, "--solved-threshold", help="A rollout solves a task at this metric.")
+_TOP_K_HARDEST = typer.Option(None, "--top-k-hardest", help="Then keep the N lowest-mean tasks.")
+_METRIC = typer.Option("reward", "--metric", help="Profile field the rules read (mean/<metric>, ...).")
+
+
 @app.command("select")
 def select_cmd(
     run_dir: Path = typer.Argument(..., help="Run directory with a merged reward profile."),
     output: Path = typer.Option(..., "--output", "-o", help="Where to write the chosen input rows (JSONL)."),
-    agent: Optional[list[str]] = typer.Option(None, "--agent", help="Keep tasks of this agent (repeatable)."),
-    label: Optional[list[str]] = typer.Option(
-        None, "--label", help="A blend: keep tasks of this label (repeatable; docs/blends.md)."
-    ),
-    min_mean: Optional[float] = typer.Option(None, "--min-mean", help="Keep tasks with mean metric >= this."),
-    max_mean: Optional[float] = typer.Option(None, "--max-mean", help="Keep tasks with mean metric <= this."),
-    min_std: Optional[float] = typer.Option(None, "--min-std", help="Keep tasks with std of the metric >= this."),
-    drop_unsolved: bool = typer.Option(False, "--drop-unsolved", help="Drop tasks no rollout solved."),
-    drop_solved: bool = typer.Option(False, "--drop-solved", help="Drop tasks every rollout solved."),
-    solved_threshold: float = typer.Option(1.0, "--solved-threshold", help="A rollout solves a task at this metric."),
-    top_k_hardest: Optional[int] = typer.Option(None, "--top-k-hardest", help="Then keep the N lowest-mean tasks."),
-    metric: str = typer.Option("reward", "--metric", help="Profile field the rules read (mean/<metric>, ...)."),
+    agent: Optional[list[str]] = _AGENT,
+    label: Optional[list[str]] = _LABEL,
+    min_mean: Optional[float] = _MIN_MEAN,
+    max_mean: Optional[float] = _MAX_MEAN,
+    min_std: Optional[float] = _MIN_STD,
+    min_mean_length: Optional[float] = _MIN_MEAN_LENGTH,
+    max_mean_length: Optional[float] = _MAX_MEAN_LENGTH,
+    drop_unsolved: bool = _DROP_UNSOLVED,
+    drop_solved: bool = _DROP_SOLVED,
+    solved_threshold: float = _SOLVED_THRESHOLD,
+    top_k_hardest: Optional[int] = _TOP_K_HARDEST,
+    metric: str = _METRIC,
     attach_stats: bool = typer.Option(False, "--attach-stats", help="Add the task's stats to each row."),
     stats_key: Optional[str] = typer.Option(
         None, "--stats-key", help="Key for the stats (implies --attach-stats; default shardrun_stats)."
@@ -181,6 +205,8 @@ def select_cmd(
         min_mean=min_mean,
         max_mean=max_mean,
         min_std=min_std,
+        min_mean_length=min_mean_length,
+        max_mean_length=max_mean_length,
         drop_unsolved=drop_unsolved,
         drop_solved=drop_solved,
         solved_threshold=solved_threshold,
@@ -513,6 +539,13 @@ def merge_and_profile_cmd(
         help="What a planned rollout without a result (missing or failed) counts as in the aggregate metrics: omit "
         "(left out of the denominator) or zero (reward 0, no answer). Default: the run's Gym version's policy (omit).",
     ),
+    raw_rewards_and_lengths: bool = typer.Option(
+        False,
+        "--raw-rewards-and-lengths",
+        help="Each profile row also carries raw_rewards_and_lengths: per rollout, in rollout-index order, its "
+        "_ng_rollout_index, reward and input/output/total tokens (NeMo Gym PR 2771's field; off: the profile is "
+        "Gym's own, byte for byte).",
+    ),
 ) -> None:
     """Merge sealed shards into merged/ (sorted rollouts and inputs, failures) and write Gym's reward profile,
     agent metrics and pass@k aggregate metrics (with each agent's coverage)."""
@@ -521,7 +554,15 @@ def merge_and_profile_cmd(
     from shardrun.merge import outcome
     from shardrun.profile import merge_and_profile
 
-    result = run(merge_and_profile.merge_and_profile, run_dir, allow_partial, answer_field, workers, missing)
+    result = run(
+        merge_and_profile.merge_and_profile,
+        run_dir,
+        allow_partial,
+        answer_field,
+        workers,
+        missing,
+        raw_rewards_and_lengths=raw_rewards_and_lengths,
+    )
     if json_out:
         typer.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:

@@ -1,8 +1,10 @@
 """Curriculum selection: choose tasks by their reward statistics and write their ORIGINAL input rows.
 
 The rules are pure functions over TaskStats and are applied in a fixed order, each to what the previous one
-kept: profiled (has stats) -> label (a blend's) -> agent -> min mean -> max mean -> min std -> drop unsolved -> drop solved ->
-top-k hardest. A task is *solved* by a rollout whose metric reaches `solved_threshold` (1.0 by default):
+kept: profiled (has stats) -> label (a blend's) -> agent -> min mean -> max mean -> min std -> min mean length -> max
+mean length -> drop unsolved -> drop solved -> top-k hardest. A task's length is its mean output length, the
+profile's `mean/output_tokens` (Gym's mean of `response.usage.output_tokens` over the rollouts that have it); a
+length bound drops a task none of whose rollouts recorded output tokens. A task is *solved* by a rollout whose metric reaches `solved_threshold` (1.0 by default):
 `drop_unsolved` drops tasks no rollout solved (max < threshold), `drop_solved` drops tasks every rollout solved
 (min >= threshold). `top_k_hardest` keeps the k tasks with the lowest mean (ties: higher std, then lower task
 index).
@@ -43,6 +45,15 @@ class Rules(TaskRules):
     min_std: float | None = None
     top_k_hardest: int | None = None
     labels: tuple[str, ...] = ()  # a blend's labels whose tasks are kept (empty: every task)
+    min_mean_length: float | None = None  # keep tasks whose mean output length (LENGTH_METRIC) is at least this
+    max_mean_length: float | None = None  # ... at most this
+
+    def length_rules(self) -> bool:
+        return self.min_mean_length is not None or self.max_mean_length is not None
+
+
+LENGTH_METRIC = "output_tokens"
+"""The profile field a task's length is read from: Gym's `response.usage.output_tokens`, per task as `mean/...`."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,12 @@ def check_bounds(rules: Rules) -> None:
         raise BadInput(f"--top-k-hardest must be at least 1, got {rules.top_k_hardest}")
     if rules.min_std is not None and rules.min_std < 0:
         raise BadInput(f"--min-std must be >= 0, got {rules.min_std}")
+    lo, hi = rules.min_mean_length, rules.max_mean_length
+    for flag, value in (("--min-mean-length", lo), ("--max-mean-length", hi)):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise BadInput(f"{flag} {value}: must be a finite number of tokens, at least 0")
+    if lo is not None and hi is not None and lo > hi:
+        raise BadInput(f"--min-mean-length {lo:g} is above --max-mean-length {hi:g}: no task can match")
 
 
 def check_rules(rules: Rules, tasks: Sequence[TaskStat]) -> None:
@@ -87,6 +104,11 @@ def check_rules(rules: Rules, tasks: Sequence[TaskStat]) -> None:
                 + f"{' ' if hint else ''}agents: {', '.join(known)})"
             )
     taskstats.require_metric(tasks, rules.metric)
+    if rules.length_rules() and tasks and not any(t.stat("mean", LENGTH_METRIC) is not None for t in tasks):
+        raise BadInput(
+            f"--min-mean-length / --max-mean-length: no task has a mean/{LENGTH_METRIC} in the profile (its rollouts "
+            f"carry no response.usage.output_tokens); known metrics: {', '.join(taskstats.metrics(tasks))}"
+        )
 
 
 def _std(t: TaskStat, metric: str) -> float:
@@ -125,11 +147,23 @@ def _filters(rules: Rules, label_of: Callable[[int], str | None] | None = None) 
         steps.append((f"--max-mean {rules.max_mean:g}", lambda t: rules.below_max_mean(t.stat("mean", m))))
     if rules.min_std is not None:
         steps.append((f"--min-std {rules.min_std:g}", lambda t: _std(t, m) >= rules.min_std))
+    if rules.min_mean_length is not None:
+        lo = rules.min_mean_length
+        steps.append((f"--min-mean-length {lo:g}", lambda t: _length(t) >= lo))
+    if rules.max_mean_length is not None:
+        hi = rules.max_mean_length
+        steps.append((f"--max-mean-length {hi:g}", lambda t: _length(t) <= hi))
     if rules.drop_unsolved:
         steps.append((f"--drop-unsolved (max/{m} < {th:g})", lambda t: rules.solved_by_some(_max(t, m))))
     if rules.drop_solved:
         steps.append((f"--drop-solved (min/{m} >= {th:g})", lambda t: rules.unsolved_by_some(_min(t, m))))
     return steps
+
+
+def _length(t: TaskStat) -> float:
+    """The task's mean output length; NaN (which meets no bound) for a task whose rollouts recorded none."""
+    value = t.stat("mean", LENGTH_METRIC)
+    return math.nan if value is None else value
 
 
 def _max(t: TaskStat, metric: str) -> float:
@@ -401,17 +435,14 @@ def undecided_tasks(tasks: Sequence[TaskStat], rules: Rules, plan: Plan, stopped
     sampling = plan.sampling
     if not stopped or sampling is None or sampling.stop_when_decided is None:
         return []
-    same = rules.task_rules() == sampling.stop_when_decided and rules.min_std is None and rules.top_k_hardest is None
+    beyond = rules.min_std is not None or rules.top_k_hardest is not None or rules.length_rules()
+    same = rules.task_rules() == sampling.stop_when_decided and not beyond
     profiled = {t.task_index for t in tasks}
     out = [] if same else sorted(stopped - profiled)  # no rollout collected: only the run's own rules decided them
     for t in tasks:
         if t.task_index not in stopped:
             continue
-        if (
-            rules.min_std is not None
-            or rules.top_k_hardest is not None
-            or rules.metric != sampling.stop_when_decided.metric
-        ):
+        if beyond or rules.metric != sampling.stop_when_decided.metric:
             out.append(t.task_index)
             continue
         verdict = stopping.decide(

@@ -572,6 +572,119 @@ def merge_and_profile_cmd(
     next_step(terminal.shown(shell_words("shardrun", "report", run_dir)), json_out)
 
 
+@app.command("export")
+def export_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory with a merged reward profile."),
+    dest: Optional[str] = typer.Argument(
+        None,
+        metavar="[DEST]",
+        help="hf: the dataset folder to write (required). mlflow: the tracking URI (default: a file store in "
+        "RUN_DIR/mlruns). wandb: the folder the run folder goes under (default: RUN_DIR).",
+    ),
+    to: str = typer.Option(..., "--to", help="hf (a Hugging Face dataset folder), mlflow or wandb."),
+    push: Optional[str] = typer.Option(
+        None, "--push", help="hf: then upload the folder to this Hub dataset repository (OWNER/NAME)."
+    ),
+    token_env: str = typer.Option(
+        "HF_TOKEN", "--token-env", help="hf --push: the NAME of the environment variable holding the Hub token."
+    ),
+    private: bool = typer.Option(False, "--private", help="hf --push: create the repository private."),
+    project: str = typer.Option(
+        "shardrun", "--project", help="mlflow: the experiment; wandb: the project (default shardrun)."
+    ),
+    entity: Optional[str] = typer.Option(None, "--entity", help="wandb: the team or user the run belongs to."),
+    run_name: Optional[str] = typer.Option(
+        None, "--run-name", help="mlflow, wandb: the run's name (default: RUN_DIR's)."
+    ),
+    online: bool = typer.Option(
+        False,
+        "--online",
+        help="wandb: upload now (needs a W&B login); default offline, synced later with `wandb sync`.",
+    ),
+    agent: Optional[list[str]] = _AGENT,
+    label: Optional[list[str]] = _LABEL,
+    min_mean: Optional[float] = _MIN_MEAN,
+    max_mean: Optional[float] = _MAX_MEAN,
+    min_std: Optional[float] = _MIN_STD,
+    min_mean_length: Optional[float] = _MIN_MEAN_LENGTH,
+    max_mean_length: Optional[float] = _MAX_MEAN_LENGTH,
+    drop_unsolved: bool = _DROP_UNSOLVED,
+    drop_solved: bool = _DROP_SOLVED,
+    solved_threshold: float = _SOLVED_THRESHOLD,
+    top_k_hardest: Optional[int] = _TOP_K_HARDEST,
+    metric: str = _METRIC,
+    undecided: Optional[str] = typer.Option(
+        None, "--undecided", help="As select's: keep or drop the stopped tasks these rules are not decided on."
+    ),
+    input_path: Optional[Path] = typer.Option(None, "--input", help="The planned input file, if it moved."),
+) -> None:
+    """Export a merged run: a Hugging Face dataset folder (--to hf DIR, one row per task with its source row; --push
+    REPO uploads it), an MLflow run (--to mlflow [URI]) or a W&B run (--to wandb [DIR], offline by default). select's
+    rules choose the tasks (all without one)."""
+    from shardrun.analysis import export, selection
+
+    if to not in export.TARGETS:
+        say(f"error: --to {terminal.shown(to)}: one of {', '.join(export.TARGETS)}", err=True)
+        raise typer.Exit(2)
+    if to == "hf" and dest is None:
+        say("error: --to hf needs DEST, the dataset folder to write", err=True)
+        raise typer.Exit(2)
+    if push is not None and to != "hf":
+        say("error: --push uploads a Hugging Face dataset: it goes with --to hf", err=True)
+        raise typer.Exit(2)
+    rules = selection.Rules(
+        metric=metric,
+        agents=tuple(agent or ()),
+        labels=tuple(label or ()),
+        min_mean=min_mean,
+        max_mean=max_mean,
+        min_std=min_std,
+        min_mean_length=min_mean_length,
+        max_mean_length=max_mean_length,
+        drop_unsolved=drop_unsolved,
+        drop_solved=drop_solved,
+        solved_threshold=solved_threshold,
+        top_k_hardest=top_k_hardest,
+    )
+    if to == "hf":
+        from shardrun.analysis import hf_dataset
+
+        for module in ("pyarrow", *(["huggingface_hub"] if push is not None else [])):
+            run(export.need, module, to)
+        if push is not None:
+            run(hf_dataset.token_of, token_env)  # refused before the run is read or anything written
+    else:
+        run(export.need, to, to)
+    data = run(export.gather, run_dir, rules, undecided, input_path)
+    for s in data.steps:
+        say(f"{terminal.shown(s.rule)}: kept {s.kept:,} of {s.before:,}")
+    if to == "hf":
+        assert dest is not None
+        got = run(hf_dataset.write, data, Path(dest), push, token_env, private)
+        say(f"dataset: {got.tasks:,} tasks -> {terminal.shown(str(got.folder))}")
+        if got.pushed:
+            say(f"pushed: {got.pushed}")
+        load = f"import datasets; print(datasets.load_dataset({str(got.folder)!r}))"
+        next_step(terminal.shown(shell_words("python", "-c", load)))
+        return
+    from shardrun.analysis import tracking
+
+    if to == "mlflow":
+        tracked = run(tracking.to_mlflow, data, dest, project, run_name)
+    else:
+        tracked = run(tracking.to_wandb, data, Path(dest) if dest else None, project, entity, run_name, online)
+    for note in tracked.notes:
+        say(f"note: {terminal.shown(note)}", err=True)
+    say(
+        f"{to} run {tracked.run_id}: {tracked.params:,} parameters, {tracked.metrics:,} metrics, "
+        f"{len(tracked.artifacts):,} artifacts -> {terminal.shown(tracked.where)}"
+    )
+    if to == "mlflow":
+        next_step(terminal.shown(shell_words("mlflow", "ui", "--backend-store-uri", tracked.where)))
+    elif not online:
+        next_step(terminal.shown(shell_words("wandb", "sync", tracked.where)))
+
+
 def _short_picture(run_dir: Path) -> None:
     """The per-task picture after a merge, read back from the profile it wrote; the merge stands if it cannot be
     read (a warning says why)."""

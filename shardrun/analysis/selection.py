@@ -357,15 +357,7 @@ def select_run(
     target = safepaths.output_target(Path(output), "--output", run_dir, [source, Path(plan.input.path)])
     tasks = taskstats.load_profile(run_dir)
     selection, open_tasks = run_selection(tasks, rules, plan, stopped_tasks(run_dir, plan), undecided)
-    if open_tasks and undecided not in UNDECIDED:
-        shown = ", ".join(map(str, open_tasks[:20])) + (
-            f" and {len(open_tasks) - 20} more" if len(open_tasks) > 20 else ""
-        )
-        raise BadInput(
-            f"{len(open_tasks)} task(s) stopped early by adaptive sampling are not decided by these rules on the "
-            f"rollouts collected: {shown}. Collect the rest with `shardrun resume {run_dir} --fill`, or say what "
-            f"to do with them: --undecided keep|drop. Nothing was written"
-        )
+    refuse_undecided(run_dir, open_tasks, undecided)
     output = Path(output)
     chosen = {t.task_index: t for t in selection.kept}
     hasher = hashlib.sha256()
@@ -383,22 +375,56 @@ def select_run(
                 f.write(line)
         for t in by_difficulty(selection.kept, rules.metric) if order == "difficulty" else ():
             f.write(held.get(t.task_index, b""))
-        if hasher.hexdigest() != plan.input.sha256:
-            raise PlanMismatch(
-                f"{source}: the input changed since it was planned (sha256 "
-                f"{hasher.hexdigest()[:12]}…, plan {plan.input.sha256[:12]}…); select needs the "
-                f"exact input the run was planned from. Nothing was written"
-            )
-        missing = sorted(set(chosen) - found)
-        if missing:
-            raise PlanMismatch(
-                f"{source}: task(s) {missing[:10]} of the profile are not in the input; the "
-                f"profile belongs to another input. Nothing was written"
-            )
+        check_input(source, hasher.hexdigest(), plan, set(chosen) - found)
     return SelectResult(selection, output, len(found), source)
 
 
+def check_input(source: Path, sha256: str, plan: Plan, missing: Iterable[int], command: str = "select") -> None:
+    """PlanMismatch when the input read (`sha256` of its bytes) is not the one the run was planned from, or lacks
+    tasks of the profile (`missing`): nothing of the command's output is written then."""
+    if sha256 != plan.input.sha256:
+        raise PlanMismatch(
+            f"{source}: the input changed since it was planned (sha256 "
+            f"{sha256[:12]}…, plan {plan.input.sha256[:12]}…); {command} needs the "
+            f"exact input the run was planned from. Nothing was written"
+        )
+    absent = sorted(missing)
+    if absent:
+        raise PlanMismatch(
+            f"{source}: task(s) {absent[:10]} of the profile are not in the input; the "
+            f"profile belongs to another input. Nothing was written"
+        )
+
+
+def source_rows(
+    plan: Plan, chosen: Mapping[int, TaskStat], input_path: Path | None = None, command: str = "select"
+) -> tuple[Path, dict[int, bytes]]:
+    """(the input file read, each chosen task's ORIGINAL input row: its bytes without the line terminator, the
+    first line of the task where several are), from the plan's input (or `input_path`, if it moved), checked
+    against the plan as `select_run` checks it."""
+    source = Path(input_path or plan.input.path)
+    hasher = hashlib.sha256()
+    rows: dict[int, bytes] = {}
+    for index, line in subset_lines(_hashed_lines(source, hasher), chosen, None, str(source)):
+        rows.setdefault(index, split_terminator(line)[0])
+    check_input(source, hasher.hexdigest(), plan, set(chosen) - set(rows), command)
+    return source, rows
+
+
 UNDECIDED = ("keep", "drop")
+
+
+def refuse_undecided(run_dir: Path, open_tasks: Sequence[int], undecided: str | None) -> None:
+    """BadInput naming the stopped tasks the rules are not decided on (run_selection's `open_tasks`) when the user
+    did not say what to do with them (`undecided`): nothing is written then."""
+    if not open_tasks or undecided in UNDECIDED:
+        return
+    shown = ", ".join(map(str, open_tasks[:20])) + (f" and {len(open_tasks) - 20} more" if len(open_tasks) > 20 else "")
+    raise BadInput(
+        f"{len(open_tasks)} task(s) stopped early by adaptive sampling are not decided by these rules on the "
+        f"rollouts collected: {shown}. Collect the rest with `shardrun resume {run_dir} --fill`, or say what "
+        f"to do with them: --undecided keep|drop. Nothing was written"
+    )
 
 
 def run_selection(

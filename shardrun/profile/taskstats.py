@@ -137,6 +137,15 @@ def metrics(tasks: Iterable[TaskStat]) -> list[str]:
     return sorted({k.split("/", 1)[1] for t in tasks for k in t.stats if k.startswith("mean/")})
 
 
+def stat_columns(tasks: Iterable[TaskStat]) -> list[str]:
+    """`<stat>/<field>` in a reading order: reward first, then the other fields by name; mean, std, min, max, median
+    (the profile's columns in `api.profile_frame` and in an export)."""
+    tasks = list(tasks)
+    names = sorted(metrics(tasks), key=lambda m: (m != "reward", m))
+    present = {k for t in tasks for k in t.stats}
+    return [f"{s}/{m}" for m in names for s in ("mean", "std", "min", "max", "median") if f"{s}/{m}" in present]
+
+
 def require_metric(tasks: Sequence[TaskStat], metric: str) -> None:
     if tasks and not any(t.stat("mean", metric) is not None for t in tasks):
         raise BadInput(f"no task has a mean/{metric} in the profile; known metrics: {', '.join(metrics(tasks))}")

@@ -4,6 +4,9 @@
   path inside the run directory, never an input, never a device, FIFO, socket or directory, never a path under the
   kernel's file systems (/dev, /proc, /sys), and never a symlink to any of these. A symlink to a regular file
   elsewhere is followed: the link stays and its target is replaced atomically.
+- `output_folder`: the same for an output that is a folder (`export --to hf DIR`): never the run directory, inside
+  it or holding it, never a path under the kernel's file systems, and an existing folder only when it is empty or
+  the command's own earlier output (which is then replaced whole).
 - `check_run_root`: `run_dir` is absent, empty or a shardrun run directory; never `/`, the home directory or a
   folder that holds other files.
 - `refuse_links`: nothing inside a run directory is a symlink shardrun would follow out of it (`merged/`,
@@ -17,7 +20,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from shardrun.core.errors import BadInput, RunDirError
 
@@ -75,6 +78,40 @@ def output_target(output: Path, option: str, run_dir: Path | None = None, inputs
     for source in inputs:
         if target == _real(source) or (mode is not None and _same_file(target, source)):
             raise BadInput(f"{said} is the input file itself ({source}); write it somewhere else. Nothing was written")
+    return target
+
+
+def output_folder(output: Path, option: str, run_dir: Path, ours: Callable[[Path], bool]) -> Path:
+    """The real path of the folder a user-named folder output (`option`) is written to. BadInput, naming the option
+    and the path, for an empty path, a path under the kernel's file systems, something there that is not a
+    folder, the run directory itself, a folder inside it or one that holds it, and a folder that is neither empty
+    nor `ours` (the command's own earlier output, which the caller replaces whole)."""
+    output = Path(output)
+    if not str(output).strip():
+        raise BadInput(f"{option}: an empty path; name a folder. Nothing was written")
+    target = _real(output)
+    said = f"{option} {output}" + (f" (a symlink to {target})" if target != Path(os.path.abspath(output)) else "")
+    for system in KERNEL_FILE_SYSTEMS:
+        if target == system or target.is_relative_to(system):
+            raise BadInput(f"{said} is under {system}, where devices and kernel files live. Nothing was written")
+    run = _real(run_dir)
+    if target.is_relative_to(run) or run.is_relative_to(target):
+        where = "inside" if target != run and target.is_relative_to(run) else "or holds"
+        raise BadInput(
+            f"{said} is {'the run directory' if target == run else where + ' the run directory'} {run_dir}, whose "
+            f"files shardrun owns; write it somewhere else. Nothing was written"
+        )
+    try:
+        mode: int | None = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISDIR(mode):
+        raise BadInput(f"{said} is {kind_of(mode)}, not a folder; name a folder. Nothing was written")
+    if mode is not None and os.listdir(target) and not ours(target):
+        raise BadInput(
+            f"{said} holds other files and is no earlier output of this command; name a new or empty folder. "
+            f"Nothing was written"
+        )
     return target
 
 

@@ -151,6 +151,31 @@ _TOP_K_HARDEST = typer.Option(None, "--top-k-hardest", help="Then keep the N low
 _METRIC = typer.Option("reward", "--metric", help="Profile field the rules read (mean/<metric>, ...).")
 
 
+def _rules(flags: dict[str, Any]) -> Any:
+    """select's rules from a command's values of the rule flags above (select, export: each names them alike)."""
+    from shardrun.analysis import selection
+
+    return selection.Rules(
+        metric=flags["metric"],
+        agents=tuple(flags["agent"] or ()),
+        labels=tuple(flags["label"] or ()),
+        **{k: flags[k] for k in RULE_FLAGS},
+    )
+
+
+RULE_FLAGS = (
+    "min_mean",
+    "max_mean",
+    "min_std",
+    "min_mean_length",
+    "max_mean_length",
+    "drop_unsolved",
+    "drop_solved",
+    "solved_threshold",
+    "top_k_hardest",
+)
+
+
 @app.command("select")
 def select_cmd(
     run_dir: Path = typer.Argument(..., help="Run directory with a merged reward profile."),
@@ -198,20 +223,7 @@ def select_cmd(
     from shardrun.analysis import selection
     from shardrun.plan import render
 
-    rules = selection.Rules(
-        metric=metric,
-        agents=tuple(agent or ()),
-        labels=tuple(label or ()),
-        min_mean=min_mean,
-        max_mean=max_mean,
-        min_std=min_std,
-        min_mean_length=min_mean_length,
-        max_mean_length=max_mean_length,
-        drop_unsolved=drop_unsolved,
-        drop_solved=drop_solved,
-        solved_threshold=solved_threshold,
-        top_k_hardest=top_k_hardest,
-    )
+    rules = _rules(locals())
     key = stats_key or ("shardrun_stats" if attach_stats else None)
     result = run(selection.select_run, run_dir, output, rules, key, input_path, stats_format, order, undecided)
     if json_out:
@@ -621,7 +633,7 @@ def export_cmd(
     """Export a merged run: a Hugging Face dataset folder (--to hf DIR, one row per task with its source row; --push
     REPO uploads it), an MLflow run (--to mlflow [URI]) or a W&B run (--to wandb [DIR], offline by default). select's
     rules choose the tasks (all without one)."""
-    from shardrun.analysis import export, selection
+    from shardrun.analysis import export
 
     if to not in export.TARGETS:
         say(f"error: --to {terminal.shown(to)}: one of {', '.join(export.TARGETS)}", err=True)
@@ -632,20 +644,7 @@ def export_cmd(
     if push is not None and to != "hf":
         say("error: --push uploads a Hugging Face dataset: it goes with --to hf", err=True)
         raise typer.Exit(2)
-    rules = selection.Rules(
-        metric=metric,
-        agents=tuple(agent or ()),
-        labels=tuple(label or ()),
-        min_mean=min_mean,
-        max_mean=max_mean,
-        min_std=min_std,
-        min_mean_length=min_mean_length,
-        max_mean_length=max_mean_length,
-        drop_unsolved=drop_unsolved,
-        drop_solved=drop_solved,
-        solved_threshold=solved_threshold,
-        top_k_hardest=top_k_hardest,
-    )
+    rules = _rules(locals())
     if to == "hf":
         from shardrun.analysis import hf_dataset
 

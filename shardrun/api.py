@@ -70,7 +70,7 @@ def profile_frame(run_dir: str | Path, fields: Sequence[str] = ()) -> pd.DataFra
     run_dir = Path(run_dir)
     fields = list(dict.fromkeys([fields] if isinstance(fields, str) else fields))
     tasks = taskstats.load_profile(run_dir, fields)
-    stats = _stat_columns(tasks)
+    stats = taskstats.stat_columns(tasks)
     plan = store.load_plan(run_dir)
     own = [INDEX, *COUNTS] if not plan.blend else [INDEX, COUNTS[0], LABEL, *COUNTS[1:]]
     for f in fields:
@@ -94,13 +94,6 @@ def profile_frame(run_dir: str | Path, fields: Sequence[str] = ()) -> pd.DataFra
     ]
     frame = pd.DataFrame(rows, columns=[*own, *fields, *stats])
     return frame.set_index(INDEX)
-
-
-def _stat_columns(tasks: Sequence[taskstats.TaskStat]) -> list[str]:
-    """`<stat>/<field>` in a reading order: reward first, then the other fields by name; mean, std, min, max, median."""
-    metrics = sorted(taskstats.metrics(tasks), key=lambda m: (m != "reward", m))
-    present = {k for t in tasks for k in t.stats}
-    return [f"{s}/{m}" for m in metrics for s in ("mean", "std", "min", "max", "median") if f"{s}/{m}" in present]
 
 
 def _hint(run_dir: Path, field: str) -> str:

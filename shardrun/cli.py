@@ -127,22 +127,71 @@ def plan(
         next_step(terminal.shown(shell_words("shardrun", "submit", config, *(overrides or []))), json_out)
 
 
+# select's rules (shardrun/analysis/selection.py), the same flags wherever a command chooses tasks (select, export)
+_AGENT = typer.Option(None, "--agent", help="Keep tasks of this agent (repeatable).")
+_LABEL = typer.Option(None, "--label", help="A blend: keep tasks of this label (repeatable; docs/blends.md).")
+_MIN_MEAN = typer.Option(None, "--min-mean", help="Keep tasks with mean metric >= this.")
+_MAX_MEAN = typer.Option(None, "--max-mean", help="Keep tasks with mean metric <= this.")
+_MIN_STD = typer.Option(None, "--min-std", help="Keep tasks with std of the metric >= this.")
+_MIN_MEAN_LENGTH = typer.Option(
+    None,
+    "--min-mean-length",
+    help="Keep tasks whose mean output length (the profile's mean/output_tokens) >= this many tokens.",
+)
+_MAX_MEAN_LENGTH = typer.Option(
+    None,
+    "--max-mean-length",
+    help="Keep tasks whose mean output length (mean/output_tokens) <= this many tokens; a task whose rollouts "
+    "recorded no output tokens meets no length bound.",
+)
+_DROP_UNSOLVED = typer.Option(False, "--drop-unsolved", help="Drop tasks no rollout solved.")
+_DROP_SOLVED = typer.Option(False, "--drop-solved", help="Drop tasks every rollout solved.")
+_SOLVED_THRESHOLD = typer.Option(1.0, "--solved-threshold", help="A rollout solves a task at this metric.")
+_TOP_K_HARDEST = typer.Option(None, "--top-k-hardest", help="Then keep the N lowest-mean tasks.")
+_METRIC = typer.Option("reward", "--metric", help="Profile field the rules read (mean/<metric>, ...).")
+
+
+def _rules(flags: dict[str, Any]) -> Any:
+    """select's rules from a command's values of the rule flags above (select, export: each names them alike)."""
+    from shardrun.analysis import selection
+
+    return selection.Rules(
+        metric=flags["metric"],
+        agents=tuple(flags["agent"] or ()),
+        labels=tuple(flags["label"] or ()),
+        **{k: flags[k] for k in RULE_FLAGS},
+    )
+
+
+RULE_FLAGS = (
+    "min_mean",
+    "max_mean",
+    "min_std",
+    "min_mean_length",
+    "max_mean_length",
+    "drop_unsolved",
+    "drop_solved",
+    "solved_threshold",
+    "top_k_hardest",
+)
+
+
 @app.command("select")
 def select_cmd(
     run_dir: Path = typer.Argument(..., help="Run directory with a merged reward profile."),
     output: Path = typer.Option(..., "--output", "-o", help="Where to write the chosen input rows (JSONL)."),
-    agent: Optional[list[str]] = typer.Option(None, "--agent", help="Keep tasks of this agent (repeatable)."),
-    label: Optional[list[str]] = typer.Option(
-        None, "--label", help="A blend: keep tasks of this label (repeatable; docs/blends.md)."
-    ),
-    min_mean: Optional[float] = typer.Option(None, "--min-mean", help="Keep tasks with mean metric >= this."),
-    max_mean: Optional[float] = typer.Option(None, "--max-mean", help="Keep tasks with mean metric <= this."),
-    min_std: Optional[float] = typer.Option(None, "--min-std", help="Keep tasks with std of the metric >= this."),
-    drop_unsolved: bool = typer.Option(False, "--drop-unsolved", help="Drop tasks no rollout solved."),
-    drop_solved: bool = typer.Option(False, "--drop-solved", help="Drop tasks every rollout solved."),
-    solved_threshold: float = typer.Option(1.0, "--solved-threshold", help="A rollout solves a task at this metric."),
-    top_k_hardest: Optional[int] = typer.Option(None, "--top-k-hardest", help="Then keep the N lowest-mean tasks."),
-    metric: str = typer.Option("reward", "--metric", help="Profile field the rules read (mean/<metric>, ...)."),
+    agent: Optional[list[str]] = _AGENT,
+    label: Optional[list[str]] = _LABEL,
+    min_mean: Optional[float] = _MIN_MEAN,
+    max_mean: Optional[float] = _MAX_MEAN,
+    min_std: Optional[float] = _MIN_STD,
+    min_mean_length: Optional[float] = _MIN_MEAN_LENGTH,
+    max_mean_length: Optional[float] = _MAX_MEAN_LENGTH,
+    drop_unsolved: bool = _DROP_UNSOLVED,
+    drop_solved: bool = _DROP_SOLVED,
+    solved_threshold: float = _SOLVED_THRESHOLD,
+    top_k_hardest: Optional[int] = _TOP_K_HARDEST,
+    metric: str = _METRIC,
     attach_stats: bool = typer.Option(False, "--attach-stats", help="Add the task's stats to each row."),
     stats_key: Optional[str] = typer.Option(
         None, "--stats-key", help="Key for the stats (implies --attach-stats; default shardrun_stats)."
@@ -174,18 +223,7 @@ def select_cmd(
     from shardrun.analysis import selection
     from shardrun.plan import render
 
-    rules = selection.Rules(
-        metric=metric,
-        agents=tuple(agent or ()),
-        labels=tuple(label or ()),
-        min_mean=min_mean,
-        max_mean=max_mean,
-        min_std=min_std,
-        drop_unsolved=drop_unsolved,
-        drop_solved=drop_solved,
-        solved_threshold=solved_threshold,
-        top_k_hardest=top_k_hardest,
-    )
+    rules = _rules(locals())
     key = stats_key or ("shardrun_stats" if attach_stats else None)
     result = run(selection.select_run, run_dir, output, rules, key, input_path, stats_format, order, undecided)
     if json_out:
@@ -513,6 +551,13 @@ def merge_and_profile_cmd(
         help="What a planned rollout without a result (missing or failed) counts as in the aggregate metrics: omit "
         "(left out of the denominator) or zero (reward 0, no answer). Default: the run's Gym version's policy (omit).",
     ),
+    raw_rewards_and_lengths: bool = typer.Option(
+        False,
+        "--raw-rewards-and-lengths",
+        help="Each profile row also carries raw_rewards_and_lengths: per rollout, in rollout-index order, its "
+        "_ng_rollout_index, reward and input/output/total tokens (NeMo Gym PR 2771's field; off: the profile is "
+        "Gym's own, byte for byte).",
+    ),
 ) -> None:
     """Merge sealed shards into merged/ (sorted rollouts and inputs, failures) and write Gym's reward profile,
     agent metrics and pass@k aggregate metrics (with each agent's coverage)."""
@@ -521,7 +566,15 @@ def merge_and_profile_cmd(
     from shardrun.merge import outcome
     from shardrun.profile import merge_and_profile
 
-    result = run(merge_and_profile.merge_and_profile, run_dir, allow_partial, answer_field, workers, missing)
+    result = run(
+        merge_and_profile.merge_and_profile,
+        run_dir,
+        allow_partial,
+        answer_field,
+        workers,
+        missing,
+        raw_rewards_and_lengths=raw_rewards_and_lengths,
+    )
     if json_out:
         typer.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode())
     else:
@@ -529,6 +582,106 @@ def merge_and_profile_cmd(
         say("")
         _short_picture(run_dir)
     next_step(terminal.shown(shell_words("shardrun", "report", run_dir)), json_out)
+
+
+@app.command("export")
+def export_cmd(
+    run_dir: Path = typer.Argument(..., help="Run directory with a merged reward profile."),
+    dest: Optional[str] = typer.Argument(
+        None,
+        metavar="[DEST]",
+        help="hf: the dataset folder to write (required). mlflow: the tracking URI (default: a file store in "
+        "RUN_DIR/mlruns). wandb: the folder the run folder goes under (default: RUN_DIR).",
+    ),
+    to: str = typer.Option(..., "--to", help="hf (a Hugging Face dataset folder), mlflow or wandb."),
+    push: Optional[str] = typer.Option(
+        None, "--push", help="hf: then upload the folder to this Hub dataset repository (OWNER/NAME)."
+    ),
+    token_env: str = typer.Option(
+        "HF_TOKEN", "--token-env", help="hf --push: the NAME of the environment variable holding the Hub token."
+    ),
+    private: bool = typer.Option(False, "--private", help="hf --push: create the repository private."),
+    project: str = typer.Option(
+        "shardrun", "--project", help="mlflow: the experiment; wandb: the project (default shardrun)."
+    ),
+    entity: Optional[str] = typer.Option(None, "--entity", help="wandb: the team or user the run belongs to."),
+    run_name: Optional[str] = typer.Option(
+        None, "--run-name", help="mlflow, wandb: the run's name (default: RUN_DIR's)."
+    ),
+    online: bool = typer.Option(
+        False,
+        "--online",
+        help="wandb: upload now (needs a W&B login); default offline, synced later with `wandb sync`.",
+    ),
+    agent: Optional[list[str]] = _AGENT,
+    label: Optional[list[str]] = _LABEL,
+    min_mean: Optional[float] = _MIN_MEAN,
+    max_mean: Optional[float] = _MAX_MEAN,
+    min_std: Optional[float] = _MIN_STD,
+    min_mean_length: Optional[float] = _MIN_MEAN_LENGTH,
+    max_mean_length: Optional[float] = _MAX_MEAN_LENGTH,
+    drop_unsolved: bool = _DROP_UNSOLVED,
+    drop_solved: bool = _DROP_SOLVED,
+    solved_threshold: float = _SOLVED_THRESHOLD,
+    top_k_hardest: Optional[int] = _TOP_K_HARDEST,
+    metric: str = _METRIC,
+    undecided: Optional[str] = typer.Option(
+        None, "--undecided", help="As select's: keep or drop the stopped tasks these rules are not decided on."
+    ),
+    input_path: Optional[Path] = typer.Option(None, "--input", help="The planned input file, if it moved."),
+) -> None:
+    """Export a merged run: a Hugging Face dataset folder (--to hf DIR, one row per task with its source row; --push
+    REPO uploads it), an MLflow run (--to mlflow [URI]) or a W&B run (--to wandb [DIR], offline by default). select's
+    rules choose the tasks (all without one)."""
+    from shardrun.analysis import export
+
+    if to not in export.TARGETS:
+        say(f"error: --to {terminal.shown(to)}: one of {', '.join(export.TARGETS)}", err=True)
+        raise typer.Exit(2)
+    if to == "hf" and dest is None:
+        say("error: --to hf needs DEST, the dataset folder to write", err=True)
+        raise typer.Exit(2)
+    if push is not None and to != "hf":
+        say("error: --push uploads a Hugging Face dataset: it goes with --to hf", err=True)
+        raise typer.Exit(2)
+    rules = _rules(locals())
+    if to == "hf":
+        from shardrun.analysis import hf_dataset
+
+        for module in ("pyarrow", *(["huggingface_hub"] if push is not None else [])):
+            run(export.need, module, to)
+        if push is not None:
+            run(hf_dataset.token_of, token_env)  # refused before the run is read or anything written
+    else:
+        run(export.need, to, to)
+    data = run(export.gather, run_dir, rules, undecided, input_path)
+    for s in data.steps:
+        say(f"{terminal.shown(s.rule)}: kept {s.kept:,} of {s.before:,}")
+    if to == "hf":
+        assert dest is not None
+        got = run(hf_dataset.write, data, Path(dest), push, token_env, private)
+        say(f"dataset: {got.tasks:,} tasks -> {terminal.shown(str(got.folder))}")
+        if got.pushed:
+            say(f"pushed: {got.pushed}")
+        load = f"import datasets; print(datasets.load_dataset({str(got.folder)!r}))"
+        next_step(terminal.shown(shell_words("python", "-c", load)))
+        return
+    from shardrun.analysis import tracking
+
+    if to == "mlflow":
+        tracked = run(tracking.to_mlflow, data, dest, project, run_name)
+    else:
+        tracked = run(tracking.to_wandb, data, Path(dest) if dest else None, project, entity, run_name, online)
+    for note in tracked.notes:
+        say(f"note: {terminal.shown(note)}", err=True)
+    say(
+        f"{to} run {tracked.run_id}: {tracked.params:,} parameters, {tracked.metrics:,} metrics, "
+        f"{len(tracked.artifacts):,} artifacts -> {terminal.shown(tracked.where)}"
+    )
+    if to == "mlflow":
+        next_step(terminal.shown(shell_words("mlflow", "ui", "--backend-store-uri", tracked.where)))
+    elif not online:
+        next_step(terminal.shown(shell_words("wandb", "sync", tracked.where)))
 
 
 def _short_picture(run_dir: Path) -> None:

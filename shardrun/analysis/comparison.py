@@ -704,7 +704,7 @@ def build(
     finally:
         lock.release()
     figs = tuple(out_dir / n for n in names if FIGURE_NAME.fullmatch(n))
-    report._shareable([out_dir / n for n in names])
+    report.shareable([out_dir / n for n in names])
     return CompareResult(comparison, out_dir, out_dir / TASKS_FILE, out_dir / SUMMARY_FILE, out_dir / HTML_FILE, figs)
 
 

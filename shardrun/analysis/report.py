@@ -761,11 +761,11 @@ def build_report(run_dir: Path, embed: bool = False, use_sacct: bool = True) -> 
     # every control character from data shown escaped, wherever on the page it lands (tabs and newlines kept)
     store.atomic_write_bytes(out, shown_lines(page).encode())
     paths = [p for p in drawn.values() if isinstance(p, Path)]
-    _shareable([out, *paths])
+    shareable([out, *paths])
     return ReportResult(out, tuple(paths), data, {n: v for n, v in drawn.items() if isinstance(v, str)})
 
 
-def _shareable(paths: Sequence[Path]) -> None:
+def shareable(paths: Sequence[Path]) -> None:
     """Atomic writes leave 0600 temp-file modes; a report is meant to be read by others: 0666 minus umask."""
     umask = os.umask(0)
     os.umask(umask)

@@ -1,8 +1,10 @@
 """Curriculum selection: choose tasks by their reward statistics and write their ORIGINAL input rows.
 
 The rules are pure functions over TaskStats and are applied in a fixed order, each to what the previous one
-kept: profiled (has stats) -> label (a blend's) -> agent -> min mean -> max mean -> min std -> drop unsolved -> drop solved ->
-top-k hardest. A task is *solved* by a rollout whose metric reaches `solved_threshold` (1.0 by default):
+kept: profiled (has stats) -> label (a blend's) -> agent -> min mean -> max mean -> min std -> min mean length -> max
+mean length -> drop unsolved -> drop solved -> top-k hardest. A task's length is its mean output length, the
+profile's `mean/output_tokens` (Gym's mean of `response.usage.output_tokens` over the rollouts that have it); a
+length bound drops a task none of whose rollouts recorded output tokens. A task is *solved* by a rollout whose metric reaches `solved_threshold` (1.0 by default):
 `drop_unsolved` drops tasks no rollout solved (max < threshold), `drop_solved` drops tasks every rollout solved
 (min >= threshold). `top_k_hardest` keeps the k tasks with the lowest mean (ties: higher std, then lower task
 index).
@@ -43,6 +45,15 @@ class Rules(TaskRules):
     min_std: float | None = None
     top_k_hardest: int | None = None
     labels: tuple[str, ...] = ()  # a blend's labels whose tasks are kept (empty: every task)
+    min_mean_length: float | None = None  # keep tasks whose mean output length (LENGTH_METRIC) is at least this
+    max_mean_length: float | None = None  # ... at most this
+
+    def length_rules(self) -> bool:
+        return self.min_mean_length is not None or self.max_mean_length is not None
+
+
+LENGTH_METRIC = "output_tokens"
+"""The profile field a task's length is read from: Gym's `response.usage.output_tokens`, per task as `mean/...`."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,12 @@ def check_bounds(rules: Rules) -> None:
         raise BadInput(f"--top-k-hardest must be at least 1, got {rules.top_k_hardest}")
     if rules.min_std is not None and rules.min_std < 0:
         raise BadInput(f"--min-std must be >= 0, got {rules.min_std}")
+    lo, hi = rules.min_mean_length, rules.max_mean_length
+    for flag, value in (("--min-mean-length", lo), ("--max-mean-length", hi)):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise BadInput(f"{flag} {value}: must be a finite number of tokens, at least 0")
+    if lo is not None and hi is not None and lo > hi:
+        raise BadInput(f"--min-mean-length {lo:g} is above --max-mean-length {hi:g}: no task can match")
 
 
 def check_rules(rules: Rules, tasks: Sequence[TaskStat]) -> None:
@@ -87,6 +104,11 @@ def check_rules(rules: Rules, tasks: Sequence[TaskStat]) -> None:
                 + f"{' ' if hint else ''}agents: {', '.join(known)})"
             )
     taskstats.require_metric(tasks, rules.metric)
+    if rules.length_rules() and tasks and not any(t.stat("mean", LENGTH_METRIC) is not None for t in tasks):
+        raise BadInput(
+            f"--min-mean-length / --max-mean-length: no task has a mean/{LENGTH_METRIC} in the profile (its rollouts "
+            f"carry no response.usage.output_tokens); known metrics: {', '.join(taskstats.metrics(tasks))}"
+        )
 
 
 def _std(t: TaskStat, metric: str) -> float:
@@ -125,11 +147,23 @@ def _filters(rules: Rules, label_of: Callable[[int], str | None] | None = None) 
         steps.append((f"--max-mean {rules.max_mean:g}", lambda t: rules.below_max_mean(t.stat("mean", m))))
     if rules.min_std is not None:
         steps.append((f"--min-std {rules.min_std:g}", lambda t: _std(t, m) >= rules.min_std))
+    if rules.min_mean_length is not None:
+        lo = rules.min_mean_length
+        steps.append((f"--min-mean-length {lo:g}", lambda t: _length(t) >= lo))
+    if rules.max_mean_length is not None:
+        hi = rules.max_mean_length
+        steps.append((f"--max-mean-length {hi:g}", lambda t: _length(t) <= hi))
     if rules.drop_unsolved:
         steps.append((f"--drop-unsolved (max/{m} < {th:g})", lambda t: rules.solved_by_some(_max(t, m))))
     if rules.drop_solved:
         steps.append((f"--drop-solved (min/{m} >= {th:g})", lambda t: rules.unsolved_by_some(_min(t, m))))
     return steps
+
+
+def _length(t: TaskStat) -> float:
+    """The task's mean output length; NaN (which meets no bound) for a task whose rollouts recorded none."""
+    value = t.stat("mean", LENGTH_METRIC)
+    return math.nan if value is None else value
 
 
 def _max(t: TaskStat, metric: str) -> float:
@@ -323,15 +357,7 @@ def select_run(
     target = safepaths.output_target(Path(output), "--output", run_dir, [source, Path(plan.input.path)])
     tasks = taskstats.load_profile(run_dir)
     selection, open_tasks = run_selection(tasks, rules, plan, stopped_tasks(run_dir, plan), undecided)
-    if open_tasks and undecided not in UNDECIDED:
-        shown = ", ".join(map(str, open_tasks[:20])) + (
-            f" and {len(open_tasks) - 20} more" if len(open_tasks) > 20 else ""
-        )
-        raise BadInput(
-            f"{len(open_tasks)} task(s) stopped early by adaptive sampling are not decided by these rules on the "
-            f"rollouts collected: {shown}. Collect the rest with `shardrun resume {run_dir} --fill`, or say what "
-            f"to do with them: --undecided keep|drop. Nothing was written"
-        )
+    refuse_undecided(run_dir, open_tasks, undecided)
     output = Path(output)
     chosen = {t.task_index: t for t in selection.kept}
     hasher = hashlib.sha256()
@@ -349,22 +375,56 @@ def select_run(
                 f.write(line)
         for t in by_difficulty(selection.kept, rules.metric) if order == "difficulty" else ():
             f.write(held.get(t.task_index, b""))
-        if hasher.hexdigest() != plan.input.sha256:
-            raise PlanMismatch(
-                f"{source}: the input changed since it was planned (sha256 "
-                f"{hasher.hexdigest()[:12]}…, plan {plan.input.sha256[:12]}…); select needs the "
-                f"exact input the run was planned from. Nothing was written"
-            )
-        missing = sorted(set(chosen) - found)
-        if missing:
-            raise PlanMismatch(
-                f"{source}: task(s) {missing[:10]} of the profile are not in the input; the "
-                f"profile belongs to another input. Nothing was written"
-            )
+        check_input(source, hasher.hexdigest(), plan, set(chosen) - found)
     return SelectResult(selection, output, len(found), source)
 
 
+def check_input(source: Path, sha256: str, plan: Plan, missing: Iterable[int], command: str = "select") -> None:
+    """PlanMismatch when the input read (`sha256` of its bytes) is not the one the run was planned from, or lacks
+    tasks of the profile (`missing`): nothing of the command's output is written then."""
+    if sha256 != plan.input.sha256:
+        raise PlanMismatch(
+            f"{source}: the input changed since it was planned (sha256 "
+            f"{sha256[:12]}…, plan {plan.input.sha256[:12]}…); {command} needs the "
+            f"exact input the run was planned from. Nothing was written"
+        )
+    absent = sorted(missing)
+    if absent:
+        raise PlanMismatch(
+            f"{source}: task(s) {absent[:10]} of the profile are not in the input; the "
+            f"profile belongs to another input. Nothing was written"
+        )
+
+
+def source_rows(
+    plan: Plan, chosen: Mapping[int, TaskStat], input_path: Path | None = None, command: str = "select"
+) -> tuple[Path, dict[int, bytes]]:
+    """(the input file read, each chosen task's ORIGINAL input row: its bytes without the line terminator, the
+    first line of the task where several are), from the plan's input (or `input_path`, if it moved), checked
+    against the plan as `select_run` checks it."""
+    source = Path(input_path or plan.input.path)
+    hasher = hashlib.sha256()
+    rows: dict[int, bytes] = {}
+    for index, line in subset_lines(_hashed_lines(source, hasher), chosen, None, str(source)):
+        rows.setdefault(index, split_terminator(line)[0])
+    check_input(source, hasher.hexdigest(), plan, set(chosen) - set(rows), command)
+    return source, rows
+
+
 UNDECIDED = ("keep", "drop")
+
+
+def refuse_undecided(run_dir: Path, open_tasks: Sequence[int], undecided: str | None) -> None:
+    """BadInput naming the stopped tasks the rules are not decided on (run_selection's `open_tasks`) when the user
+    did not say what to do with them (`undecided`): nothing is written then."""
+    if not open_tasks or undecided in UNDECIDED:
+        return
+    shown = ", ".join(map(str, open_tasks[:20])) + (f" and {len(open_tasks) - 20} more" if len(open_tasks) > 20 else "")
+    raise BadInput(
+        f"{len(open_tasks)} task(s) stopped early by adaptive sampling are not decided by these rules on the "
+        f"rollouts collected: {shown}. Collect the rest with `shardrun resume {run_dir} --fill`, or say what "
+        f"to do with them: --undecided keep|drop. Nothing was written"
+    )
 
 
 def run_selection(
@@ -401,17 +461,14 @@ def undecided_tasks(tasks: Sequence[TaskStat], rules: Rules, plan: Plan, stopped
     sampling = plan.sampling
     if not stopped or sampling is None or sampling.stop_when_decided is None:
         return []
-    same = rules.task_rules() == sampling.stop_when_decided and rules.min_std is None and rules.top_k_hardest is None
+    beyond = rules.min_std is not None or rules.top_k_hardest is not None or rules.length_rules()
+    same = rules.task_rules() == sampling.stop_when_decided and not beyond
     profiled = {t.task_index for t in tasks}
     out = [] if same else sorted(stopped - profiled)  # no rollout collected: only the run's own rules decided them
     for t in tasks:
         if t.task_index not in stopped:
             continue
-        if (
-            rules.min_std is not None
-            or rules.top_k_hardest is not None
-            or rules.metric != sampling.stop_when_decided.metric
-        ):
+        if beyond or rules.metric != sampling.stop_when_decided.metric:
             out.append(t.task_index)
             continue
         verdict = stopping.decide(

@@ -58,13 +58,15 @@ def merge_and_profile(
     answer_field: str | None = None,
     workers: int | None = None,
     missing: str | None = None,
+    raw_rewards_and_lengths: bool = False,
 ) -> MergeSummary:
     """Merge the run's shards and profile them. IncompleteRun if a shard is unsealed and not allow_partial.
 
     `answer_field` names the rollout field holding the extracted answer (enables majority@k); `workers` is how
     many processes read shards (default: the CPUs this process may use, at most 8; one for small runs);
     `missing` is what a planned rollout without a result counts as in the aggregate metrics, "omit" or "zero"
-    (default: the run's Gym version's policy; profile/denominator.py).
+    (default: the run's Gym version's policy; profile/denominator.py); `raw_rewards_and_lengths` adds to each
+    profile row its rollouts' rewards and token counts (Gym pull request 2771's field; off: Gym's own profile).
     """
     started = time.monotonic()
     run_dir = Path(run_dir)
@@ -100,8 +102,12 @@ def merge_and_profile(
                 summary.outputs = {k: str(p) for k, p in outputs.items()}
                 tick = time.monotonic()
                 if plan.blend:  # each label's profile first, from the table before anything is released
-                    _profile_labels(run_dir, plan, table, states, summary, stack, release, policy)
-                _profile_part(run_dir, plan, table, states, summary, out, release, policy)
+                    _profile_labels(
+                        run_dir, plan, table, states, summary, stack, release, policy, raw_rewards_and_lengths
+                    )
+                _profile_part(
+                    run_dir, plan, table, states, summary, out, release, policy, raw_lengths=raw_rewards_and_lengths
+                )
                 summary.timings["profile_s"] = time.monotonic() - tick
                 summary.timings["total_s"] = time.monotonic() - started
                 if summary.tally is not None:
@@ -125,6 +131,7 @@ def _profile_part(
     release: gym_adapter.GymAdapter,
     policy: str,
     scratch: str = "groups-",
+    raw_lengths: bool = False,
 ) -> list[dict[str, Any]]:
     """Count and profile one merged table (the run's, or one label's): `summary` gets its counts, `out` its profile
     files; the table's locations and planned rows are released. Returns its aggregate-metrics entries."""
@@ -136,7 +143,9 @@ def _profile_part(
     table = table.measured()  # the statistics: measured rollouts only (itself when none is masked)
     tasks = TaskInfo(table) if masked else tasks
     table.release_planned()
-    return _profile(run_dir, plan, table, tasks, summary, out, release, imputed, stopped_tasks(states), masked, scratch)
+    return _profile(
+        run_dir, plan, table, tasks, summary, out, release, imputed, stopped_tasks(states), masked, scratch, raw_lengths
+    )
 
 
 def label_output_paths(run_dir: Path, release: gym_adapter.GymAdapter, label: str) -> dict[str, Path]:
@@ -156,6 +165,7 @@ def _profile_labels(
     stack: contextlib.ExitStack,
     release: gym_adapter.GymAdapter,
     policy: str,
+    raw_lengths: bool = False,
 ) -> None:
     """Each label's profile files (merged/by_label/<label>/) and merged/labels.json, written atomically with the
     run's other outputs (renamed when the stack closes); the labels' results go to `summary.labels`."""
@@ -187,6 +197,7 @@ def _profile_labels(
                 release,
                 policy,
                 f"groups-{entry.label}-",
+                raw_lengths,
             )
         metrics: dict[str, Any] = next(
             (e["agent_metrics"] for e in entries if e["agent_ref"]["name"] == entry.agent), {}
@@ -341,6 +352,7 @@ def _profile(
     stopped: frozenset[int] = frozenset(),
     masked: dict[int, np.ndarray] | None = None,
     scratch: str = "groups-",
+    raw_lengths: bool = False,
 ) -> list[dict[str, Any]]:
     """The profile files from the measured table and its tasks; `masked`: per agent code, its masked keys. Returns
     the aggregate-metrics entries (without their group rows)."""
@@ -364,7 +376,7 @@ def _profile(
         lambda a: store.merge_scratch(run_dir, f"{scratch}{a}.json"),
     )
     materialized = [store.materialized_path(run_dir, s.index) for s in plan.shards]
-    writers.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized, stopped)
+    writers.write_profile(out["reward_profiling"], groups, table, tasks, agents, materialized, stopped, raw_lengths)
     groups.close()
     return entries
 

@@ -135,6 +135,25 @@ def task_profile_row(
     return row
 
 
+RAW_REWARDS_AND_LENGTHS = "raw_rewards_and_lengths"
+"""The opt-in per-rollout field of a profile row (NeMo Gym pull request 2771's name and shape)."""
+LENGTH_KEYS = ("input_tokens", "output_tokens", "total_tokens")
+
+
+def raw_rewards_and_lengths(infos: Sequence[bytes]) -> bytes:
+    """A task's `raw_rewards_and_lengths` as JSON, from its `rollout_infos` entries (JSON, in rollout-index order):
+    one entry per rollout, `_ng_rollout_index`, `reward` (null for a rollout without one) and those of
+    `input_tokens`, `output_tokens`, `total_tokens` the rollout's infos have (the numeric `response.usage` fields
+    Gym flattens into them); a rollout without usage has no token keys."""
+    out = []
+    for raw in infos:
+        info = orjson.loads(raw)
+        entry = {"_ng_rollout_index": info.get("_ng_rollout_index"), "reward": info.get("reward")}
+        entry.update((k, info[k]) for k in LENGTH_KEYS if k in info)
+        out.append(entry)
+    return orjson.dumps(out)
+
+
 def task_profile_row_json(
     task_index: int, items_json: bytes, sample_json: bytes, num_rollouts: int, expected: int, infos_json: bytes
 ) -> bytes:

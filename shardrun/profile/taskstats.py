@@ -32,6 +32,16 @@ UNKNOWN_AGENT = "(no agent_ref)"
 
 
 @dataclass(frozen=True)
+class RolloutNumbers:
+    """One completed rollout of a task as its profile row's `rollout_infos` entry has it: its index, its reward and
+    its output length (`response.usage.output_tokens`); None where the entry has no such number."""
+
+    rollout_index: int
+    reward: float | None
+    output_tokens: float | None
+
+
+@dataclass(frozen=True)
 class TaskStat:
     """One task's profile: identity, agent, completion and every `<stat>/<field>` number."""
 
@@ -42,6 +52,7 @@ class TaskStat:
     stats: Mapping[str, float] = field(default_factory=dict)
     rewards: tuple[float, ...] = ()  # per completed rollout, in rollout-index order
     inputs: Mapping[str, Any] = field(default_factory=dict)  # the asked-for fields of its planned row (`sample`)
+    rollouts: tuple[RolloutNumbers, ...] = ()  # every rollout_infos entry, in rollout-index order
 
     def stat(self, name: str, metric: str = "reward") -> float | None:
         return self.stats.get(f"{name}/{metric}")
@@ -58,10 +69,31 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _rewards_of(row: Mapping[str, Any]) -> tuple[float, ...]:
-    infos = row.get("rollout_infos") or []
-    ordered = sorted((i for i in infos if isinstance(i, Mapping)), key=lambda i: i.get(ROLLOUT_KEY, 0))
-    return tuple(float(i["reward"]) for i in ordered if _is_number(i.get("reward")))
+def _ordered_infos(row: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    infos = row.get("rollout_infos")
+    infos = infos if isinstance(infos, list) else []
+    return sorted((i for i in infos if isinstance(i, Mapping)), key=lambda i: _index_of(i.get(ROLLOUT_KEY)))
+
+
+def _index_of(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _rewards_of(infos: Sequence[Mapping[str, Any]]) -> tuple[float, ...]:
+    return tuple(float(i["reward"]) for i in infos if _is_number(i.get("reward")))
+
+
+def _number_or_none(value: Any) -> float | None:
+    return float(value) if _is_number(value) else None
+
+
+def _rollouts_of(infos: Sequence[Mapping[str, Any]]) -> tuple[RolloutNumbers, ...]:
+    return tuple(
+        RolloutNumbers(
+            _index_of(i.get(ROLLOUT_KEY)), _number_or_none(i.get("reward")), _number_or_none(i.get("output_tokens"))
+        )
+        for i in infos
+    )
 
 
 def task_stat(row: Mapping[str, Any], where: str = "profile row", fields: Sequence[str] = ()) -> TaskStat:
@@ -79,7 +111,8 @@ def task_stat(row: Mapping[str, Any], where: str = "profile row", fields: Sequen
     sample = row.get("sample")
     inputs = {f: sample[f] for f in fields if f in sample} if fields and isinstance(sample, Mapping) else {}
     expected = expected if isinstance(expected, int) else n
-    return TaskStat(index, _agent_of(row), n, expected, stats, _rewards_of(row), inputs)
+    infos = _ordered_infos(row)
+    return TaskStat(index, _agent_of(row), n, expected, stats, _rewards_of(infos), inputs, _rollouts_of(infos))
 
 
 def task_stats(
@@ -102,6 +135,15 @@ def agents(tasks: Iterable[TaskStat]) -> list[str]:
 def metrics(tasks: Iterable[TaskStat]) -> list[str]:
     """The fields that have a mean in at least one task (e.g. reward, output_tokens, library_reward)."""
     return sorted({k.split("/", 1)[1] for t in tasks for k in t.stats if k.startswith("mean/")})
+
+
+def stat_columns(tasks: Iterable[TaskStat]) -> list[str]:
+    """`<stat>/<field>` in a reading order: reward first, then the other fields by name; mean, std, min, max, median
+    (the profile's columns in `api.profile_frame` and in an export)."""
+    tasks = list(tasks)
+    names = sorted(metrics(tasks), key=lambda m: (m != "reward", m))
+    present = {k for t in tasks for k in t.stats}
+    return [f"{s}/{m}" for m in names for s in ("mean", "std", "min", "max", "median") if f"{s}/{m}" in present]
 
 
 def require_metric(tasks: Sequence[TaskStat], metric: str) -> None:

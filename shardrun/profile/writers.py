@@ -209,13 +209,16 @@ def write_profile(
     stats: AgentStats,
     materialized: list[Path],
     stopped: frozenset[int] = frozenset(),
+    raw_lengths: bool = False,
 ) -> None:
     """The per-task profile rows (and each task's aggregate group row), chunk by chunk in task order. A task in
-    `stopped` (adaptive sampling: rollouts skipped because it was decided) says so in its row: `stopped_decided`."""
+    `stopped` (adaptive sampling: rollouts skipped because it was decided) says so in its row: `stopped_decided`.
+    `raw_lengths`: each profile row also carries its rollouts' `raw_rewards_and_lengths` after `rollout_infos`
+    (opt-in: Gym's own profile has no such field; the aggregate group rows never have it)."""
     layout = frame_layout(table)  # once: it looks at every row (per chunk, the profile's time would grow as n²)
     with ByteSources(materialized) as samples:
         for bounds in chunks(tasks.sizes):
-            text, by_agent = render_chunk(table, tasks, stats, layout, samples, bounds, stopped)
+            text, by_agent = render_chunk(table, tasks, stats, layout, samples, bounds, stopped, raw_lengths)
             out.write(text)
             for agent, rows in by_agent.items():
                 aggregate_out.add(agent, rows)
@@ -229,6 +232,7 @@ def render_chunk(
     samples: ByteSources,
     bounds: tuple[int, int],
     stopped: frozenset[int] = frozenset(),
+    raw_lengths: bool = False,
 ) -> tuple[bytes, dict[int, list[bytes]]]:
     """Profile lines of tasks g0..g1 (task order), and their aggregate group rows by agent; `layout` is the whole
     frame's (frame_layout)."""
@@ -253,7 +257,13 @@ def render_chunk(
         row = reward_profile.task_profile_row_json(
             task_index, items_json, sample, n, int(tasks.expected[code]), infos_json
         )
-        lines.append(row[:-1] + STOPPED_DECIDED + b"}" if task_index in stopped else row)
+        extra = b""
+        if raw_lengths:
+            raw = reward_profile.raw_rewards_and_lengths(infos[start : start + n])
+            extra += b',"' + reward_profile.RAW_REWARDS_AND_LENGTHS.encode() + b'":' + raw
+        if task_index in stopped:
+            extra += STOPPED_DECIDED
+        lines.append(row[:-1] + extra + b"}" if extra else row)
         if not same[agent]:
             items_json = orjson.dumps(reward_profile.stat_items(stats.layouts[agent], group, j))
         by_agent[agent].append(

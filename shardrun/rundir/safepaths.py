@@ -4,6 +4,9 @@
   path inside the run directory, never an input, never a device, FIFO, socket or directory, never a path under the
   kernel's file systems (/dev, /proc, /sys), and never a symlink to any of these. A symlink to a regular file
   elsewhere is followed: the link stays and its target is replaced atomically.
+- `output_folder`: the same for an output that is a folder (`export --to hf DIR`): never the run directory, inside
+  it or holding it, never a path under the kernel's file systems, and an existing folder only when it is empty or
+  the command's own earlier output (which is then replaced whole).
 - `check_run_root`: `run_dir` is absent, empty or a shardrun run directory; never `/`, the home directory or a
   folder that holds other files.
 - `refuse_links`: nothing inside a run directory is a symlink shardrun would follow out of it (`merged/`,
@@ -17,7 +20,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from shardrun.core.errors import BadInput, RunDirError
 
@@ -49,22 +52,7 @@ def output_target(output: Path, option: str, run_dir: Path | None = None, inputs
     """The regular file a user-named output (`option`, e.g. '--output') may (re)place: the real path behind
     `output`. BadInput, naming the option and the path, for a path inside `run_dir`, one of `inputs`, anything
     but a regular file (or nothing yet), a path under /dev, /proc or /sys, or a symlink to any of these."""
-    output = Path(output)
-    if not str(output).strip():
-        raise BadInput(f"{option}: an empty path; name a file. Nothing was written")
-    target = _real(output)
-    via = f" (a symlink to {target})" if target != Path(os.path.abspath(output)) else ""
-    said = f"{option} {output}{via}"
-    for system in KERNEL_FILE_SYSTEMS:
-        if target == system or target.is_relative_to(system):
-            raise BadInput(
-                f"{said} is under {system}, where devices and kernel files live, not a data file; name a "
-                f"regular file elsewhere. Nothing was written"
-            )
-    try:
-        mode: int | None = os.stat(target).st_mode
-    except FileNotFoundError:
-        mode = None
+    target, said, mode = _resolved(Path(output), option, "a regular file")
     if mode is not None and not stat.S_ISREG(mode):
         raise BadInput(f"{said} is {kind_of(mode)}, not a regular file; name a regular file. Nothing was written")
     if run_dir is not None and target.is_relative_to(_real(run_dir)):
@@ -76,6 +64,50 @@ def output_target(output: Path, option: str, run_dir: Path | None = None, inputs
         if target == _real(source) or (mode is not None and _same_file(target, source)):
             raise BadInput(f"{said} is the input file itself ({source}); write it somewhere else. Nothing was written")
     return target
+
+
+def output_folder(output: Path, option: str, run_dir: Path, ours: Callable[[Path], bool]) -> Path:
+    """The real path of the folder a user-named folder output (`option`) is written to. BadInput, naming the option
+    and the path, for an empty path, a path under the kernel's file systems, something there that is not a
+    folder, the run directory itself, a folder inside it or one that holds it, and a folder that is neither empty
+    nor `ours` (the command's own earlier output, which the caller replaces whole)."""
+    target, said, mode = _resolved(Path(output), option, "a folder")
+    run = _real(run_dir)
+    if target.is_relative_to(run) or run.is_relative_to(target):
+        where = "is the run directory" if target == run else "is inside" if target.is_relative_to(run) else "holds"
+        raise BadInput(
+            f"{said} {where}{'' if target == run else ' the run directory'} {run_dir}, whose files shardrun owns; "
+            f"write it somewhere else. Nothing was written"
+        )
+    if mode is not None and not stat.S_ISDIR(mode):
+        raise BadInput(f"{said} is {kind_of(mode)}, not a folder; name a folder. Nothing was written")
+    if mode is not None and os.listdir(target) and not ours(target):
+        raise BadInput(
+            f"{said} holds other files and is no earlier output of this command; name a new or empty folder. "
+            f"Nothing was written"
+        )
+    return target
+
+
+def _resolved(output: Path, option: str, kind: str) -> tuple[Path, str, int | None]:
+    """(the real path behind a user-named output, how messages name it, its mode or None when nothing is there);
+    BadInput for an empty path or one under the kernel's file systems, where `kind` (a data file) never belongs."""
+    if not str(output).strip():
+        raise BadInput(f"{option}: an empty path; name {kind}. Nothing was written")
+    target = _real(output)
+    via = f" (a symlink to {target})" if target != Path(os.path.abspath(output)) else ""
+    said = f"{option} {output}{via}"
+    for system in KERNEL_FILE_SYSTEMS:
+        if target == system or target.is_relative_to(system):
+            raise BadInput(
+                f"{said} is under {system}, where devices and kernel files live, not a data file; name "
+                f"{kind} elsewhere. Nothing was written"
+            )
+    try:
+        mode: int | None = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    return target, said, mode
 
 
 def _same_file(a: Path, b: Path) -> bool:

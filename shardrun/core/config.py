@@ -363,6 +363,14 @@ class JudgeConfig(StrictModel):
         description="External: seconds to wait for GET base_url/models to answer 200 before the job fails (a "
         "self-hosted judge waits vllm.ready_timeout_s).",
     )
+    request_timeout_s: float | None = Field(
+        900.0,
+        gt=0,
+        le=86400,
+        description="Seconds a judge request may go unanswered: shardrun's gate before the judge then answers 504, "
+        "which Gym 0.7 records as a judge failure (retried by Gym first: up to 3 tries), never a hung rollout or a "
+        "zero. null: no gate, the Gym servers reach the judge directly (Gym itself never times out).",
+    )
     server_options: dict[str, Any] = Field(
         default_factory=dict,
         description="More keys of the judge's Gym model server (vllm_model when self-hosted, openai_model when "

@@ -64,6 +64,12 @@ class GymAdapter(abc.ABC):
         record in the failures sidecar itself). Releases that record every failed /run in the sidecar: none."""
         return {}
 
+    def no_result_exit(self, log_text: str) -> bool:
+        """Whether the collector's non-zero exit, whose log is `log_text`, only says that every rollout it ran
+        failed (each one recorded in the failures sidecar): the round ended as planned, with nothing to score.
+        Releases that exit 0 then: never."""
+        return False
+
     def profile_file_suffixes(self) -> tuple[str, ...]:
         """The files the release's profiler writes beside `<stem>.jsonl`, as suffixes of the stem."""
         base = ("_reward_profiling.jsonl", "_agent_metrics.json")

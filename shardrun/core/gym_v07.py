@@ -22,13 +22,20 @@
 - The profiler also writes `_repeat_level_metrics.json` (one row per agent and rollout index) and adds
   across-repeat statistics (`mean_across_repeats/...`) to `_agent_metrics.json`; a missing or failed rollout is
   left out of the profile (the collector's `count_missing_rollouts_as_zero` is off by default).
+- A collection in which every dispatched rollout failed (all in the sidecar) and no earlier result exists raises
+  "None of the N dispatched rollouts produced a result" and exits 1 (`rollout_collection._run_from_config`): for a
+  shard round that is an ordinary end (a shard whose only open rollouts all failed at the judge), not a crash.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from shardrun.core.gym_release import GymAdapter
+
+
+NO_RESULT = re.compile(r"RuntimeError: None of the \d+ dispatched rollouts produced a result")
 
 
 class GymV07(GymAdapter):
@@ -52,6 +59,9 @@ class GymV07(GymAdapter):
 
     def reverify_command(self, venv: Path) -> list[str]:
         return [str(venv / "bin" / "gym"), "eval", "reverify"]
+
+    def no_result_exit(self, log_text: str) -> bool:
+        return NO_RESULT.search(log_text) is not None
 
     def profile_command(self, venv: Path, materialized: Path, rollouts: Path, partial: bool) -> list[str]:
         return [

@@ -5,6 +5,11 @@ key). Either way the Gym stack gets a `gym_stack.JudgeBinding` per judge, which 
 environments' configs name, and the runtime's watchdog checks every judge while collecting: a dead judge fails the
 job as a server failure, as a dead policy does.
 
+Timeouts: Gym never times out a judge request (its HTTP client has no timeout), so a judge that hangs would hang
+its rollouts for ever. Unless `request_timeout_s` is null, the Gym stack reaches each judge through a gate of its
+own (shard/slot_gate.py, in this process, on loopback) that answers 504 to a request left unanswered past it; Gym
+retries it, then Gym 0.7 records the rollout as `judge_failed`, a failure and never a score (docs/failures.md).
+
 GPUs: where CUDA_VISIBLE_DEVICES lists the job's GPUs, the judges take the last ones (in the order of the config)
 and the policy keeps the others (`split_devices`); launch/preflight.py checks the arithmetic before submitting.
 """
@@ -12,13 +17,14 @@ and the policy keeps the others (`split_devices`); launch/preflight.py checks th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
+from urllib.parse import urlsplit
 
 from shardrun.core.config import JudgeConfig
 from shardrun.core.errors import BadInput, ServerFailure
-from shardrun.shard import gym_stack, policy, processes
+from shardrun.shard import gym_stack, policy, processes, slot_gate
 
 JUDGES_DIR = "judges"  # SHARD (or worker) dir / judges / NAME: a self-hosted judge's scratch and logs/vllm.log
 
@@ -30,10 +36,11 @@ class Judge:
     name: str
     endpoint: policy.PolicyEndpoint
     binding: gym_stack.JudgeBinding
+    gate: slot_gate.Gate | None = None
 
     def problem(self) -> str | None:
         """Why the judge is unusable now (named), or None."""
-        found = self.endpoint.problem()
+        found = self.endpoint.problem() or (self.gate.problem() if self.gate is not None else None)
         if found is None or found.startswith(self.endpoint.what):
             return found
         return f"{self.endpoint.what}: {found}"
@@ -41,12 +48,38 @@ class Judge:
     def describe(self) -> str:
         where = "self-hosted" if self.binding.self_hosted else "external"
         cap = self.binding.max_concurrent_requests
-        return f"judge {self.name} ready ({where}): {self.endpoint.base_urls[0]} model {self.endpoint.model_name}" + (
-            f", at most {cap} requests at once" if cap else ""
+        timeout = f", a request unanswered after {self.gate.timeout_s:g} s is a judge failure" if self.gate else ""
+        return (
+            f"judge {self.name} ready ({where}): {self.endpoint.base_urls[0]} model {self.endpoint.model_name}"
+            + (f", at most {cap} requests at once" if cap else "")
+            + timeout
         )
 
     def stop(self) -> None:
-        self.endpoint.stop()
+        try:
+            self.endpoint.stop()
+        finally:
+            if self.gate is not None:
+                self.gate.stop()
+
+
+def gated(judge: Judge, cfg: JudgeConfig) -> Judge:
+    """The judge with its gate started and its binding pointing at the gate (unchanged when request_timeout_s is
+    null); the judge is stopped when the gate cannot start."""
+    if cfg.request_timeout_s is None:
+        return judge
+    try:
+        gate = slot_gate.Gate(
+            [judge.binding.base_url],
+            None,
+            timeout_s=cfg.request_timeout_s,
+            what=f"judge {judge.name}",
+            setting=f"judges.{judge.name}.request_timeout_s",
+        )
+    except BaseException:
+        judge.stop()
+        raise
+    return replace(judge, binding=replace(judge.binding, base_url=gate.urls[0]), gate=gate)
 
 
 def key_for(name: str, cfg: JudgeConfig, env: Mapping[str, str]) -> str | None:
@@ -99,7 +132,7 @@ def start_one(name: str, cfg: JudgeConfig, home: Path, env: Mapping[str, str], d
         binding = gym_stack.JudgeBinding(
             name, server.base_url, server.model_name, True, key, None, dict(cfg.server_options)
         )
-        return Judge(name, endpoint, binding)
+        return gated(Judge(name, endpoint, binding), cfg)
     url = str(cfg.base_url).rstrip("/")
     endpoint = policy.PolicyEndpoint([url], str(cfg.model_name), key, what=what)
     try:
@@ -112,7 +145,7 @@ def start_one(name: str, cfg: JudgeConfig, home: Path, env: Mapping[str, str], d
     binding = gym_stack.JudgeBinding(
         name, url, str(cfg.model_name), False, key, cfg.max_concurrent_requests, dict(cfg.server_options)
     )
-    return Judge(name, endpoint, binding)
+    return gated(Judge(name, endpoint, binding), cfg)
 
 
 def start_all(
@@ -155,8 +188,9 @@ def problem(judges: Sequence[Judge]) -> str | None:
 
 def preview(judges: Mapping[str, JudgeConfig], home: str = "SHARD") -> list[str]:
     """`submit --dry-run`: each judge as a job starts it (a self-hosted one's command line, its GPUs and log; an
-    external one's URL, model, cap and key variable) and the Gym model-server config shardrun writes for it. The
-    port of a self-hosted judge shows as its `vllm.port`, or 8100+k where a free one is chosen at start. Pure."""
+        external one's URL, model, cap and key variable) and the Gym model-server config shardrun writes for it. The
+        port of a self-hosted judge shows as its `vllm.port`, or 8100+k where a free one is chosen at start; a judge's gate
+    shows as port GATE. Pure."""
     if not judges:
         return []
     import yaml
@@ -183,6 +217,13 @@ def preview(judges: Mapping[str, JudgeConfig], home: str = "SHARD") -> list[str]
                 f"# judge {name}: external {url} model {model}; key {key}; "
                 + (f"at most {cap} requests at once" if cap else "no cap on concurrent requests")
             )
+        if cfg.request_timeout_s is not None:
+            out.append(
+                f"#   reached through a gate on loopback ({slot_gate.HOST}, a port chosen at start) answering 504 to "
+                f"a request unanswered after {cfg.request_timeout_s:g} s (judges.{name}.request_timeout_s): a "
+                f"judge failure"
+            )
+            url = f"http://{slot_gate.HOST}:GATE{urlsplit(url).path}"
         bindings.append(
             gym_stack.JudgeBinding(
                 name, url, model, cfg.vllm is not None, None, cfg.max_concurrent_requests, dict(cfg.server_options)

@@ -8,7 +8,9 @@ Rounds. Each round is one `ng_collect_rollouts` resume over the shard's material
 with nothing pending ends collection. A round that exits non-zero because a /run failed (Gym 0.4.0 aborts the
 whole collector on one failed row) gets the failed identities recorded in the retry ledger; an identity that
 failed `gym.max_rollout_attempts` times is written to rollouts_failures.jsonl (terminal, with its reason, never
-as reward 0) and the next round runs the rest. Anything else fails the shard with the collector's log tail.
+as reward 0) and the next round runs the rest. A round whose every rollout failed (Gym 0.7 exits 1: "no result to
+report") ended as planned: its failures are in the sidecar. Anything else fails the shard with the collector's log
+tail.
 """
 
 from __future__ import annotations
@@ -207,7 +209,7 @@ def interruptible() -> Iterator[None]:
 
 class Front(Protocol):
     """Something the Gym stack reaches the policy through instead of its own addresses (a warm worker's slot gate,
-    workers/slot_gate.py): it listens at `urls` and forwards to the policy's."""
+    shard/slot_gate.py): it listens at `urls` and forwards to the policy's."""
 
     urls: list[str]
 
@@ -698,8 +700,14 @@ class Shard:
             )
         finally:
             self.collect_s += time.monotonic() - t0
-        failed = collector.failed_identities(adapter, collector.read_from(log_path, offset)) if rc != 0 else {}
+        said = collector.read_from(log_path, offset) if rc != 0 else ""
+        failed = collector.failed_identities(adapter, said)
         self.log(f"collector round {round_no} exited {rc} after {time.monotonic() - t0:.1f} s")
+        if rc != 0 and adapter.no_result_exit(said):
+            # Gym's "no result to report": every rollout of the round failed, each recorded in the sidecar (the
+            # progress check below still requires that); the next round retries what has attempts left
+            self.log(f"collector round {round_no}: every rollout it ran failed (Gym had no result to report)")
+            rc = 0
         return rc, failed
 
     # ------------------------------------------------------------ seal

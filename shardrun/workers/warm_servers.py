@@ -1,5 +1,5 @@
 """A warm worker's servers: the policy and the Gym stack (started as a shard job starts them, shard/runtime.py), with
-the slot gate between them (workers/slot_gate.py) and the collector service that collects shard after shard
+the slot gate between them (shard/slot_gate.py) and the collector service that collects shard after shard
 (workers/collector_service.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from shardrun.core import gym_adapter
 from shardrun.core.config import ClusterConfig, CollectorConfig, GymConfig, JudgeConfig, PolicyConfig, SandboxConfig
 from shardrun.shard import gym_stack, policy, runtime
 from shardrun.shard import sandbox as sandboxes
-from shardrun.workers import collector_service, slot_gate
+from shardrun.shard import slot_gate
+from shardrun.workers import collector_service
 
 
 @dataclass

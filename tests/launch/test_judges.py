@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import secrets as pysecrets
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from shardrun.core.errors import BadInput
 from shardrun.launch import preflight, slurm
 from shardrun.rundir import env_manifest
 from shardrun.shard import gym_stack, judges
+from tests.fakes import harness
 from tests.faults import gymkit, synthetic
 
 runner = CliRunner()
@@ -273,7 +276,7 @@ def test_submit_dry_run_shows_the_judge_servers(tmp_path: Path, monkeypatch: pyt
     data = json.loads(path.read_text())
     data["judges"] = {
         "math_judge_model": {"vllm": {"model": "judge/model", "tensor_parallel_size": 2}, "api_key_env": VAR},
-        "lc_judge_model": EXTERNAL | {"max_concurrent_requests": 64},
+        "lc_judge_model": EXTERNAL | {"max_concurrent_requests": 64, "request_timeout_s": None},
     }
     path.write_text(json.dumps(data))
     monkeypatch.setenv(VAR, key)
@@ -286,7 +289,14 @@ def test_submit_dry_run_shows_the_judge_servers(tmp_path: Path, monkeypatch: pyt
     assert f"# judge lc_judge_model: external https://judge.example/v1 model qwen-235b; key ${VAR}; at most 64" in out
     shown = yaml.safe_load(out[out.index(f"# ---- {gym_stack.JUDGES_YAML}") :].split("\n", 1)[1])
     assert shown["lc_judge_model"]["responses_api_models"]["openai_model"]["max_concurrent_requests"] == 64
-    assert shown["math_judge_model"]["responses_api_models"]["vllm_model"]["base_url"] == "http://127.0.0.1:8100/v1"
+    # the self-hosted judge through its gate (request_timeout_s, 900 by default); the external one without (null)
+    assert (
+        "#   reached through a gate on loopback (127.0.0.1, a port chosen at start) answering 504 to a request "
+        "unanswered after 900 s (judges.math_judge_model.request_timeout_s): a judge failure" in out
+    )
+    assert shown["math_judge_model"]["responses_api_models"]["vllm_model"]["base_url"] == "http://127.0.0.1:GATE/v1"
+    assert shown["lc_judge_model"]["responses_api_models"]["openai_model"]["openai_base_url"] == EXTERNAL["base_url"]
+    assert out.count("reached through a gate") == 1
     assert key not in out
 
 
@@ -361,3 +371,50 @@ def test_a_variable_of_a_gym_override_is_noted_until_gym_secrets_maps_it(tmp_pat
     assert [n.split(",")[0] for n in planner.translation_notes(mapped)] == [
         "gym_env_start.my_judge references ${my_judge_key}"
     ]
+
+
+# ---------------------------------------------------------------- a judge that hangs
+
+
+def test_an_external_judge_is_reached_through_its_gate_which_ends_a_hung_request_with_504(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The judge is the stand-in model server (the fake at the model seam) hanging every request whose prompt holds
+    "hang me" until it is stopped; the gate (judges.j.request_timeout_s) is the only way such a request ends."""
+    key = "judge-" + pysecrets.token_hex(8)
+    monkeypatch.setenv(VAR, key)
+    with harness.fake_policy(tmp_path, "--fault", "hang:match=hang me", key=key) as stand_in:
+        cfg = JudgeConfig.model_validate(
+            {"base_url": stand_in.base_url, "model_name": "fake-model", "api_key_env": VAR, "request_timeout_s": 1}
+        )
+        [judge], _ = judges.start_all({"j": cfg}, tmp_path)
+        try:
+            bound = judge.binding.base_url
+            assert bound.startswith("http://127.0.0.1:") and bound != stand_in.base_url and bound.endswith("/v1")
+            assert "a request unanswered after 1 s is a judge failure" in judge.describe()
+
+            def ask(text: str) -> tuple[int, dict]:
+                body = {"model": "fake-model", "messages": [{"role": "user", "content": text}]}
+                req = urllib.request.Request(
+                    bound + "/chat/completions",
+                    json.dumps(body).encode(),
+                    {"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+                )
+                try:
+                    with urllib.request.urlopen(req, timeout=300) as resp:
+                        return resp.status, json.loads(resp.read())
+                except urllib.error.HTTPError as e:
+                    return e.code, json.loads(e.read())
+
+            status, body = ask("hang me, please")
+            assert status == 504, body
+            assert body["error"]["message"] == (
+                "gate: the judge j did not answer within 1 s (judges.j.request_timeout_s = 1)"
+            )
+            status, body = ask("What is 1 + 1?")
+            assert status == 200 and body["choices"][0]["message"]["content"], body
+            assert judge.problem() is None
+            assert [r["fault"] for r in stand_in.requests()] == ["hang", None]
+        finally:
+            judges.stop_all([judge])
+        assert judge.gate is not None and judge.problem() is not None  # the gate is closed with the judge

@@ -105,6 +105,19 @@ def test_failed_identities_and_reasons_from_the_collector_log() -> None:
     assert collector.failed_identities(V07, COLLECTOR_LOG) == {}
 
 
+def test_gym_07s_no_result_exit_is_a_round_whose_every_rollout_failed() -> None:
+    """Gym 0.7 exits 1 when every rollout it dispatched failed (all in the sidecar) and nothing was scored before:
+    the runtime takes such a round as ended (its progress still checked), any other traceback as a crash."""
+    said = (
+        "Traceback (most recent call last):\n  ...\nRuntimeError: None of the 2 dispatched rollouts produced a result "
+        "{'judge_failed': 2}. Inspect /x/collect/rollouts_failures.jsonl; the run has no score to report.\n"
+    )
+    assert V07.no_result_exit(said)
+    assert not V07.no_result_exit("Traceback\nRuntimeError: something else\n")
+    assert not V07.no_result_exit(COLLECTOR_LOG)
+    assert not V04.no_result_exit(said)  # 0.4 never says it: a non-zero exit there is a /run failure or a crash
+
+
 def test_adapters_by_version() -> None:
     assert type(gym_adapter.for_version("0.4.0")).__name__ == "GymV04"
     assert gym_adapter.for_version("0.7.3").version == "0.7.3"

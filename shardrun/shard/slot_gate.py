@@ -1,4 +1,8 @@
-"""The slot gate: a warm worker's reverse proxy in front of the policy, admitting at most `slots` requests at once.
+"""The slot gate: a reverse proxy in front of a model server, admitting at most `slots` requests at once and
+answering 504 for a request its upstream leaves unanswered past `timeout_s`.
+
+Two users: a warm worker's policy (below), and each judge of a job (shard/judges.py: no slot limit, the judge's
+`request_timeout_s`, so a judge that hangs becomes an HTTP error Gym records as a judge failure, never a hung rollout).
 
 A warm worker's Gym stack talks to the policy through this gate (its URL is what env.yaml names), which forwards
 every request unchanged (path, headers, body, status, response body) and holds the ones beyond `slots`
@@ -25,8 +29,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
+import orjson
+
 HOST = "127.0.0.1"
-UPSTREAM_TIMEOUT_S = 24 * 3600.0  # the watchdog, not the gate, decides when a request hangs
+UPSTREAM_TIMEOUT_S = 24 * 3600.0  # the policy's: the watchdog, not the gate, decides when a policy request hangs
 HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "host"}
 
 
@@ -72,16 +78,27 @@ class Slots:
 
 
 class Gate:
-    """One listening port per policy base URL (sharing one `Slots`); `urls` are what the Gym stack is given."""
+    """One listening port per base URL of `what` (sharing one `Slots`); `urls` are what the Gym stack is given. A
+    request unanswered after `timeout_s` seconds is answered 504, naming `setting` (the config key that sets it)."""
 
-    def __init__(self, base_urls: Sequence[str], slots: int | None):
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        slots: int | None,
+        timeout_s: float = UPSTREAM_TIMEOUT_S,
+        what: str = "policy",
+        setting: str | None = None,
+    ):
         self.slots = Slots(slots)
+        self.what, self.timeout_s = what, timeout_s
         self.servers: list[ThreadingHTTPServer] = []
         self.urls: list[str] = []
         self.threads: list[threading.Thread] = []
         for base in base_urls:
             parts = urlsplit(base)
-            server = ThreadingHTTPServer((HOST, 0), handler_for(parts.scheme, parts.netloc, self.slots))
+            server = ThreadingHTTPServer(
+                (HOST, 0), handler_for(parts.scheme, parts.netloc, self.slots, timeout_s, what, setting)
+            )
             server.daemon_threads = True
             self.servers.append(server)
             self.urls.append(f"http://{HOST}:{server.server_address[1]}{parts.path}")
@@ -93,9 +110,12 @@ class Gate:
     def describe(self) -> str:
         return f"slot gate at {', '.join(self.urls)}: {self.slots.limit or 'unlimited'} request(s) at once"
 
+    def describe_timeout(self) -> str:
+        return f"{self.what} behind a gate at {', '.join(self.urls)} answering 504 after {self.timeout_s:g} s"
+
     def problem(self) -> str | None:
         dead = [u for u, t in zip(self.urls, self.threads) if not t.is_alive()]
-        return f"the slot gate stopped serving {', '.join(dead)}" if dead else None
+        return f"the {self.what}'s gate stopped serving {', '.join(dead)}" if dead else None
 
     def stop(self) -> None:
         for server in self.servers:
@@ -103,17 +123,32 @@ class Gate:
             server.server_close()
 
 
-def handler_for(scheme: str, netloc: str, slots: Slots) -> type[BaseHTTPRequestHandler]:
+def handler_for(
+    scheme: str, netloc: str, slots: Slots, timeout_s: float, what: str, setting: str | None
+) -> type[BaseHTTPRequestHandler]:
     local = threading.local()
 
     def upstream(fresh: bool = False) -> http.client.HTTPConnection:
         conn = getattr(local, "conn", None)
         if conn is None or fresh:
-            if conn is not None:
-                conn.close()
+            drop()
             cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-            conn = local.conn = cls(netloc, timeout=UPSTREAM_TIMEOUT_S)
+            conn = local.conn = cls(netloc, timeout=timeout_s)
         return conn
+
+    def drop() -> None:
+        """Close this thread's upstream connection: after a failure its state is unknown (a timed-out request's
+        answer may still arrive on it), so the next request opens a fresh one."""
+        conn = getattr(local, "conn", None)
+        local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def failure(e: BaseException) -> tuple[int, str]:
+        if isinstance(e, TimeoutError):
+            limit = f" ({setting} = {timeout_s:g})" if setting else ""
+            return 504, f"gate: the {what} did not answer within {timeout_s:g} s{limit}"
+        return 502, f"gate: {what} unreachable: {type(e).__name__}"
 
     class Forward(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -129,15 +164,19 @@ def handler_for(scheme: str, netloc: str, slots: Slots) -> type[BaseHTTPRequestH
             try:
                 resp, data = self.ask(body, headers)
             except (OSError, http.client.HTTPException) as e:
+                drop()
                 slots.release(ticket)  # before answering: the slot is free once the client hears back
-                data = f'{{"error": {{"message": "slot gate: policy unreachable: {type(e).__name__}"}}}}'.encode()
-                self.send_response(502)
+                status, message = failure(e)
+                kind = "timeout" if status == 504 else "upstream_unreachable"
+                data = orjson.dumps({"error": {"message": message, "type": kind, "code": status}})
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
                 return
             except BaseException:
+                drop()
                 slots.release(ticket)
                 raise
             slots.release(ticket)

@@ -1,9 +1,10 @@
-"""The slot gate (workers/slot_gate.py): at most `slots` requests reach the policy at once, the rest wait in arrival
+"""The slot gate (shard/slot_gate.py): at most `slots` requests reach the policy at once, the rest wait in arrival
 order; requests and responses pass unchanged; the request-seconds are summed. The upstream here is a small HTTP
 server whose requests each wait until the test lets them go."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -14,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from shardrun.workers import slot_gate
+from shardrun.shard import slot_gate
 
 
 class Upstream:
@@ -154,3 +155,34 @@ def test_slots_count_busy_seconds_of_finished_and_running_requests() -> None:
     now[0] = 6.0
     slots.release(b)
     assert slots.busy_s() == 9.0 and slots.requests == 2 and slots.in_flight() == 0
+
+
+def test_a_request_left_unanswered_past_the_timeout_is_answered_504_and_the_next_one_goes_through(
+    upstream: Upstream,
+) -> None:
+    """A judge's gate (no slot limit, its request_timeout_s): the upstream holds "hung" until the test ends, so the
+    gate's own timeout is the only way that request ends. The client's kept-alive connection then carries a second
+    request, which the gate sends upstream on a fresh connection and answers."""
+    gate = slot_gate.Gate([upstream.url], None, timeout_s=0.5, what="judge j", setting="judges.j.request_timeout_s")
+    try:
+        parts = gate.urls[0].removeprefix("http://").split("/", 1)
+        conn = http.client.HTTPConnection(parts[0], timeout=300)
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({"name": "hung"}), headers=headers)
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 504, body
+        assert body["error"] == {
+            "message": "gate: the judge j did not answer within 0.5 s (judges.j.request_timeout_s = 0.5)",
+            "type": "timeout",
+            "code": 504,
+        }
+        assert upstream.arrived == ["hung"] and gate.slots.in_flight() == 0
+        upstream.release("next")
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({"name": "next"}), headers=headers)
+        resp = conn.getresponse()
+        assert resp.status == 201 and json.loads(resp.read())["name"] == "next"
+        conn.close()
+        assert gate.describe_timeout().startswith("judge j behind a gate at http://127.0.0.1:")
+    finally:
+        gate.stop()

@@ -7,8 +7,10 @@ node, bound to its node's hostname; both replicas answer requests, every identit
 profile equals one unsharded Gym run's. Then a replica that exits (status 0, as vLLM does when its engine dies)
 ends the step and fails the worker as a server failure; `resume` completes the run with every identity once.
 
-Real Slurm, `ng_run` and `ng_collect_rollouts`; the replicas are the stand-in policy server (tests/fakes/
-policy_server.py) given vLLM's command line: a fake at the seam shardrun does not own, the GPU model server.
+Real Slurm, `ng_run` and `ng_collect_rollouts`; in these two tests the replicas are the stand-in policy server
+(tests/fakes/policy_server.py) given vLLM's command line: a fake at the seam shardrun does not own, the GPU model
+server. One more (marked `vllm` too) runs the real vLLM CPU build on the tiny model as both replicas, one on each
+node, and checks from each node's vLLM log that both answered.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import orjson
@@ -54,37 +57,48 @@ def cli(env: dict[str, str], cwd: Path, *args, timeout: float = 300, check: bool
     return shardrun(*args, cwd=cwd, timeout=timeout, check=check, env=env)
 
 
+def stand_in(request_log: Path, faults=()) -> dict:
+    """policy.vllm for the stand-in policy server given vLLM's command line."""
+    return {
+        "model": "fake-model",
+        "command": [
+            sys.executable,
+            str(harness.FAKE),
+            "--correct-share",
+            "0.5",
+            "--request-log",
+            str(request_log),
+            *faults,
+        ],
+        "host": "0.0.0.0",
+        "ready_timeout_s": 300,
+        "liveness_timeout_s": 60,
+    }
+
+
 def config(
-    tmp_path: Path, inp: Path, run_dir: Path, request_log: Path, port: int, faults=(), router=False, **cluster
+    tmp_path: Path,
+    inp: Path,
+    run_dir: Path,
+    vllm: dict,
+    port: int,
+    router=False,
+    shards: int = SHARDS,
+    gym: dict | None = None,
+    **cluster,
 ) -> Path:
+    """A warm worker over the two nodes with `policy.vllm` (`vllm`) as two replicas, one on each node."""
     return write_config(
         tmp_path / "run.yaml",
         inp,
         run_dir,
         None,
         repeats=REPEATS,
-        shards=SHARDS,
+        shards=shards,
         policy={
             "base_url": None,
             "model_name": None,
-            "vllm": {
-                "model": "fake-model",
-                "command": [
-                    sys.executable,
-                    str(harness.FAKE),
-                    "--correct-share",
-                    "0.5",
-                    "--request-log",
-                    str(request_log),
-                    *faults,
-                ],
-                "host": "0.0.0.0",
-                "port": port,
-                "replicas": 2,
-                "device": "cpu",
-                "ready_timeout_s": 300,
-                "liveness_timeout_s": 60,
-            },
+            "vllm": {**vllm, "port": port, "replicas": 2, "device": "cpu"},
             # vllm-router from PyPI (the test extra), spreading requests in turn so both replicas see some
             **(
                 {
@@ -96,7 +110,7 @@ def config(
             ),
         },
         cluster={"nodes": 2, "gpus_per_node": 0, "workers": 1, "claim_heartbeat_s": 1, "claim_lease_s": 20, **cluster},
-        gym={"num_samples_in_parallel": 4},
+        gym={"num_samples_in_parallel": 4, **(gym or {})},
     )
 
 
@@ -117,7 +131,7 @@ def test_a_warm_worker_over_two_nodes_with_a_replica_on_each(
     run_dir = tmp_path / "run"
     log = tmp_path / "requests.jsonl"
     port = next(PORTS)
-    cfg = config(tmp_path, inp, run_dir, log, port, router=router)
+    cfg = config(tmp_path, inp, run_dir, stand_in(log), port, router=router)
     dry = cli(nodes_env, tmp_path, "submit", cfg, "--dry-run")
     assert "srun --overlap --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --ntasks-per-node=1" in dry.stdout, dry.stdout
     cli(nodes_env, tmp_path, "submit", cfg)
@@ -145,6 +159,67 @@ def test_a_warm_worker_over_two_nodes_with_a_replica_on_each(
         ref = unsharded_reference(tmp_path, ref_cfg, inp, gym_venv, repeats=REPEATS)
     ours = profile_rows(store.merged_reward_profiling_path(run_dir))
     assert ours == profile_rows(ref / "rollouts_reward_profiling.jsonl")
+
+
+VLLM_TASKS = 8  # 16 rollouts: Gym's vllm_model pins each to a replica by a hash of a random session id, so all
+# of them on one replica is a 2 in 65,536 chance; the tiny model answers 64 tokens in well under a second
+SERVED = "tiny"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("router", [False, True], ids=["base-urls", "vllm-router"])
+def test_a_warm_worker_over_two_nodes_with_a_real_vllm_replica_on_each(
+    tmp_path: Path, nodes_env, slurm_nodes_cluster, vllm_venv: Path, tiny_model: Path, router: bool
+):
+    """The real vLLM CPU build on the tiny model, `replicas: 2` over the two nodes: each replica binds its node's
+    hostname, the worker on the first node waits for both (`/health`, the served name in `/v1/models`), Gym's
+    `vllm_model` gets both base URLs (or vllm-router's on the first node, in front of both, round robin), both
+    replicas answer chat completions, every identity lands once, the rollouts name the served model and nothing
+    is left running."""
+    tag = uuid.uuid4().hex
+    nodes_env[harness.TAG_ENV] = tag  # every process of the run inherits it (sbatch --export=ALL, srun)
+    inp = math_input(tmp_path / "input.jsonl", VLLM_TASKS)
+    run_dir = tmp_path / "run"
+    port = next(PORTS)
+    vllm = {
+        "model": str(tiny_model),
+        "served_model_name": SERVED,
+        "python": str(vllm_venv),
+        "max_model_len": 1024,
+        "extra_args": ["--enforce-eager"],
+        # two servers share the machine's cores: no thread pinning, 1 GiB of KV cache each
+        "env": {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        "ready_timeout_s": 600,
+        "liveness_timeout_s": 300,
+    }
+    # the tiny model on a loaded CPU can take minutes for one answer: a generous stall timeout
+    cfg = config(tmp_path, inp, run_dir, vllm, port, router, shards=2, gym={"stall_timeout_s": 900}, claim_lease_s=60)
+    cli(nodes_env, tmp_path, "submit", cfg)
+    wait_for(lambda: store.merged_summary_path(run_dir).exists(), 1200, "the merged run")
+
+    # every identity once, each answered by the served model
+    assert merged_identities(run_dir) == planned_identities(run_dir, 2)
+    rows = [orjson.loads(line) for line in store.merged_rollouts_path(run_dir).read_bytes().splitlines() if line]
+    assert {r["response"]["model"] for r in rows} == {SERVED}
+    # one replica on each node, bound to its hostname, and each answered chat completions
+    first, second = list(slurm_nodes_cluster.nodes)
+    logs = {p.name: p.read_text() for p in (run_dir / "workers").rglob("vllm-r[0-9]*.log")}
+    assert sorted(logs) == ["vllm-r0.log", "vllm-r1.log"], sorted(logs)
+    for replica, node in (("r0", first), ("r1", second)):
+        name = f"vllm-{replica}.log"
+        assert f"starting {replica} on {node}" in logs[name], logs[name][-3000:]
+        assert logs[name].count("Starting vLLM server") == 1, logs[name][-3000:]  # started once for both shards
+        assert 'POST /v1/chat/completions HTTP/1.1" 200' in logs[name], logs[name][-3000:]
+    worker_log = "".join(p.read_text() for p in (run_dir / "workers").rglob("worker.log"))
+    if router:  # the collector talked to the router alone, on the first node, which spread the requests in turn
+        assert f"behind vllm-router at http://{first}:{port + 1000}" in worker_log, worker_log
+        router_log = next((run_dir / "workers").rglob("vllm-router.log")).read_text()
+        assert f"starting router on {first}" in router_log, router_log[-3000:]
+    else:
+        assert f"http://{first}:{port}/v1, http://{second}:{port}/v1" in worker_log, worker_log
+    # nothing of the run is left: no job in the queue, no process of it on either node
+    wait_for(lambda: not queued(nodes_env, run_dir), 300, "the run's jobs to leave the queue")
+    wait_for(lambda: not harness.tagged_processes(tag), 120, "the run's processes to end")
 
 
 def post(url: str, body: dict, key: str | None = None, timeout: float = 30) -> int | None:
@@ -178,9 +253,8 @@ def test_a_replica_that_exits_fails_the_job_and_the_run_completes(
         tmp_path,
         inp,
         run_dir,
-        log,
+        stand_in(log, faults=["--fault", f"hold:match={last}"]),
         port,
-        faults=["--fault", f"hold:match={last}"],
         max_server_restarts=restarts,
         auto_resume_rounds=0,
     )

@@ -273,12 +273,12 @@ def start_all(
     keeps (None: unchanged). In a Slurm job with `cluster.judge_nodes`, the self-hosted judges run on the judge
     nodes (start_on_nodes) and the policy keeps this node's GPUs."""
     env = dict(os.environ if env is None else env)
-    on_nodes = server_step.judge_nodes(cluster, env) if cluster is not None else None
     hosted = {name: cfg for name, cfg in judges.items() if cfg.vllm is not None}
+    on_nodes = server_step.judge_nodes(cluster, env) if cluster is not None and hosted else None
     policy_devices, devices = (None, {}) if on_nodes is not None else split_devices(env, judges)
     started: list[Judge] = []
     try:
-        if on_nodes is not None and hosted:
+        if on_nodes is not None:
             started += start_on_nodes(hosted, on_nodes, cluster or ClusterConfig(), home, env)
         for name, cfg in judges.items():
             if on_nodes is None or name not in hosted:

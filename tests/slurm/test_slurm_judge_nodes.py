@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import secrets as pysecrets
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,7 +32,8 @@ from shardrun.rundir import store
 from shardrun.shard import gym_stack, judges as judge_servers, server_layout
 from slurm_helpers import math_input, planned_identities, shardrun, wait_for, write_config
 from tests.fakes import harness
-from tests.slurm.test_slurm_nodes import merged_identities, queued
+from tests.slurm.test_slurm_nodes import merged_identities
+from tests.slurm.test_slurm_nodes import no_jobs_left  # noqa: F401 (autouse: cancels what a test leaves queued)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(1200)]
 TASKS = 4
@@ -150,14 +150,3 @@ def test_a_self_hosted_judge_on_a_node_of_its_own_scores_every_rollout(tmp_path:
     assert (home / "logs" / judge_servers.STEP_LOG).exists()
     # the key is in no file of the run directory
     assert [p for p in run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()] == []
-
-
-@pytest.fixture(autouse=True)
-def no_jobs_left(tmp_path: Path, slurm_nodes_cluster):
-    """Whatever the test leaves queued on the nodes cluster is cancelled."""
-    yield
-    run_dir = tmp_path / "run"
-    if store.launches_path(run_dir).exists():
-        env = slurm_nodes_cluster.env
-        for job in queued(env, run_dir):
-            subprocess.run(["scancel", job], capture_output=True, timeout=60, env=env)

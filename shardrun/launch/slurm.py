@@ -397,7 +397,9 @@ def server_step_preview(cfg: RunConfig, run_dir: Path, where: str) -> list[str]:
     return [
         "",
         f"# ---- the policy's server step in each job: {server_layout.describe(lay)}",
-        f"# (NODE0..NODE{len(hosts) - 1}: the job's nodes, `scontrol show hostnames $SLURM_JOB_NODELIST`; port "
+        f"# (NODE0..NODE{len(hosts) - 1}: the job's nodes"
+        + (f" but the last cluster.judge_nodes {cluster.judge_nodes}, the judges'" if cluster.judge_nodes else "")
+        + f", `scontrol show hostnames $SLURM_JOB_NODELIST`; port "
         f"{p.vllm.port or 8000} stands for policy.vllm.port, or a free one)",
         shlex.join(step),
         f"# ---- {script}",

@@ -340,7 +340,8 @@ class JudgeConfig(StrictModel):
     vllm: VllmConfig | None = Field(
         None,
         description="Self-hosted: a vLLM server started once per job on GPUs of its own (the same keys as "
-        "policy.vllm; one server on the job's first node: replicas and nodes_per_replica stay 1).",
+        "policy.vllm; one server within one node: replicas and nodes_per_replica stay 1), on the job's first node, "
+        "or on a judge node (cluster.judge_nodes).",
     )
     base_url: str | None = Field(None, description="External: the judge's OpenAI-compatible endpoint, .../v1.")
     model_name: str | None = Field(None, description="External: the model name sent to base_url.")
@@ -385,7 +386,7 @@ class JudgeConfig(StrictModel):
             raise ValueError("model_name is required with base_url (the model the external judge serves)")
         if self.vllm is not None and (self.vllm.replicas != 1 or (self.vllm.nodes_per_replica or 1) != 1):
             raise ValueError(
-                "a self-hosted judge is one vLLM server on the job's first node: vllm.replicas and "
+                "a self-hosted judge is one vLLM server within one node: vllm.replicas and "
                 "vllm.nodes_per_replica must be 1"
             )
         if self.vllm is not None and self.model_name is not None:
@@ -519,6 +520,14 @@ class ClusterConfig(StrictModel):
     job_name_prefix: str = "shardrun"
     time_limit: str | None = Field(None, description="Default shard time limit HH:MM:SS.")
     nodes: int = Field(1, ge=1, le=100_000)
+    judge_nodes: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="Of a Slurm job's `nodes`, this many (the last) run the self-hosted judges, in a server step of "
+        "their own; the policy is laid out over the others, the first of which runs Gym and the collector "
+        "(docs/judges.md). 0: the judges run on the job's first node beside a one-server policy.",
+    )
     gpus_per_node: int = Field(0, ge=0, le=1024)
     cpus_per_task: int | None = Field(None, ge=1, le=100_000)
     mem_gb: float | None = Field(None, gt=0, le=2**30)
@@ -586,6 +595,21 @@ class ClusterConfig(StrictModel):
         if self.partition and self.partition in self.timeouts:
             return slurm_values.parse_time_limit(self.timeouts[self.partition])
         return slurm_values.parse_time_limit(self.time_limit or slurm_values.DEFAULT_TIME_LIMIT)
+
+    @property
+    def policy_nodes(self) -> int:
+        """The job's nodes left to the policy (and to Gym and the collector, on the first): all but the judges'."""
+        return self.nodes - self.judge_nodes
+
+    @model_validator(mode="after")
+    def _judge_nodes_leave_one(self) -> "ClusterConfig":
+        if self.judge_nodes and self.judge_nodes >= self.nodes:
+            raise ValueError(
+                f"cluster.judge_nodes {self.judge_nodes} must be below cluster.nodes {self.nodes}: the job's first "
+                f"node runs Gym, the collector and the policy; raise cluster.nodes (to {self.judge_nodes + 1} or "
+                f"more) or lower cluster.judge_nodes"
+            )
+        return self
 
     @model_validator(mode="after")
     def _lease_over_heartbeat(self) -> "ClusterConfig":

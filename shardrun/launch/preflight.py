@@ -9,7 +9,8 @@ BadInput). Here, once, before a job exists or a launch is recorded:
 - a self-hosted policy (`policy.vllm`) whose jobs are Slurm jobs fits the job: tensor x pipeline x data parallel
   size GPUs within `cluster.nodes` x `cluster.gpus_per_node`, and no GPU-less job unless `policy.vllm.device: cpu`
   says so (`gpu_problems`; `plan` checks this too: `check_gpus`); self-hosted judges' GPUs fit the job's first
-  node beside the policy (`judge_gpu_problems`, also at `plan`);
+  node beside the policy, or with `cluster.judge_nodes` the judge nodes, the policy keeping the others
+  (`judge_gpu_problems`, also at `plan`);
 - Slurm jobs in a container image name the image's interpreter (`cluster.container_python`);
 - a `sandbox.image` on the local executor names a container runtime that is on PATH (`sandbox.runtime`);
 - and when some shard to launch still has rollouts to collect (a shard whose every identity is accounted for
@@ -101,8 +102,14 @@ def gpu_problems(cfg: RunConfig) -> list[str]:
     cluster = cfg.cluster_or_default
     if v is None or not backends.for_config(cfg).runs_on_slurm(cluster):
         return []
+    nodes = cluster.policy_nodes
+    said = f"cluster.nodes {cluster.nodes}"
+    nodes_key = "cluster.nodes"
+    if cluster.judge_nodes:  # the last nodes are the judges'
+        said += f" - cluster.judge_nodes {cluster.judge_nodes} = {nodes} node(s)"
+        nodes_key = "cluster.nodes - cluster.judge_nodes"
     if v.device == "cpu":
-        return server_layout.shape_problems(v, router, cluster.nodes, 0)
+        return server_layout.shape_problems(v, router, nodes, 0, nodes_key)
     tp, pp, dp, r = v.tensor_parallel_size, v.pipeline_parallel_size, v.data_parallel_size, v.replicas
     needs = tp * pp * dp * r
     asked = (
@@ -116,47 +123,58 @@ def gpu_problems(cfg: RunConfig) -> list[str]:
             f"self-hosted policy (policy.vllm); set cluster.gpus_per_node (and cluster.nodes) to give them, or "
             f"policy.vllm.device: cpu to serve on CPUs on purpose (a CPU build of vLLM)"
         ]
-    gives = cluster.nodes * cluster.gpus_per_node
+    gives = nodes * cluster.gpus_per_node
     if needs > gives:
         return [
-            f"{asked} needs {needs} GPUs; cluster.nodes {cluster.nodes} x cluster.gpus_per_node "
-            f"{cluster.gpus_per_node} gives {gives}; raise cluster.nodes or cluster.gpus_per_node, or lower the "
-            f"parallel sizes"
+            f"{asked} needs {needs} GPUs; {said} x cluster.gpus_per_node {cluster.gpus_per_node} gives {gives}; "
+            f"raise cluster.nodes or cluster.gpus_per_node, or lower the parallel sizes"
         ]
-    return server_layout.shape_problems(v, router, cluster.nodes, cluster.gpus_per_node)
+    return server_layout.shape_problems(v, router, nodes, cluster.gpus_per_node, nodes_key)
 
 
 def judge_gpu_problems(cfg: RunConfig) -> list[str]:
-    """Self-hosted judges in Slurm jobs take GPUs of their own on the job's first node, beside the policy: their
-    GPUs plus a self-hosted policy's must fit that node (cluster.gpus_per_node), and the policy must then be one
-    server on one node (a policy laid out over several servers or nodes does not leave room for them: not
-    supported yet). Local jobs: not checked, as for the policy."""
+    """Self-hosted judges in Slurm jobs take GPUs of their own: on the job's first node beside a policy of one
+    server (their GPUs plus the policy's must fit that node, cluster.gpus_per_node), or, with cluster.judge_nodes,
+    on the job's last nodes (each judge within one node, all of them on those nodes, none idle). A policy of several
+    servers or nodes with self-hosted judges needs judge nodes. Local jobs: not checked, as for the policy."""
     from shardrun.launch import backends
 
     cluster = cfg.cluster_or_default
     hosted = {name: j for name, j in cfg.judges.items() if j.vllm is not None}
-    if not hosted or not backends.for_config(cfg).runs_on_slurm(cluster):
+    if not backends.for_config(cfg).runs_on_slurm(cluster):
+        return []
+    if cluster.judge_nodes and not hosted:
+        return [
+            f"cluster.judge_nodes {cluster.judge_nodes}: no judge is self-hosted (judges.NAME.vllm), so the judge "
+            f"nodes would stay idle; set cluster.judge_nodes: 0"
+        ]
+    if not hosted:
         return []
     on_gpus = {name: j.gpus for name, j in hosted.items() if j.gpus}
-    asked = " + ".join(
-        f"judges.{n}.vllm tensor_parallel_size {j.vllm.tensor_parallel_size} x pipeline_parallel_size "
+    parallel = {
+        n: f"judges.{n}.vllm tensor_parallel_size {j.vllm.tensor_parallel_size} x pipeline_parallel_size "
         f"{j.vllm.pipeline_parallel_size}"
         + (f" x data_parallel_size {j.vllm.data_parallel_size}" if j.vllm.data_parallel_size != 1 else "")
         for n, j in hosted.items()
         if j.vllm is not None and n in on_gpus
-    )
+    }
+    asked = " + ".join(parallel.values())
     if on_gpus and cluster.gpus_per_node == 0:
         return [
             f"cluster.gpus_per_node: 0, so the Slurm job has no GPU, but {asked} needs {sum(on_gpus.values())} "
             f"GPU(s) for the self-hosted judges; set cluster.gpus_per_node, or judges.NAME.vllm.device: cpu"
         ]
+    if cluster.judge_nodes:
+        return judge_node_problems(cluster.judge_nodes, cluster.gpus_per_node, list(hosted), on_gpus, parallel)
     v = cfg.policy.vllm if cfg.policy is not None else None
     if v is not None and (cluster.nodes > 1 or v.replicas > 1 or (cfg.policy and cfg.policy.router)):
         return [
             f"judges.{next(iter(hosted))}: a self-hosted judge runs on the job's first node beside one policy "
-            f"server; a policy of several servers or nodes (policy.vllm.replicas {v.replicas}, cluster.nodes "
-            f"{cluster.nodes}{', policy.router' if cfg.policy and cfg.policy.router else ''}) with self-hosted "
-            f"judges is not supported yet: use one node, or an external judge (judges.NAME.base_url)"
+            f"server unless the judges have nodes of their own; with a policy of several servers or nodes "
+            f"(policy.vllm.replicas {v.replicas}, cluster.nodes {cluster.nodes}"
+            f"{', policy.router' if cfg.policy and cfg.policy.router else ''}) set cluster.judge_nodes (the job's "
+            f"last nodes run the judges: e.g. cluster.judge_nodes 1 and cluster.nodes {cluster.nodes + 1}), or use "
+            f"an external judge (judges.NAME.base_url)"
         ]
     if not on_gpus:
         return []
@@ -171,7 +189,38 @@ def judge_gpu_problems(cfg: RunConfig) -> list[str]:
         return [
             f"{asked} needs {sum(on_gpus.values())} GPU(s) of their own on the job's first node; {mine}the judges' "
             f"{sum(on_gpus.values())} = {needs} GPUs, and cluster.gpus_per_node is {cluster.gpus_per_node}; raise "
-            f"cluster.gpus_per_node or lower the parallel sizes"
+            f"cluster.gpus_per_node or lower the parallel sizes, or give the judges nodes of their own "
+            f"(cluster.judge_nodes)"
+        ]
+    return []
+
+
+def judge_node_problems(
+    judge_nodes: int, gpus_per_node: int, hosted: list[str], on_gpus: Mapping[str, int], parallel: Mapping[str, str]
+) -> list[str]:
+    """The self-hosted judges (`hosted`, in config order; `on_gpus`: the GPUs of those that take some) on
+    `judge_nodes` nodes of `gpus_per_node` GPUs: each within one node, all of them placed as a job places them
+    (server_layout.place_judges), and no judge node left idle."""
+    big = [n for n, g in on_gpus.items() if g > gpus_per_node]
+    if big:
+        return [
+            f"{parallel[n]} needs {on_gpus[n]} GPUs; a judge runs within one judge node, and cluster.gpus_per_node "
+            f"is {gpus_per_node}; lower its parallel sizes"
+            for n in big
+        ]
+    if judge_nodes > len(hosted):
+        return [
+            f"cluster.judge_nodes {judge_nodes} but {len(hosted)} self-hosted judge(s): a judge runs within one "
+            f"node, so {judge_nodes - len(hosted)} judge node(s) would stay idle; lower cluster.judge_nodes"
+        ]
+    placed = server_layout.place_judges({n: on_gpus.get(n, 0) for n in hosted}, judge_nodes, gpus_per_node)
+    left = [n for n in hosted if n not in placed]
+    if left:
+        return [
+            f"{' + '.join(parallel.values())} need {sum(on_gpus.values())} GPUs on cluster.judge_nodes {judge_nodes} "
+            f"node(s) of cluster.gpus_per_node {gpus_per_node}, and {', '.join(f'judges.{n}' for n in left)} find "
+            f"no room (each judge within one node); raise cluster.judge_nodes (and cluster.nodes) or lower the "
+            f"parallel sizes"
         ]
     return []
 

@@ -383,7 +383,7 @@ def server_step_preview(cfg: RunConfig, run_dir: Path, where: str) -> list[str]:
     if p is None or p.vllm is None:
         return []
     gpus = cluster.gpus_per_node
-    hosts = tuple(f"NODE{k}" for k in range(cluster.nodes))
+    hosts = tuple(f"NODE{k}" for k in range(cluster.policy_nodes))  # the judge nodes (the last) are the judges
     job = server_layout.JobNodes(
         hosts, gpus, cluster.shard_time_minutes() * 60, cfg.gym.num_samples_in_parallel if cfg.gym else None
     )
@@ -392,11 +392,14 @@ def server_step_preview(cfg: RunConfig, run_dir: Path, where: str) -> list[str]:
     home = Path(where)
     lay = server_layout.layout(p, job, p.vllm.port or 8000, home, {})
     script = store.vllm_scratch_dirs(home)[0].parent / server_layout.SCRIPT_NAME
-    step = server_step.srun_command(len(hosts), script, cluster) if job.spans_nodes else ["bash", str(script)]
+    subset = hosts if cluster.judge_nodes else None  # exactly the policy's nodes
+    step = server_step.srun_command(len(hosts), script, cluster, subset) if job.spans_nodes else ["bash", str(script)]
     return [
         "",
         f"# ---- the policy's server step in each job: {server_layout.describe(lay)}",
-        f"# (NODE0..NODE{len(hosts) - 1}: the job's nodes, `scontrol show hostnames $SLURM_JOB_NODELIST`; port "
+        f"# (NODE0..NODE{len(hosts) - 1}: the job's nodes"
+        + (f" but the last cluster.judge_nodes {cluster.judge_nodes}, the judges'" if cluster.judge_nodes else "")
+        + f", `scontrol show hostnames $SLURM_JOB_NODELIST`; port "
         f"{p.vllm.port or 8000} stands for policy.vllm.port, or a free one)",
         shlex.join(step),
         f"# ---- {script}",

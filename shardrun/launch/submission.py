@@ -408,5 +408,6 @@ def describe_submission(
         )
     from shardrun.shard import judges
 
-    shown = "\n".join(judges.preview(cfg.judges))
+    on_slurm = backend.runs_on_slurm(cfg.cluster_or_default)
+    shown = "\n".join(judges.preview(cfg.judges, cluster=cfg.cluster_or_default if on_slurm else None))
     return f"launch mode: {backend.mode}\n{text}" + (f"\n{shown}" if shown else "")

@@ -291,7 +291,8 @@ def start_servers(
     """Start the sandbox (`sandbox`, if any), start (or check) the judges, then the policy, then the Gym stack at
     `place` with the sandbox's address in its environment; all ready, or none left running. `front` (a warm worker's
     slot gate): made from the policy's addresses; the stack reaches the policy through it. Self-hosted judges take
-    GPUs of their own (judges.split_devices); the policy is started with the others."""
+    GPUs of their own (judges.split_devices; the policy is started with the others), or the job's judge nodes
+    (cluster.judge_nodes)."""
     t0 = time.monotonic()
     box = sandboxes.start(sandbox, place.home, cluster=cluster) if sandbox is not None else None
     if box is not None:
@@ -307,7 +308,7 @@ def start_servers(
 
     try:
         env = dict(os.environ)
-        started, policy_devices = judge_servers.start_all(judges or {}, place.home, env)
+        started, policy_devices = judge_servers.start_all(judges or {}, place.home, env, cluster)
         for judge in started:
             log(judge.describe())
         if policy_devices is not None:

@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from shardrun.core.config import PolicyConfig, VllmConfig
+from shardrun.core.config import JudgeConfig, PolicyConfig, VllmConfig
 from shardrun.core.errors import BadInput
 from shardrun.rundir import store
 from shardrun.shard import vllm
 
+JUDGES_DIR = "judges"  # SHARD (or worker) dir / judges / NAME: a self-hosted judge's scratch and logs/vllm.log
+JUDGE_SCRIPT_NAME = "judge-servers.sh"  # SHARD / judges / this: the script of the judges' server step
+JUDGE_KEY_VAR = "SHARDRUN_JUDGE_KEY_"  # + a judge's name: its key, in the judges' step environment only
 DP_RPC_OFFSET = 100  # --data-parallel-rpc-port: the server's port + this
 MASTER_OFFSET = 200  # --master-port of a server across nodes: the server's port + this
 ROUTER_OFFSET = 1000  # the router's port by default: the policy's port + this
@@ -64,9 +67,13 @@ class ServerLaunch:
     env: tuple[tuple[str, str], ...]
     log: Path
     gpus: tuple[int, int] | None = None  # (first, count) of the node's GPUs; None: all the step gives
+    label: str | None = None  # the server's name in the script and its messages (a judge's: its name)
+    key_var: str | None = None  # VLLM_API_KEY from this variable of the step's environment (a judge's own key)
 
     @property
     def name(self) -> str:
+        if self.label is not None:
+            return self.label
         return f"r{self.replica}" + (f"-n{self.rank}" if self.rank else "")
 
 
@@ -99,6 +106,106 @@ class ServerLayout:
         return 1 + max(s.node for s in self.launches)
 
 
+@dataclass(frozen=True)
+class JudgeLayout:
+    """The self-hosted judges on the job's judge nodes (cluster.judge_nodes): one server each, in config order."""
+
+    nodes: JobNodes  # the judge nodes only
+    launches: tuple[ServerLaunch, ...]  # label: the judge's name
+    roots: tuple[str, ...]  # each judge's http://host:port, in the same order
+    model_names: tuple[str, ...]
+
+    def describe(self) -> str:
+        """One line for the shard's log and `submit --dry-run`."""
+        where = ", ".join(f"judge {s.name} on {self.nodes.hosts[s.node]}" for s in self.launches)
+        return f"{len(self.launches)} judge server(s) on {len(self.nodes.hosts)} judge node(s): {where}"
+
+
+def place_judges(gpus: Mapping[str, int], nodes: int, gpus_per_node: int) -> dict[str, tuple[int, int]]:
+    """Each judge's (node, first GPU) on `nodes` judge nodes of `gpus_per_node` GPUs each (0: none), in the order
+    given (each judge's GPUs within one node): the judges go to the nodes in turn, each to the first node from its
+    turn on with its GPUs free; where that leaves one out, they are packed instead (each to the first node with
+    room), so several share a node where its GPUs allow. A judge that fits nowhere is left out (the caller names
+    it). Pure."""
+
+    def fill(spread: bool) -> dict[str, tuple[int, int]]:
+        free = [gpus_per_node] * nodes
+        out: dict[str, tuple[int, int]] = {}
+        for k, (name, g) in enumerate(gpus.items()):
+            for i in range(nodes):
+                node = ((k if spread else 0) + i) % nodes
+                if g <= free[node]:
+                    out[name] = (node, gpus_per_node - free[node])
+                    free[node] -= g
+                    break
+        return out
+
+    spread = fill(True)
+    return spread if len(spread) == len(gpus) else max(spread, fill(False), key=len)
+
+
+def judge_layout(
+    judges: Mapping[str, JudgeConfig],
+    job: JobNodes,
+    ports: Mapping[str, int],
+    home: Path,
+    env: Mapping[str, str],
+) -> JudgeLayout:
+    """Every self-hosted judge (`judges`, in config order) on the judge nodes `job`, each bound to its node's
+    hostname on its port (`ports`); a judge with a key (`api_key_env`) takes VLLM_API_KEY from JUDGE_KEY_VAR + its
+    name in the step's environment. BadInput when one does not fit, or two on one node ask for the same port. Pure."""
+    servers = {name: j.vllm for name, j in judges.items() if j.vllm is not None}
+    gpus = {name: judges[name].gpus for name in servers}
+    placed = place_judges(gpus, len(job.hosts), job.gpus_per_node)
+    left = [name for name in servers if name not in placed]
+    if left:
+        raise BadInput(
+            "the self-hosted judges do not fit their nodes",
+            [
+                f"judges.{name}.vllm needs {gpus[name]} GPU(s) on one node; {len(job.hosts)} judge node(s) of "
+                f"{job.gpus_per_node} GPU(s) leave no room for it"
+                for name in left
+            ],
+        )
+    launches: list[ServerLaunch] = []
+    roots: list[str] = []
+    taken: dict[tuple[int, int], str] = {}
+    for name, v in servers.items():
+        node, first = placed[name]
+        port = ports[name]
+        if (node, port) in taken:
+            raise BadInput(
+                f"judges.{taken[node, port]} and judges.{name} are both on judge node {job.hosts[node]} at port "
+                f"{port}; give each its own judges.NAME.vllm.port (or none: a free one is chosen)"
+            )
+        taken[node, port] = name
+        host = job.hosts[node]
+        _, cache = store.vllm_scratch_dirs(home / JUDGES_DIR / name)
+        g = gpus[name]
+        share = (first, g) if g and g < job.gpus_per_node else None
+        launches.append(
+            ServerLaunch(
+                0,
+                0,
+                node,
+                tuple(vllm.build_command(v, host, port, env)),
+                tuple(v.env.items()) + (("VLLM_CACHE_ROOT", str(cache)),),
+                store.vllm_log_path(home / JUDGES_DIR / name),
+                share,
+                label=name,
+                key_var=JUDGE_KEY_VAR + name if judges[name].api_key_env else None,
+            )
+        )
+        roots.append(vllm.root_url(host, port))
+    names = tuple(vllm.served_name(v) for v in servers.values())
+    return JudgeLayout(job, tuple(launches), tuple(roots), names)
+
+
+def judge_script(lay: JudgeLayout) -> str:
+    """The script every judge node of the judges' server step runs (pure; golden-tested)."""
+    return step_script(lay.nodes.hosts, lay.launches, "judge", "no judge here")
+
+
 def gpus_per_server(v: VllmConfig) -> int:
     return v.tensor_parallel_size * v.pipeline_parallel_size * v.data_parallel_size
 
@@ -111,9 +218,12 @@ def nodes_per_server(v: VllmConfig, gpus_per_node: int) -> int:
     return max(1, math.ceil(gpus_per_server(v) / gpus_per_node))
 
 
-def shape_problems(v: VllmConfig, router: str | None, nodes: int, gpus_per_node: int) -> list[str]:
+def shape_problems(
+    v: VllmConfig, router: str | None, nodes: int, gpus_per_node: int, nodes_key: str = "cluster.nodes"
+) -> list[str]:
     """What makes the shape impossible on `nodes` nodes of `gpus_per_node` GPUs (0: CPUs or not known), with the
-    keys to change. The GPU total (`preflight.gpu_problems`) is checked beside this."""
+    keys to change (`nodes_key`: what gives the policy its nodes). The GPU total (`preflight.gpu_problems`) is
+    checked beside this."""
     out = []
     span = nodes_per_server(v, gpus_per_node)
     g = gpus_per_server(v)
@@ -138,13 +248,14 @@ def shape_problems(v: VllmConfig, router: str | None, nodes: int, gpus_per_node:
                 f"nodes_per_replica {span} nodes"
             )
         if v.replicas * span > nodes:
-            out.append(f"{name} x {span} node(s) per server needs {v.replicas * span} nodes; cluster.nodes is {nodes}")
+            out.append(f"{name} x {span} node(s) per server needs {v.replicas * span} nodes; {nodes_key} is {nodes}")
     elif gpus_per_node:
         per_node = gpus_per_node // g
         if per_node and v.replicas > nodes * per_node:
             out.append(
                 f"{name} of {g} GPU(s) each: {nodes} node(s) of {gpus_per_node} GPUs hold {nodes * per_node}; "
                 f"raise cluster.nodes or lower the replicas"
+                + (f" ({nodes_key} is {nodes})" if nodes_key != "cluster.nodes" else "")
             )
     if router is not None and v.replicas < 1:
         out.append("policy.router needs at least one replica")
@@ -273,14 +384,15 @@ RANK_VAR = "SHARDRUN_NODE_RANK"
 
 PREAMBLE = """\
 #!/usr/bin/env bash
-# Written by shardrun: the policy servers of one job. Every node of the server step runs this script (one task per
+# Written by shardrun: the {servers} of one job. Every node of the server step runs this script (one task per
 # node: srun --kill-on-bad-exit=1); a node's rank is ${rank_var}, else SLURM_NODEID. Each server's output is appended to
-# its log. When any server exits, with any status (vLLM exits 0 when its engine dies), the node stops its other
-# servers and exits 1, which ends the step on every node and fails the job as a server failure.
+# its log. When any server exits, with any status (vLLM exits 0 when its engine dies), the node says which, stops its
+# other servers and exits 1, which ends the step on every node and fails the job as a server failure.
 set -uo pipefail
 rank=${{{rank_var}:-${{SLURM_NODEID:?not in a Slurm step and {rank_var} unset}}}}
 scratch=$(mktemp -d "${{TMPDIR:-/tmp}}/shardrun-vllm-XXXXXX")
 pids=()
+names=()
 finish() {{
   trap - TERM INT
   kill -TERM "${{pids[@]}}" 2>/dev/null
@@ -304,40 +416,56 @@ serve() {{
   echo "[shardrun] $(date -u +%FT%TZ) starting $name on $(hostname)" >>"$log"
   TMPDIR="$scratch/$name" VLLM_RPC_BASE_PATH="$scratch/$name" "$@" </dev/null >>"$log" 2>&1 &
   pids+=($!)
+  names+=("$name")
 }}
 """
 
 EPILOGUE = """\
-if [ ${#pids[@]} -eq 0 ]; then
+if [ ${{#pids[@]}} -eq 0 ]; then
   sleep infinity &
   pids+=($!)
+  names+=("(none)")
 fi
 wait -n
 rc=$?
-echo "[shardrun] a policy server on $(hostname) (node $rank) exited with status $rc; stopping this node's servers" >&2
+gone=()
+for i in "${{!pids[@]}}"; do
+  kill -0 "${{pids[$i]}}" 2>/dev/null || gone+=("${{names[$i]}}")
+done
+echo "[shardrun] {what} ${{gone[*]:-?}} on $(hostname) (node $rank) exited with status $rc; stopping this node's servers" >&2
 finish 1
 """
 
 
 def node_script(lay: ServerLayout) -> str:
-    """The script every node of the server step runs (pure; golden-tested)."""
-    lines = [PREAMBLE.format(rank_var=RANK_VAR), 'case "$rank" in']
-    for node, host in enumerate(lay.nodes.hosts):
-        here = lay.on_node(node)
+    """The script every node of the policy's server step runs (pure; golden-tested)."""
+    servers = list(lay.launches) + ([lay.router] if lay.router else [])
+    return step_script(lay.nodes.hosts, servers, "policy server", "no server here (Gym and the collector only)")
+
+
+def step_script(hosts: Sequence[str], servers: Sequence[ServerLaunch], what: str, idle: str) -> str:
+    """The script every node of a server step over `hosts` runs: each node starts its `servers` (`what` names them
+    in the step's log: "policy server r1", "judge NAME"; `idle` is said of a node without one). A server with a
+    `key_var` gets VLLM_API_KEY from that variable of the step's environment, so no key is ever in the script or on
+    a command line. Pure; golden-tested."""
+    lines = [PREAMBLE.format(rank_var=RANK_VAR, servers=what + "s"), 'case "$rank" in']
+    for node, host in enumerate(hosts):
+        here = [s for s in servers if s.node == node]
         lines.append(f"  {node})  # {host}")
         if not here:
-            lines.append("    : # no server here (Gym and the collector only)")
+            lines.append(f"    : # {idle}")
         for s in here:
             name = "router" if s.replica < 0 else s.name
             words = [f"{k}={shlex.quote(val)}" for k, val in s.env]
             if s.gpus is not None:
                 words.append(f'CUDA_VISIBLE_DEVICES="$(gpus {s.gpus[0]} {s.gpus[1]})"')
             prefix = ("env " + " ".join(words) + " ") if words else ""
-            lines.append(f"    serve {name} {shlex.quote(str(s.log))} {prefix}{shlex.join(s.cmd)}")
+            key = f'VLLM_API_KEY="${{{s.key_var}:?not set in the server step environment}}" ' if s.key_var else ""
+            lines.append(f"    {key}serve {name} {shlex.quote(str(s.log))} {prefix}{shlex.join(s.cmd)}")
         lines.append("    ;;")
     lines.append('  *) echo "[shardrun] no node $rank in this job" >&2; exit 2 ;;')
     lines.append("esac")
-    return "\n".join(lines) + "\n" + EPILOGUE
+    return "\n".join(lines) + "\n" + EPILOGUE.format(what=what)
 
 
 def describe(lay: ServerLayout) -> str:

@@ -16,7 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from shardrun.core.config import ClusterConfig, PolicyConfig
 from shardrun.core.errors import BadInput, ServerFailure
@@ -41,8 +41,10 @@ def container_args(cluster: ClusterConfig, role: str = CONTAINER_ROLE) -> list[s
     return args
 
 
-def srun_command(n: int, script: Path, cluster: ClusterConfig) -> list[str]:
-    """The server step over the job's `n` nodes, one task per node; a task that fails ends the step."""
+def srun_command(n: int, script: Path, cluster: ClusterConfig, nodelist: Sequence[str] | None = None) -> list[str]:
+    """The server step over `n` of the job's nodes, one task per node; a task that fails ends the step. `nodelist`:
+    exactly those nodes (a job whose judges have nodes of their own: the policy's, or the judges'), whose ranks
+    (SLURM_NODEID) follow the job's order."""
     return [
         "srun",
         "--overlap",
@@ -50,6 +52,7 @@ def srun_command(n: int, script: Path, cluster: ClusterConfig) -> list[str]:
         f"--nodes={n}",
         f"--ntasks={n}",
         "--ntasks-per-node=1",
+        *([f"--nodelist={','.join(nodelist)}"] if nodelist else []),
         *container_args(cluster, SERVER_ROLE),
         "bash",
         str(script),
@@ -81,8 +84,57 @@ def job_nodes(
     cluster = cluster or ClusterConfig()
     if not env.get("SLURM_JOB_ID"):
         return server_layout.JobNodes((os.uname().nodename,), gpus_here, None, concurrency)
-    hosts = slurm_hosts(env) if cluster.nodes > 1 else (os.uname().nodename,)
+    hosts = slurm_hosts(env)[: cluster.policy_nodes] if cluster.nodes > 1 else (os.uname().nodename,)
     return server_layout.JobNodes(hosts, cluster.gpus_per_node, cluster.shard_time_minutes() * 60, concurrency)
+
+
+def judge_nodes(cluster: ClusterConfig, env: Mapping[str, str]) -> server_layout.JobNodes | None:
+    """This Slurm job's judge nodes (its last `cluster.judge_nodes`), or None: no judge nodes asked for, or not in
+    a Slurm job (the judges then run beside the policy on this node). ServerFailure when the job has too few."""
+    if not cluster.judge_nodes or not env.get("SLURM_JOB_ID"):
+        return None
+    hosts = slurm_hosts(env)
+    if len(hosts) <= cluster.judge_nodes:
+        raise ServerFailure(
+            f"cluster.judge_nodes is {cluster.judge_nodes} but this job has {len(hosts)} node(s) "
+            f"({', '.join(hosts)}); the first runs Gym and the collector"
+        )
+    return server_layout.JobNodes(hosts[-cluster.judge_nodes :], cluster.gpus_per_node)
+
+
+def start_step(
+    script: Path,
+    text: str,
+    hosts: Sequence[str],
+    over_srun: bool,
+    nodelist: bool,
+    cluster: ClusterConfig,
+    env: dict[str, str],
+    log: Path,
+    name: str,
+    local_roots: Sequence[str] = (),
+) -> processes.Proc:
+    """Write a server step's script (atomically) and start the step: `srun` over `hosts` (with `nodelist`: exactly
+    those), or, on this node alone, `bash SCRIPT` as rank 0 after checking that no server answers at `local_roots`
+    already. ServerFailure when srun is missing or a port is taken."""
+    script.parent.mkdir(parents=True, exist_ok=True)
+    fileio.atomic_write_bytes(script, text.encode())
+    if over_srun:
+        cmd = srun_command(len(hosts), script, cluster, hosts if nodelist else None)
+        if shutil.which("srun", path=env.get("PATH")) is None:
+            raise ServerFailure(
+                f"srun is not on PATH in the shard's job, so the {name} step over the job's nodes cannot start; in a "
+                f"container image, the image needs Slurm's client commands and the Slurm config "
+                f"(docs/cluster-configs.md, 'Jobs over several nodes, in containers')"
+            )
+    else:
+        for root in local_roots:
+            host, _, p = root.rpartition("//")[2].rpartition(":")
+            if vllm.port_answers(host.strip("[]"), int(p)):
+                raise ServerFailure(f"policy server port {p} is already in use on {host}")
+        cmd = ["bash", str(script)]
+        env[server_layout.RANK_VAR] = "0"
+    return processes.start(cmd, log, name=name, env=env)
 
 
 @dataclass
@@ -148,27 +200,21 @@ def start(
     assert v is not None
     lay = server_layout.layout(policy, job, port, shard_dir, env)
     script = store.vllm_scratch_dirs(shard_dir)[0].parent / server_layout.SCRIPT_NAME
-    script.parent.mkdir(parents=True, exist_ok=True)
     store.vllm_scratch_dirs(shard_dir)[1].mkdir(parents=True, exist_ok=True)
-    fileio.atomic_write_bytes(script, server_layout.node_script(lay).encode())
-    senv = step_env(env, api_key)
-    if job.spans_nodes:
-        cmd = srun_command(len(job.hosts), script, cluster or ClusterConfig())
-        if shutil.which("srun", path=senv.get("PATH")) is None:
-            raise ServerFailure(
-                "srun is not on PATH in the shard's job, so the policy's server step over the job's nodes cannot "
-                "start; in a container image, the image needs Slurm's client commands and the Slurm config "
-                "(docs/cluster-configs.md, 'Jobs over several nodes, in containers')"
-            )
-    else:
-        for root in lay.roots:
-            host, _, p = root.rpartition("//")[2].rpartition(":")
-            if vllm.port_answers(host.strip("[]"), int(p)):
-                raise ServerFailure(f"policy server port {p} is already in use on {host}")
-        cmd = ["bash", str(script)]
-        senv[server_layout.RANK_VAR] = "0"
+    cluster = cluster or ClusterConfig()
     log = store.vllm_log_path(shard_dir).with_name("policy-servers.log")
-    proc = processes.start(cmd, log, name="policy servers", env=senv)
+    proc = start_step(
+        script,
+        server_layout.node_script(lay),
+        job.hosts,
+        job.spans_nodes,
+        bool(cluster.judge_nodes),
+        cluster,
+        step_env(env, api_key),
+        log,
+        "policy servers",
+        lay.roots,
+    )
     step = ServerStep(proc, lay, script, vllm.Liveness(lay.roots, v.liveness_timeout_s), api_key=api_key)
     t0 = time.monotonic()
     try:

@@ -200,7 +200,7 @@ def test_preflight_counts_the_judges_gpus_beside_the_policys() -> None:
     [none] = preflight.judge_gpu_problems(slurm_config(None, judge4, gpus=0))
     assert "cluster.gpus_per_node: 0" in none and "judges.NAME.vllm.device: cpu" in none
     [spread] = preflight.judge_gpu_problems(slurm_config({"model": "/p", "replicas": 2}, judge4, nodes=2))
-    assert "not supported yet" in spread and "cluster.nodes 2" in spread
+    assert "set cluster.judge_nodes" in spread and "cluster.nodes 2" in spread  # judge nodes: test_judge_nodes.py
     # external judges and CPU judges need no GPU; local jobs are not checked (as for the policy)
     assert preflight.judge_gpu_problems(slurm_config({"model": "/p", "tensor_parallel_size": 8}, {"e": EXTERNAL})) == []
     local = slurm_config({"model": "/p", "tensor_parallel_size": 8}, judge4).model_copy(

@@ -6,6 +6,7 @@ shardrun does not own: the GPU model server) given vLLM's command line."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import urllib.request
@@ -77,7 +78,7 @@ def test_two_replicas_start_serve_and_any_exit_ends_the_step(tmp_path: Path, die
         problem = endpoint.problem()
         assert problem is not None and "the policy server step exited" in problem, problem
         log = (tmp_path / "logs" / "policy-servers.log").read_text()
-        assert f"exited with status {die_code}; stopping this node's servers" in log, log
+        assert f"policy server r1 on {os.uname().nodename} (node 0) exited with status {die_code}; stopping" in log, log
         # the other replica was stopped with it: nothing answers at either address
         assert processes.http_get(endpoint.base_urls[0] + "/models", timeout=5) is None
         assert (tmp_path / "logs" / "vllm-r0.log").exists() and (tmp_path / "logs" / "vllm-r1.log").exists()

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from shardrun.core import gym_adapter
-from shardrun.rundir import store
+from shardrun.rundir import records, store
 from shardrun.core.config import GymConfig, JudgeConfig
 from shardrun.shard import gym_stack
 from shardrun.shard import judges as judge_servers
@@ -204,3 +204,57 @@ def kill_tagged(tag: str) -> None:
         return not harness.tagged_processes(tag)
 
     wait_for("the killed re-score's processes to end", gone, timeout=60)
+
+
+def shard_rewards(run_dir: Path) -> dict[tuple[int, int], float]:
+    out: dict[tuple[int, int], float] = {}
+    for i in range(len(store.load_plan(run_dir).shards)):
+        out |= rewards(store.rollouts_path(run_dir, i))
+    return out
+
+
+def test_rescore_under_warm_workers_equals_one_job_per_shard(tmp_path: Path, gym_venv: Path, monkeypatch) -> None:
+    """A re-score with `cluster.workers: 2` (local): the workers claim the shards and re-verify each (Gym's
+    re-verification starting its servers, the judge's binding as in a shard job); every shard is sealed once, by a
+    worker that records it, and the rewards equal those of the same re-score run one job per shard."""
+    if gym_adapter.for_venv(gym_venv).version.startswith("0.4"):
+        pytest.skip("gym eval reverify is nemo-gym 0.7's")
+    monkeypatch.setenv(harness.TAG_ENV, uuid.uuid4().hex)
+    monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
+    monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
+    monkeypatch.setenv(JUDGE_KEY_ENV, JUDGE_KEY)
+    input_jsonl = harness.example_input(tmp_path / "input.jsonl", gym_venv, math_rows=6, weather_rows=0)
+    source = tmp_path / "run"
+    with harness.fake_policy(tmp_path, "--correct-share", "0.5") as fake:
+        cfg_path = harness.write_config(tmp_path / "run.yaml", input_jsonl, source, fake.base_url, repeats=2, shards=3)
+        done = cli("submit", str(cfg_path), cwd=tmp_path, timeout=900)
+        assert done.returncode == 0, done.stdout + done.stderr
+    before = shard_rewards(source)
+    qs = [json.loads(line)["question"] for line in input_jsonl.read_text().splitlines() if line.strip()]
+    chosen = next(
+        t
+        for t, q in enumerate(qs)
+        if any(before[(t, r)] == 0 for r in range(2)) and not any(q in other for o, other in enumerate(qs) if o != t)
+    )
+    jobs, workers = tmp_path / "jobs", tmp_path / "workers"
+    with harness.fake_policy(tmp_path, "--judge", "--judge-equal", qs[chosen], key=JUDGE_KEY, tagged=False) as judge:
+        scoring = changed_scoring(judge.base_url)
+        done = cli("rescore", str(source), *scoring, "-o", str(jobs), "--force", cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        done = cli("rescore", str(source), *scoring, "++cluster.workers=2", "-o", str(workers), "--force", cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        judged = [r for r in judge.requests() if r.get("route")]
+    assert "warm workers: 2 job(s)" in done.stdout, done.stdout
+    assert judged and all(r["auth_ok"] for r in judged)
+    got = shard_rewards(workers)
+    assert got == shard_rewards(jobs) and len(got) == 12
+    assert got != before and all(got[(chosen, r)] == 1.0 for r in range(2))  # the judge's verdicts count
+
+    states = records.read_worker_states(workers)
+    assert len(states) == 2 and all(s.server_starts == 0 for s in states), states
+    assert sorted(i for s in states for i in s.sealed) == [0, 1, 2]  # each shard sealed once
+    for i in range(3):
+        marker = json.loads(store.done_path(workers, i).read_text())
+        assert marker["worker"]["id"] in {s.worker_id for s in states}
+        assert store.shard_log_path(workers, i).read_text().count("start: attempt") == 1
+        assert not store.claim_path(workers, i).exists()

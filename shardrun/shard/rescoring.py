@@ -1,16 +1,19 @@
 """One shard of a re-score (`shardrun rescore`, docs/rescore.md): the source run's sealed rollouts of this shard
 re-verified by NeMo Gym's own re-verification, with this run's Gym config, and sealed here. No policy is asked.
 
-The work, the same for every launch mode that runs shard jobs (runtime.run_locked calls `Rescore.run` instead of
-collecting when the plan's config has a `rescore` section):
+The work, the same for every launch mode (runtime.run_locked calls `Rescore.run` instead of collecting when the
+plan's config has a `rescore` section: in a shard job, local or a Slurm array task, and in a warm worker, which
+passes only its claim's checks and its record for the seal; no servers of its own):
 - the source shard must be sealed under the plan the re-score was made from (its fingerprint recorded in
   `rescore.source_fingerprint`), its rollouts file checked against its seal (sha256);
 - Gym's `gym eval reverify` (it starts the configured servers itself, checks each resources server's
   `/reverify_mode` and refuses one that is not stateless unless `--force`, POSTs each stored rollout to its resources
   server's `/verify`, writes the results and a failures sidecar) runs with the stack's settings (env.yaml, head port,
-  shared server venvs: gym_stack.start) into a scratch directory, with `+disable_aggregation=true` (the merge
-  profiles the whole run); `--failed-only` is its `--judge-failed-only` (the source's successes are carried through
-  unchanged, only the judge-failed rollouts are verified again);
+  shared server venvs: gym_stack.start) into a scratch directory, watched like a collector (the judges, the
+  sandbox, the runner's checks, its log and output growing), with `+disable_aggregation=true` (the merge
+  profiles the whole run); `--failed-only` is its `--judge-failed-only` (it reads the sidecar next to the rollouts file,
+  `<stem>_failures.jsonl`: the source shard's failures file; the source's successes are carried through unchanged,
+  only the judge-failed rollouts are verified again);
 - a rollout Gym did not verify (the source's failures without a response) keeps the source's failure rows; a
   rollout whose verification failed now is recorded failed for good (`_ng_failure_terminal`), so the shard seals,
   and a later `rescore --failed-only` of this run verifies it again;

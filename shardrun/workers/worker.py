@@ -15,6 +15,9 @@
 3. When nothing is left to claim, tear down and return (exit 0). A shard held by a claim whose worker died on this
    host is waited for until its lease runs out, then taken over.
 
+A re-score (`shardrun rescore`, shard/rescoring.py) starts no servers in the worker: it claims one shard at a time
+and `runtime.run_shard` re-verifies it (Gym's re-verification starts its servers per shard), with the claim check.
+
 A server that dies fails the shard's attempt as usual (`.failed`); the worker restarts its servers at most
 `cluster.max_server_restarts` times, then raises ServerFailure (exit non-zero), its claim released. Near the time
 limit (or when the claim is lost) the collector is stopped with `ShardReleased` (a BaseException: not a failure of

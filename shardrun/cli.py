@@ -418,8 +418,6 @@ def rescore(
     from shardrun.rundir import rescore_source
 
     setup = run(rescore_source.rescore_config, run_dir, overrides or [], output, failed_only=failed_only, force=force)
-    for note in setup.notes:
-        say(f"note: {note}", err=True)
     say(f"re-scoring {terminal.shown(str(setup.cfg.rescore.source_run))} (plan {setup.source_plan.fingerprint[:12]}…)")
     result = run(
         submission.submit,

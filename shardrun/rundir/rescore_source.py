@@ -11,7 +11,7 @@ new run directory that is the source itself."""
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +29,6 @@ from shardrun.rundir import seal, store
 class RescoreSetup:
     cfg: RunConfig
     source_plan: Plan
-    notes: list[str] = field(default_factory=list)
 
 
 def source_config(source_plan: Plan, new_run: Path) -> dict:
@@ -74,11 +73,6 @@ def rescore_config(
         except BadInput as e:  # name the source run's config, not the temporary file it was composed from
             raise BadInput(str(e).replace(str(path), f"{store.plan_path(source)} (its config)")) from None
     cfg.require("gym")
-    notes: list[str] = []
-    cluster = cfg.cluster
-    if cluster is not None and cluster.workers:
-        notes.append(f"cluster.workers={cluster.workers} not used: a re-score runs one job per shard")
-        cfg = cfg.model_copy(update={"cluster": cluster.model_copy(update={"workers": None})})
     rescore = RescoreConfig(
         source_run=source, source_fingerprint=source_plan.fingerprint, failed_only=failed_only, force=force
     )
@@ -97,7 +91,7 @@ def rescore_config(
                 f"-o {new_run} holds another run or a re-score with other settings (fingerprint "
                 f"{old.fingerprint[:12]}…, this re-score {plan.fingerprint[:12]}…); re-score into a new directory"
             )
-    return RescoreSetup(cfg, source_plan, notes)
+    return RescoreSetup(cfg, source_plan)
 
 
 def overrides_of(overrides: Sequence[str], key: str) -> str | None:

@@ -1,16 +1,19 @@
 """One shard of a re-score (`shardrun rescore`, docs/rescore.md): the source run's sealed rollouts of this shard
 re-verified by NeMo Gym's own re-verification, with this run's Gym config, and sealed here. No policy is asked.
 
-The work, the same for every launch mode that runs shard jobs (runtime.run_locked calls `Rescore.run` instead of
-collecting when the plan's config has a `rescore` section):
+The work, the same for every launch mode (runtime.run_locked calls `Rescore.run` instead of collecting when the
+plan's config has a `rescore` section: in a shard job, local or a Slurm array task, and in a warm worker, which
+passes only its claim's checks and its record for the seal; no servers of its own):
 - the source shard must be sealed under the plan the re-score was made from (its fingerprint recorded in
   `rescore.source_fingerprint`), its rollouts file checked against its seal (sha256);
 - Gym's `gym eval reverify` (it starts the configured servers itself, checks each resources server's
   `/reverify_mode` and refuses one that is not stateless unless `--force`, POSTs each stored rollout to its resources
   server's `/verify`, writes the results and a failures sidecar) runs with the stack's settings (env.yaml, head port,
-  shared server venvs: gym_stack.start) into a scratch directory, with `+disable_aggregation=true` (the merge
-  profiles the whole run); `--failed-only` is its `--judge-failed-only` (the source's successes are carried through
-  unchanged, only the judge-failed rollouts are verified again);
+  shared server venvs: gym_stack.start) into a scratch directory, watched like a collector (the judges, the
+  sandbox, the runner's checks, its log and output growing), with `+disable_aggregation=true` (the merge
+  profiles the whole run); `--failed-only` is its `--judge-failed-only` (it reads the sidecar next to the rollouts file,
+  `<stem>_failures.jsonl`: the source shard's failures file; the source's successes are carried through unchanged,
+  only the judge-failed rollouts are verified again);
 - a rollout Gym did not verify (the source's failures without a response) keeps the source's failure rows; a
   rollout whose verification failed now is recorded failed for good (`_ng_failure_terminal`), so the shard seals,
   and a later `rescore --failed-only` of this run verifies it again;
@@ -28,6 +31,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from typing import Sequence
 
 import orjson
 
@@ -35,10 +39,11 @@ from shardrun.core.config import RunConfig
 from shardrun.core.errors import ServerFailure, ShardFailed
 from shardrun.plan.planner import Plan
 from shardrun.rundir import ledger, seal, store
-from shardrun.rundir.records import Seal
+from shardrun.rundir.records import Seal, SealWorker
 from shardrun.shard import gym_stack
 from shardrun.shard import judges as judge_servers
 from shardrun.shard import sandbox as sandboxes
+from shardrun.shard import watchdog
 
 SCRATCH = "rescore"
 UNSAFE_PREFIX = "unsafe_"  # what Gym puts before its output's name when --force overrode its guard
@@ -93,13 +98,33 @@ def final_failures(new_rows: list[dict]) -> list[dict]:
     return [row | {ledger.TERMINAL_KEY: True} for row in new_rows]
 
 
+def size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # Gym clears its output as it starts
+        return -1
+
+
 class Rescore:
     """One attempt at one shard of a re-score (the counterpart of runtime.Shard for a run with `rescore`)."""
 
-    def __init__(self, run_dir: Path, index: int, plan: Plan, cfg: RunConfig, log, job_id: str | None, attempt: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        index: int,
+        plan: Plan,
+        cfg: RunConfig,
+        log,
+        job_id: str | None,
+        attempt: int,
+        *,
+        checks: Sequence[watchdog.Check] = (),
+        worker: SealWorker | None = None,
+    ):
         assert cfg.rescore is not None and cfg.gym is not None
         self.run_dir, self.index, self.plan, self.cfg, self.log = run_dir, index, plan, cfg, log
         self.job_id, self.attempt = job_id, attempt
+        self.checks, self.worker = list(checks), worker  # a warm worker's: its claim and time limit; its record
         self.rescore, self.gym = cfg.rescore, cfg.gym
         self.source = Path(self.rescore.source_run)
 
@@ -155,9 +180,7 @@ class Rescore:
                 extra=extra,
             )
             try:
-                rc = stack.proc.wait(timeout=self.gym.ready_timeout_s + self.gym.stall_timeout_s * 10)
-            except Exception:
-                raise ShardFailed(f"Gym's re-verification did not end in time (log {stack.proc.log_path})") from None
+                rc = self.watch(stack.proc, judges, box, output)
             finally:
                 stack.stop()  # the servers Gym started are left in its process group
             down = judge_servers.problem(judges) or (box.problem() if box is not None else None)
@@ -188,6 +211,29 @@ class Rescore:
         failure_rows += carried_failures(store.failures_path(self.source, self.index), verified)
         self.install(output, failure_rows)
         return self.seal(started, verify_s)
+
+    def watch(self, proc, judges: list[judge_servers.Judge], box: sandboxes.Sandbox | None, output: Path) -> int:
+        """Wait for Gym's re-verification to end, checking the judges, the sandbox and the runner's checks (a warm
+        worker's claim and time limit: ShardReleased stops it, nothing recorded) as a collection's watchdog does;
+        it must show progress (its log or its output growing) at least every ready_timeout_s + 10 x
+        stall_timeout_s (Gym starts its servers first, then verifies)."""
+
+        def progress() -> list[tuple[str, int]]:  # the sizes of its log and of what it wrote (unsafe_ or not)
+            return [(p.name, size_of(p)) for p in [proc.log_path, *sorted(output.parent.glob("*.jsonl"))]]
+
+        checks = [
+            *(watchdog.Check(f"judge {j.name}", j.endpoint.problem) for j in judges),
+            *([watchdog.Check("sandbox", box.problem)] if box is not None else []),
+            *self.checks,
+        ]
+        return watchdog.watch(
+            proc,
+            checks=checks,
+            progress=progress,
+            stall_timeout_s=self.gym.ready_timeout_s + self.gym.stall_timeout_s * 10,
+            interval_s=self.gym.health_interval_s,
+            log=self.log,
+        )
 
     def install(self, output: Path, failure_rows: list[dict]) -> None:
         """The results into place: the failures first, then the rollouts by rename (both atomic)."""
@@ -220,6 +266,7 @@ class Rescore:
             collect_s=round(verify_s, 3),
             gpus=0,
             gym_version=self.plan.gym_version,
+            worker=self.worker,
         )
         seal.write_marker(self.run_dir, self.index, marker)
         return marker

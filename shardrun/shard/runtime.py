@@ -141,10 +141,9 @@ def run_locked(
     try:
         with interruptible():
             log(f"start: attempt {attempt}, job {job_id or '-'}, host {socket.gethostname()}, pid {os.getpid()}")
-            if cfg.rescore is not None:  # a re-score: the shard's stored rollouts verified again (rescoring.py)
-                if warm:
-                    raise ShardFailed("a re-score runs as shard jobs; warm workers do not run it (cluster.workers)")
-                marker = rescoring.Rescore(run_dir, index, plan, cfg, log, job_id, attempt).run()
+            if cfg.rescore is not None:  # a re-score: the shard's stored rollouts verified again (rescoring.py);
+                # a warm worker passes only its checks and its record (Gym's re-verification starts its own servers)
+                marker = rescoring.Rescore(run_dir, index, plan, cfg, log, job_id, attempt, **warm).run()
             else:
                 marker = Shard(run_dir, index, plan, cfg, log, job_id, attempt, **warm).run()
     except Exception as exc:

@@ -15,6 +15,9 @@
 3. When nothing is left to claim, tear down and return (exit 0). A shard held by a claim whose worker died on this
    host is waited for until its lease runs out, then taken over.
 
+A re-score (`shardrun rescore`, shard/rescoring.py) starts no servers in the worker: it claims one shard at a time
+and `runtime.run_shard` re-verifies it (Gym's re-verification starts its servers per shard), with the claim check.
+
 A server that dies fails the shard's attempt as usual (`.failed`); the worker restarts its servers at most
 `cluster.max_server_restarts` times, then raises ServerFailure (exit non-zero), its claim released. Near the time
 limit (or when the claim is lost) the collector is stopped with `ShardReleased` (a BaseException: not a failure of
@@ -192,7 +195,10 @@ class Worker:
             self.state.server_starts, self.state.startup_s = previous.server_starts, previous.startup_s
         if previous:
             self.state.holding_s, self.state.request_s = previous.holding_s, previous.request_s
-        self.depth = self.cfg.collector.pipeline_shards
+        # a re-score (shard/rescoring.py): no servers of the worker's own; each shard's re-verification starts
+        # Gym's servers (and the run's judges and sandbox) itself, one shard at a time
+        self.rescoring = self.cfg.rescore is not None
+        self.depth = 1 if self.rescoring else self.cfg.collector.pipeline_shards
         self.state.slots = self.gym.num_samples_in_parallel
         self.lock = threading.RLock()  # the worker's record, written from the shards' threads
         self.running: dict[int, threading.Thread] = {}  # shard -> its thread
@@ -296,14 +302,15 @@ class Worker:
                 self.save(state=DRAINING, exit_reason="time limit")
                 self.wait_all()
                 break
-            if self.running and (self.servers is None or self.servers.problem()):
+            if self.running and not self.rescoring and (self.servers is None or self.servers.problem()):
                 self.wait_all()  # the shards in flight end on their own watchdogs before the servers restart
             claim = None
             if self.room_for_another():
                 found, _, dead = self.candidates()
                 self.plenty = len(found) > self.other_live_workers()
                 if found or dead:
-                    self.ensure_servers()
+                    if not self.rescoring:  # a re-score's shards start their own servers
+                        self.ensure_servers()
                     claim = self.next_claim(wait=not self.running)  # servers first: a claim must not lapse
                 # after a claim, look again once its rollouts have asked for slots; after finding none, later
                 self.next_look = time.monotonic() + (SETTLE_S if claim is not None else WAIT_POLL_S)
@@ -623,8 +630,9 @@ class Worker:
     # ------------------------------------------------------------ one shard
 
     def collect(self, claim: claims.Claim) -> str:
-        """Collect the claimed shard against the running servers; release the claim. Returns the outcome."""
-        assert self.servers is not None
+        """Collect the claimed shard against the running servers (a re-score: re-verify it, rescoring.py); release
+        the claim. Returns the outcome."""
+        assert self.servers is not None or self.rescoring
         index = claim.index
         lost = threading.Event()
         stop_beat = threading.Event()
@@ -647,29 +655,31 @@ class Worker:
             return None
 
         attempt = max(runtime.shard_attempt(self.run_dir, index), failed_attempts(self.run_dir, index) + 1)
-        worker = SealWorker(
-            id=self.worker_id, job_id=self.job_id, servers_warm=self.warm, servers_up_since=self.servers.up_since
-        )
+        checks = [watchdog.Check("claim and time limit", claim_check)]
+        if self.servers is None:  # a re-score
+            warm: dict[str, Any] = {"checks": checks, "worker": SealWorker(id=self.worker_id, job_id=self.job_id)}
+            said = "re-score: Gym's re-verification starts its servers"
+        else:
+            worker = SealWorker(
+                id=self.worker_id, job_id=self.job_id, servers_warm=self.warm, servers_up_since=self.servers.up_since
+            )
+            warm = {
+                "servers": self.servers.base,
+                "collector": self.servers.service,
+                "lending": lending.HolderLending(self.run_dir, index, self.worker_id, self.cluster.claim_lease_s),
+                "checks": checks,
+                "known": self.known,
+                "worker": worker,
+            }
+            said = f"servers {'warm' if self.warm else 'just started'}"
         self.save(state=COLLECTING)
-        self.log(f"shard {index}: claimed (attempt {attempt}, servers {'warm' if self.warm else 'just started'})")
+        self.log(f"shard {index}: claimed (attempt {attempt}, {said})")
         heart = threading.Thread(target=beat, name=f"claim-heartbeat-{index}", daemon=True)
         heart.start()
         t0 = time.monotonic()
         outcome = "sealed"
         try:
-            result = runtime.run_shard(
-                self.run_dir,
-                index,
-                job_id=self.job_id,
-                plan=self.plan,
-                attempt=attempt,
-                servers=self.servers.base,
-                collector=self.servers.service,
-                lending=lending.HolderLending(self.run_dir, index, self.worker_id, self.cluster.claim_lease_s),
-                checks=[watchdog.Check("claim and time limit", claim_check)],
-                known=self.known,
-                worker=worker,
-            )
+            result = runtime.run_shard(self.run_dir, index, job_id=self.job_id, plan=self.plan, attempt=attempt, **warm)
             if result.state == "sealed":
                 self.warm = True
                 with self.lock:

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from shardrun.core import gym_adapter
-from shardrun.rundir import store
+from shardrun.rundir import records, store
 from shardrun.core.config import GymConfig, JudgeConfig
 from shardrun.shard import gym_stack
 from shardrun.shard import judges as judge_servers
@@ -109,6 +109,30 @@ def gym_reverify(tmp: Path, source: Path, gym_venv: Path, judge_url: str) -> dic
     return rewards(out.with_name("unsafe_" + out.name))
 
 
+def collected_source(tmp: Path, gym_venv: Path, shards: int) -> tuple[Path, Path]:
+    """The source run: 6 arithmetic tasks x 2 rollouts collected with real Gym and the stand-in policy (half right);
+    (its input, its run directory)."""
+    input_jsonl = harness.example_input(tmp / "input.jsonl", gym_venv, math_rows=6, weather_rows=0)
+    source = tmp / "run"
+    with harness.fake_policy(tmp, "--correct-share", "0.5") as fake:
+        cfg_path = harness.write_config(tmp / "run.yaml", input_jsonl, source, fake.base_url, repeats=2, shards=shards)
+        done = cli("submit", str(cfg_path), cwd=tmp, timeout=900)
+        assert done.returncode == 0, done.stdout + done.stderr
+    return input_jsonl, source
+
+
+def judged_question(input_jsonl: Path, before: dict[tuple[int, int], float]) -> tuple[int, str]:
+    """A task that math-verify failed on at least once, whose question is in no other task's (the judge stand-in
+    matches by substring): (its index, its question)."""
+    qs = [json.loads(line)["question"] for line in input_jsonl.read_text().splitlines() if line.strip()]
+    chosen = next(
+        t
+        for t, q in enumerate(qs)
+        if any(before[(t, r)] == 0 for r in range(2)) and not any(q in other for o, other in enumerate(qs) if o != t)
+    )
+    return chosen, qs[chosen]
+
+
 def wait_for(what: str, check, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -123,12 +147,7 @@ def test_rescore_same_and_changed_setting_killed_and_resumed(tmp_path: Path, gym
     monkeypatch.setenv(harness.TAG_ENV, tag)
     monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
     monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
-    input_jsonl = harness.example_input(tmp_path / "input.jsonl", gym_venv, math_rows=6, weather_rows=0)
-    source = tmp_path / "run"
-    with harness.fake_policy(tmp_path, "--correct-share", "0.5") as fake:
-        cfg_path = harness.write_config(tmp_path / "run.yaml", input_jsonl, source, fake.base_url, repeats=2, shards=2)
-        done = cli("submit", str(cfg_path), cwd=tmp_path, timeout=900)
-        assert done.returncode == 0, done.stdout + done.stderr
+    input_jsonl, source = collected_source(tmp_path, gym_venv, shards=2)
     done = cli("merge-and-profile", str(source), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     before = rewards(store.merged_rollouts_path(source))
@@ -153,16 +172,11 @@ def test_rescore_same_and_changed_setting_killed_and_resumed(tmp_path: Path, gym
     assert (got["paired"], got["changed"], got["examples"]) == (12, 0, [])
 
     # another judge swapped in: equal for one chosen question that math-verify failed on at least once
-    qs = [json.loads(line)["question"] for line in input_jsonl.read_text().splitlines() if line.strip()]
-    chosen = next(
-        t
-        for t, q in enumerate(qs)
-        if any(before[(t, r)] == 0 for r in range(2)) and not any(q in other for o, other in enumerate(qs) if o != t)
-    )
+    chosen, question = judged_question(input_jsonl, before)
     expected = {k: 1.0 if v == 1 or k[0] == chosen else 0.0 for k, v in before.items()}
     monkeypatch.setenv(JUDGE_KEY_ENV, JUDGE_KEY)
     changed = tmp_path / "changed"
-    with harness.fake_policy(tmp_path, "--judge", "--judge-equal", qs[chosen], key=JUDGE_KEY, tagged=False) as judge:
+    with harness.fake_policy(tmp_path, "--judge", "--judge-equal", question, key=JUDGE_KEY, tagged=False) as judge:
         scoring = changed_scoring(judge.base_url)
         args = [sys.executable, "-m", "shardrun.cli", "rescore", str(source), *scoring, "-o", str(changed), "--force"]
         killed = subprocess.Popen(args, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL)
@@ -204,3 +218,47 @@ def kill_tagged(tag: str) -> None:
         return not harness.tagged_processes(tag)
 
     wait_for("the killed re-score's processes to end", gone, timeout=60)
+
+
+def shard_rewards(run_dir: Path) -> dict[tuple[int, int], float]:
+    out: dict[tuple[int, int], float] = {}
+    for i in range(len(store.load_plan(run_dir).shards)):
+        out |= rewards(store.rollouts_path(run_dir, i))
+    return out
+
+
+def test_rescore_under_warm_workers_equals_one_job_per_shard(tmp_path: Path, gym_venv: Path, monkeypatch) -> None:
+    """A re-score with `cluster.workers: 2` (local): the workers claim the shards and re-verify each (Gym's
+    re-verification starting its servers, the judge's binding as in a shard job); every shard is sealed once, by a
+    worker that records it, and the rewards equal those of the same re-score run one job per shard."""
+    if gym_adapter.for_venv(gym_venv).version.startswith("0.4"):
+        pytest.skip("gym eval reverify is nemo-gym 0.7's")
+    monkeypatch.setenv(harness.TAG_ENV, uuid.uuid4().hex)
+    monkeypatch.setenv(harness.API_KEY_ENV, harness.API_KEY)
+    monkeypatch.setenv(gym_stack.VENV_ENV, str(gym_venv))
+    monkeypatch.setenv(JUDGE_KEY_ENV, JUDGE_KEY)
+    input_jsonl, source = collected_source(tmp_path, gym_venv, shards=3)
+    before = shard_rewards(source)
+    chosen, question = judged_question(input_jsonl, before)
+    jobs, workers = tmp_path / "jobs", tmp_path / "workers"
+    with harness.fake_policy(tmp_path, "--judge", "--judge-equal", question, key=JUDGE_KEY, tagged=False) as judge:
+        scoring = changed_scoring(judge.base_url)
+        done = cli("rescore", str(source), *scoring, "-o", str(jobs), "--force", cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        done = cli("rescore", str(source), *scoring, "++cluster.workers=2", "-o", str(workers), "--force", cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        judged = [r for r in judge.requests() if r.get("route")]
+    assert "warm workers: 2 job(s)" in done.stdout, done.stdout
+    assert judged and all(r["auth_ok"] for r in judged)
+    got = shard_rewards(workers)
+    assert got == shard_rewards(jobs) and len(got) == 12
+    assert got != before and all(got[(chosen, r)] == 1.0 for r in range(2))  # the judge's verdicts count
+
+    states = records.read_worker_states(workers)
+    assert len(states) == 2 and all(s.server_starts == 0 for s in states), states
+    assert sorted(i for s in states for i in s.sealed) == [0, 1, 2]  # each shard sealed once
+    for i in range(3):
+        marker = json.loads(store.done_path(workers, i).read_text())
+        assert marker["worker"]["id"] in {s.worker_id for s in states}
+        assert store.shard_log_path(workers, i).read_text().count("start: attempt") == 1
+        assert not store.claim_path(workers, i).exists()

@@ -14,11 +14,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 
 from shardrun.rundir import store
 from tests import builders
 
 CONFIG_PATHS = builders.MATH_CONFIG_PATHS
+JUDGE_KEY = "judge-key-not-a-secret"  # the judge stand-in's key, literal in the Gym config judge_config writes
 KEY_ENV = "SHARDRUN_FAULTS_POLICY_KEY"
 TASKS = 4
 REPEATS = 4
@@ -103,3 +105,29 @@ class Milestones:
         for m in (STARTED, POLICY_READY, GYM_READY, COLLECTING, SEALED, TORN_DOWN):
             if m in text and m not in self.at:
                 self.at[m] = time.monotonic() - t0
+
+
+def judge_config(path: Path, judge_url: str, gym_venv: Path) -> Path:
+    """A Gym config: a judge model server (vllm_model at the judge stand-in, configured as Gym's own vllm_model
+    config has it) and math_with_judge judging with it."""
+    site = next(gym_venv.glob("lib/python3*/site-packages"))
+    vllm = yaml.safe_load((site / "responses_api_models/vllm_model/configs/vllm_model.yaml").read_text())[
+        "policy_model"
+    ]["responses_api_models"]["vllm_model"]
+    data = {
+        "judge_model": {
+            "responses_api_models": {
+                "vllm_model": vllm | {"base_url": judge_url, "api_key": JUDGE_KEY, "model": "fake-model"}
+            }
+        },
+        "math_with_judge": {
+            "resources_servers": {
+                "math_with_judge": {
+                    "should_use_judge": True,
+                    "judge_model_server": {"type": "responses_api_models", "name": "judge_model"},
+                }
+            }
+        },
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-import yaml
 
 from shardrun.analysis import report
 from shardrun.rundir import records, store
@@ -25,34 +24,8 @@ from tests.conftest import gym_venv_of_version
 from tests.faults import faultkit, gymkit
 
 pytestmark = [pytest.mark.gym, pytest.mark.slow, pytest.mark.timeout(600)]
-JUDGE_KEY = "judge-key-not-a-secret"
+JUDGE_KEY = gymkit.JUDGE_KEY
 FAILING_QUESTION = "What is 1 * 2?"  # task 1 of examples/arith
-
-
-def judge_config(path: Path, judge_url: str, gym_venv: Path) -> Path:
-    """A Gym config: a judge model server (vllm_model at the judge stand-in, configured as Gym's own vllm_model
-    config has it) and math_with_judge judging with it."""
-    site = next(gym_venv.glob("lib/python3*/site-packages"))
-    vllm = yaml.safe_load((site / "responses_api_models/vllm_model/configs/vllm_model.yaml").read_text())[
-        "policy_model"
-    ]["responses_api_models"]["vllm_model"]
-    data = {
-        "judge_model": {
-            "responses_api_models": {
-                "vllm_model": vllm | {"base_url": judge_url, "api_key": JUDGE_KEY, "model": "fake-model"}
-            }
-        },
-        "math_with_judge": {
-            "resources_servers": {
-                "math_with_judge": {
-                    "should_use_judge": True,
-                    "judge_model_server": {"type": "responses_api_models", "name": "judge_model"},
-                }
-            }
-        },
-    }
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 # what each version lets shardrun see: 0.7 says the judge failed (judge_failsafe); 0.4's math_with_judge does not
@@ -74,7 +47,10 @@ def test_a_judge_failing_a_quarter_of_its_requests_makes_failures_not_zeros(
             gymkit.write_input(tmp_path / "input.jsonl"),
             run_dir,
             policy.base_url,
-            config_paths=[*gymkit.CONFIG_PATHS, str(judge_config(tmp_path / "judge.yaml", judge.base_url, gym_venv))],
+            config_paths=[
+                *gymkit.CONFIG_PATHS,
+                str(gymkit.judge_config(tmp_path / "judge.yaml", judge.base_url, gym_venv)),
+            ],
         )
         res = faultkit.cli("submit", cfg, timeout=580)
         out = res.stdout + res.stderr

@@ -96,8 +96,7 @@ def test_a_new_run_dir_holding_another_scoring_is_refused(tmp_path: Path) -> Non
         rescore_source.rescore_config(run.run_dir, [SCORING], tmp_path / "new")
 
 
-def test_warm_workers_are_not_used_and_said_so(tmp_path: Path) -> None:
+def test_warm_workers_are_kept(tmp_path: Path) -> None:
     run = source_run(tmp_path)
     setup = rescore_source.rescore_config(run.run_dir, ["+cluster.workers=2"], tmp_path / "new")
-    assert setup.cfg.cluster is not None and setup.cfg.cluster.workers is None
-    assert setup.notes == ["cluster.workers=2 not used: a re-score runs one job per shard"]
+    assert setup.cfg.cluster is not None and setup.cfg.cluster.workers == 2

@@ -1,14 +1,19 @@
 """The pure parts of a re-score's shard (shard/rescoring.py): Gym's re-verification flags, Gym's refusal of servers
-that are not stateless read from its log, and the failure rows a re-scored shard is sealed with."""
+that are not stateless read from its log, the failure rows a re-scored shard is sealed with, and the watch over
+Gym's re-verification (a runner's check stops it; a dead server fails it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import orjson
+import pytest
 
+from shardrun.core import config
+from shardrun.core.errors import ServerFailure
 from shardrun.rundir import ledger
-from shardrun.shard import rescoring
+from shardrun.shard import processes, rescoring
+from shardrun.shard.watchdog import Check
 
 # what nemo-gym 0.7.0's `gym eval reverify` printed (wrapped by its console) when refusing, from a real run
 GYM_REFUSAL = (
@@ -60,3 +65,43 @@ def test_failures_of_this_verification_are_final_and_the_sources_unverified_fail
     source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     assert rescoring.carried_failures(source, {(0, 1)}) == rows[1:]
     assert rescoring.carried_failures(tmp_path / "none.jsonl", set()) == []
+
+
+class Released(BaseException):
+    """What a warm worker's claim check raises (workers.worker.ShardReleased: the shard goes back, nothing failed)."""
+
+
+def test_a_runners_check_stops_gyms_reverification_and_a_dead_judge_fails_it_as_a_server_failure(
+    tmp_path: Path,
+) -> None:
+    cfg = config.validate(
+        {
+            "input_jsonl": str(tmp_path / "input.jsonl"),
+            "run_dir": str(tmp_path / "new"),
+            "gym": {"config_paths": ["x.yaml"], "health_interval_s": 0.2},
+            "policy": {"base_url": "http://127.0.0.1:9/v1", "model_name": "m"},
+            "rescore": {"source_run": str(tmp_path / "source"), "source_fingerprint": "f" * 64},
+        }
+    )
+    output = tmp_path / "scratch" / "rollouts.jsonl"
+    output.parent.mkdir()
+
+    def released() -> str | None:
+        raise Released("the claim was lost")
+
+    said: list[str] = []
+
+    def rescore(check: Check) -> rescoring.Rescore:
+        plan = None  # the watch reads no plan
+        return rescoring.Rescore(tmp_path / "new", 0, plan, cfg, said.append, None, 1, checks=[check])  # type: ignore[arg-type]
+
+    proc = processes.start(["sleep", "600"], tmp_path / "gym.log", name="gym")
+    with pytest.raises(Released):
+        rescore(Check("claim", released)).watch(proc, [], None, output)
+    assert not proc.alive() and any("the claim was lost" in s for s in said)
+
+    down = rescore(Check("judge j", lambda: "it died"))
+    proc = processes.start(["sleep", "600"], tmp_path / "gym2.log", name="gym")
+    with pytest.raises(ServerFailure, match="judge j: it died"):
+        down.watch(proc, [], None, output)
+    assert not proc.alive()

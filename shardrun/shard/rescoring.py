@@ -165,7 +165,7 @@ class Rescore:
         box = sandboxes.start(self.cfg.sandbox, home, cluster=self.cfg.cluster_or_default) if self.cfg.sandbox else None
         judges: list[judge_servers.Judge] = []
         try:
-            judges, _ = judge_servers.start_all(self.cfg.judges, home)
+            judges, _ = judge_servers.start_all(self.cfg.judges, home, None, self.cfg.cluster_or_default)
             stack = gym_stack.start(
                 self.run_dir,
                 self.index,

@@ -117,10 +117,12 @@ def test_it_submits_dry_run_on_slurm_showing_the_judge(local: list[str], monkeyp
         f"# judge {JUDGE}: external https://inference-api.nvidia.com/v1 model nvidia/qwen/qwen-235b; key "
         f"${KEY_ENV}; at most 64 requests at once"
     ) in out
+    # Gym reaches the judge through its gate, which ends a request unanswered after judges.NAME.request_timeout_s
+    assert f"answering 504 to a request unanswered after 900 s (judges.{JUDGE}.request_timeout_s)" in out
     shown = yaml.safe_load(out[out.index(f"# ---- {gym_stack.JUDGES_YAML}") :].split("\n", 1)[1])
     assert shown[JUDGE]["responses_api_models"]["openai_model"] == {
         "entrypoint": "app.py",
-        "openai_base_url": "https://inference-api.nvidia.com/v1",
+        "openai_base_url": "http://127.0.0.1:GATE/v1",
         "openai_api_key": "${shardrun_judge_api_key_math_judge_model}",
         "openai_model": "nvidia/qwen/qwen-235b",
         "max_concurrent_requests": 64,

@@ -227,7 +227,9 @@ def shard_rewards(run_dir: Path) -> dict[tuple[int, int], float]:
     return out
 
 
-def test_rescore_under_warm_workers_seals_each_shard_once_with_the_judges_verdicts(tmp_path: Path, gym_venv: Path, monkeypatch) -> None:
+def test_rescore_under_warm_workers_seals_each_shard_once_with_the_judges_verdicts(
+    tmp_path: Path, gym_venv: Path, monkeypatch
+) -> None:
     """A re-score with `cluster.workers: 2` (local): the workers claim the shards and re-verify each (Gym's
     re-verification starting its servers, the judge's binding as in a shard job); every shard is sealed once, by a
     worker that records it, and the rewards are the judge's verdicts where math-verify failed, the source's
